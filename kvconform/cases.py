@@ -1,0 +1,227 @@
+"""Conformance cases: load and validate ``conformance_cases/*.toml`` (the one source of truth for scenarios).
+
+A case file holds an optional ``[defaults]`` table and a list of ``[[case]]`` tables::
+
+    [defaults]
+    batch = 2
+
+    [[case]]
+    id = "chunk8"                       # [A-Za-z0-9_.-]+, unique across all files
+    check = "check_chunked_continuation" # a registered check (kvconform.checks.CHECKS)
+    ops = ["prefill 12", "chunk 8", "decode 2"]
+    position_ids = "auto"                # "explicit" where the forward accepts them (default), or force
+                                         # "explicit" / "implicit" (the model derives them from the cache)
+
+Every key, its type and allowed values are listed in ``KEYS``. Any problem raises ``CaseFileError`` naming the file,
+the case id, the key and what is allowed; the plugin turns it into a pytest usage error (exit code 4).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUILTIN_CASES_DIR = Path(__file__).parent / "conformance_cases"
+
+OP_NAMES = ("prefill", "decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
+"""Op vocabulary of DESIGN §2. ``prefill N``: first pass over N prompt tokens; ``decode N``: N single-token steps;
+``chunk N``: one forward of N tokens into a warm cache; ``crop N``: remove the last N tokens."""
+OPS_WITH_COUNT = ("prefill", "decode", "chunk", "crop", "repeat")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+POSITION_MODES = ("auto", "explicit", "implicit")
+REQUIREMENTS = ("attention", "sliding", "linear_attention", "decoder_only", "encoder_decoder")
+_ID = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+class CaseFileError(ValueError):
+    """A case file is malformed. ``str(err)`` names file, case id, key and the allowed values."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a case: ``name`` in ``OP_NAMES`` and its count ``n`` (tokens or steps; 0 when not applicable)."""
+
+    name: str
+    n: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.name == "decode":
+            return f"decode×{self.n}"
+        if self.name == "crop":
+            return f"crop(-{self.n})"
+        return f"{self.name}({self.n})" if self.name in OPS_WITH_COUNT else self.name
+
+    @property
+    def new_tokens(self) -> int:
+        return self.n if self.name in ("prefill", "decode", "chunk") else 0
+
+
+@dataclass(frozen=True)
+class Case:
+    """A validated case. ``ops`` is a tuple of ``Op``; ``source`` is the file it came from."""
+
+    id: str
+    check: str
+    source: str
+    ops: tuple = ()
+    position_ids: str = "auto"
+    batch: int = 2
+    dtype: str = "float32"
+    models: tuple = ()
+    requires: tuple = ()
+    max_new_tokens: int = 8
+    prompt: int = 12
+    encoder_len: int = 10
+    tolerance_factor: float | None = None
+    abs_min: float | None = None
+    seed: int = 0
+    description: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def total_tokens(self) -> int:
+        """Upper bound of tokens ever held by the cache (sizes ``max_cache_len``)."""
+        return sum(op.new_tokens for op in self.ops) + self.prompt + self.max_new_tokens
+
+    def ops_label(self, failed_at: int | None = None) -> str:
+        text = " → ".join(op.label for op in self.ops)
+        return text
+
+
+# key: (python type(s), allowed values or None, description)
+KEYS = {
+    "id": (str, None, "case id, [A-Za-z0-9_.]+"),
+    "check": (str, None, "name of a registered check"),
+    "ops": (list, None, f"list of 'op N' strings, op in {OP_NAMES}"),
+    "position_ids": (str, POSITION_MODES, "auto: explicit where accepted; explicit; implicit (from the cache)"),
+    "batch": (int, None, "batch size ≥ 1"),
+    "dtype": (str, DTYPES, "case dtype"),
+    "models": (list, None, "zoo names / checkpoint names this case is limited to (default: all)"),
+    "requires": (list, REQUIREMENTS, "model features the case needs"),
+    "max_new_tokens": (int, None, "tokens to generate (generate checks)"),
+    "prompt": (int, None, "prompt length (generate checks)"),
+    "encoder_len": (int, None, "encoder input length for encoder-decoder models"),
+    "tolerance_factor": ((int, float), None, "k in max(k·floor, abs_min)"),
+    "abs_min": ((int, float), None, "abs_min in max(k·floor, abs_min)"),
+    "seed": (int, None, "seed of the token generator"),
+    "description": (str, None, "free text"),
+}
+
+
+def _fail(path, case_id, key, problem):
+    where = f"case {case_id!r}" if case_id else "[defaults]"
+    raise CaseFileError(f"{path}: {where}: key {key!r}: {problem}")
+
+
+def _parse_op(path, case_id, text) -> Op:
+    parts = str(text).split()
+    if not parts or parts[0] not in OP_NAMES:
+        _fail(path, case_id, "ops", f"unknown op {text!r}; allowed ops: {', '.join(OP_NAMES)}")
+    name = parts[0]
+    if name in OPS_WITH_COUNT:
+        if len(parts) != 2 or not parts[1].isdigit() or int(parts[1]) < (0 if name == "crop" else 1):
+            _fail(path, case_id, "ops", f"op {text!r} needs one positive count, e.g. '{name} 4'")
+        return Op(name, int(parts[1]))
+    if len(parts) != 1:
+        _fail(path, case_id, "ops", f"op {name!r} takes no count (got {text!r})")
+    return Op(name)
+
+
+def _validate(path, case_id, key, value, known_checks):
+    if key not in KEYS:
+        _fail(path, case_id, key, f"unknown key; allowed keys: {', '.join(KEYS)}")
+    typ, allowed, _ = KEYS[key]
+    if isinstance(value, bool) or not isinstance(value, typ):
+        names = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        _fail(path, case_id, key, f"expected {names}, got {type(value).__name__} {value!r}")
+    if allowed is not None:
+        for item in value if isinstance(value, list) else [value]:
+            if item not in allowed:
+                _fail(path, case_id, key, f"{item!r} is not allowed; allowed values: {', '.join(allowed)}")
+    if key == "check" and known_checks is not None and value not in known_checks:
+        _fail(path, case_id, key, f"unknown check {value!r}; allowed values: {', '.join(sorted(known_checks))}")
+    if key == "id" and not _ID.match(value):
+        _fail(path, case_id, key, "ids may contain only letters, digits, '_' and '.'")
+    if key in ("batch", "max_new_tokens", "prompt", "encoder_len") and value < 1:
+        _fail(path, case_id, key, f"must be ≥ 1, got {value}")
+
+
+def load_case_file(path, known_checks=None) -> list[Case]:
+    """Load and validate one TOML case file.
+
+    Args:
+        path: the ``.toml`` file.
+        known_checks: names of registered checks (``None`` skips that validation).
+
+    Raises:
+        CaseFileError: unreadable TOML, unknown key, wrong type, value not allowed, missing id/check, bad op.
+    """
+    path = str(path)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise CaseFileError(f"{path}: cannot read case file: {exc}") from None
+    unknown = set(data) - {"defaults", "case"}
+    if unknown:
+        raise CaseFileError(f"{path}: unknown top-level table(s) {sorted(unknown)}; allowed: 'defaults', 'case'")
+    defaults = data.get("defaults", {})
+    for key, value in defaults.items():
+        if key in ("id", "check"):
+            _fail(path, None, key, "may not have a default")
+        _validate(path, None, key, value, known_checks)
+    cases = []
+    raw_cases = data.get("case", [])
+    if not isinstance(raw_cases, list):
+        raise CaseFileError(f"{path}: 'case' must be an array of tables ([[case]])")
+    for index, raw in enumerate(raw_cases):
+        case_id = raw.get("id", f"#{index}")
+        for required in ("id", "check"):
+            if required not in raw:
+                _fail(path, case_id, required, "missing (required)")
+        merged = {**defaults, **raw}
+        for key, value in merged.items():
+            _validate(path, case_id, key, value, known_checks)
+        merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
+        for key in ("models", "requires"):
+            merged[key] = tuple(merged.get(key, ()))
+        cases.append(Case(source=path, **merged))
+    return cases
+
+
+def load_cases(paths=None, known_checks=None) -> list[Case]:
+    """All cases from the built-in folder plus ``paths`` (files or folders of ``*.toml``), sorted by id.
+
+    Raises:
+        CaseFileError: a malformed file, a missing path, or a duplicated case id (names both files).
+    """
+    files = sorted(BUILTIN_CASES_DIR.glob("*.toml"))
+    for extra in paths or ():
+        p = Path(extra)
+        if p.is_dir():
+            files.extend(sorted(p.glob("*.toml")))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise CaseFileError(f"{extra}: no such case file or folder")
+    seen: dict[str, str] = {}
+    cases = []
+    for f in files:
+        for case in load_case_file(f, known_checks):
+            if case.id in seen:
+                raise CaseFileError(f"{f}: case {case.id!r}: key 'id': duplicate, already defined in {seen[case.id]}")
+            seen[case.id] = str(f)
+            cases.append(case)
+    return sorted(cases, key=lambda c: c.id)
+
+
+def model_requirements_unmet(case: Case, features: set) -> str | None:
+    """The reason ``case`` does not apply to a model with ``features``, or None."""
+    missing = [r for r in case.requires if r not in features]
+    if missing:
+        return f"case {case.id} requires a model with {', '.join(missing)}"
+    return None

@@ -1,0 +1,115 @@
+"""Checks: plain functions ``check_<property>(ctx) -> None`` that raise ``ConformanceError``.
+
+Checks do not depend on pytest: the suite, ``check_cache`` and ``parametrize_with_checks`` all call them through
+``run_check``. Each check is registered with its family (the matrix column) and the capabilities it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class ConformanceError(AssertionError):
+    """A subject does not conform. ``str(err)`` is the DESIGN §7 message; ``metrics`` is JSON-serialisable
+    (``max_abs`` logits units, ``tolerance``, ``noise_floor``, ...)."""
+
+    def __init__(self, message: str, metrics: dict | None = None):
+        super().__init__(message)
+        self.metrics = metrics or {}
+
+
+@dataclass(frozen=True)
+class CheckInfo:
+    """A registered check: ``fn(ctx)``, its ``family`` and the subject ``capabilities`` it needs."""
+
+    name: str
+    fn: Callable
+    family: str
+    needs: frozenset = frozenset()
+    doc: str = ""
+
+
+CHECKS: dict[str, CheckInfo] = {}
+FAMILIES = ("logits", "generate")
+_MODULES = ("logits", "generate")
+
+
+def register(family: str, needs=()):
+    """Decorator registering ``check_*`` functions under ``family``."""
+
+    def deco(fn):
+        CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip())
+        return fn
+
+    return deco
+
+
+def load_checks() -> dict[str, CheckInfo]:
+    """Import every check module (registering its checks) and return the registry."""
+    for name in _MODULES:
+        importlib.import_module(f"kvconform.checks.{name}")
+    return CHECKS
+
+
+@dataclass
+class CheckContext:
+    """Everything one item needs.
+
+    Attributes:
+        subject: the ``CacheSpec`` under test.
+        model: the ``ZooModel`` at the case dtype.
+        case: the ``Case``.
+        oracle: the model's ``Oracle`` (memoised float64 logits).
+        reference: the ``CacheSpec`` used to tell model faults from cache faults.
+        metrics: filled by the check (JSON-serialisable), reported even on success.
+    """
+
+    subject: object
+    model: object
+    case: object
+    oracle: object
+    reference: object = None
+    metrics: dict = field(default_factory=dict)
+    check_name: str = ""
+
+    def tolerance(self):
+        from kvconform.oracle import DEFAULT_ABS_MIN, DEFAULT_FACTOR, Tolerance
+
+        factor = (self.case.tolerance_factor or DEFAULT_FACTOR) * self.subject.tolerance_factor
+        return Tolerance(factor, self.case.abs_min if self.case.abs_min is not None else DEFAULT_ABS_MIN)
+
+    @property
+    def max_cache_len(self) -> int:
+        return max(64, self.case.total_tokens)
+
+    def new_cache(self, spec=None):
+        """A fresh cache of ``spec`` (default: the subject) sized for this case."""
+        spec = spec or self.subject
+        return spec.build(self.model, max_cache_len=self.max_cache_len, batch_size=self.case.batch,
+                          encoder_len=self.case.encoder_len)
+
+    def headline(self) -> str:
+        dtype = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}[self.case.dtype]
+        return (f"{self.check_name} failed: {self.subject.name} on {self.model.name} "
+                f"({dtype}, batch {self.case.batch}), case {self.case.id}")
+
+    def reproduce(self) -> str:
+        name = self.check_name.removeprefix("check_")
+        return (f'reproduce: pytest --kvconform -k "{name} and {self.case.id} and {self.subject.name} '
+                f'and {self.model.name}"')
+
+    def fail(self, lines, metrics=None):
+        """Raise ``ConformanceError`` with the headline, ``lines`` (indented) and the reproduce line."""
+        self.metrics.update(metrics or {})
+        body = [self.headline(), *("  " + line for line in lines if line), "  " + self.reproduce()]
+        raise ConformanceError("\n".join(body), dict(self.metrics))
+
+
+def run_check(name: str, ctx: CheckContext) -> dict:
+    """Run check ``name`` on ``ctx``; return its metrics. Raises ``ConformanceError`` on non-conformance."""
+    info = load_checks()[name]
+    ctx.check_name = name
+    info.fn(ctx)
+    return ctx.metrics

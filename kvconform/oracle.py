@@ -1,0 +1,135 @@
+"""The oracle: uncached float64 logits, the noise floor, and the tolerance rule (DESIGN §5).
+
+* oracle logits: ``use_cache=False`` forward of the same weights on the same full token sequence, in float64 on
+  CPU. By causality the logits at position ``t`` depend only on tokens ``≤ t``, so one oracle forward of a
+  sequence serves every step that produced a prefix of it.
+* noise floor: ``max|uncached forward at the case dtype − oracle|`` over the compared positions. It is what a
+  perfect cache cannot beat, because the subject computes in the case dtype too.
+* tolerance: a subject passes when ``max|subject − oracle| ≤ max(k · floor, abs_min)``. On transformers 5.24 in
+  fp32, exact caches sit at 1e-7 (attention) to 2e-6 (Mamba) while real faults start at 1e-4 (Jamba chunked
+  continuation) and 2e-3 (position offset) — ``shared/FACTS.md`` — so ``k = 10`` and ``abs_min = 2e-5`` separate
+  them with an order of magnitude on each side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_FACTOR = 10.0
+DEFAULT_ABS_MIN = 2e-5
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``bound(floor) = max(factor · floor, abs_min)`` (logit units)."""
+
+    factor: float = DEFAULT_FACTOR
+    abs_min: float = DEFAULT_ABS_MIN
+
+    def bound(self, floor: float) -> float:
+        return max(self.factor * floor, self.abs_min)
+
+    def describe(self, floor: float) -> str:
+        if self.factor * floor >= self.abs_min:
+            return f"{self.factor:g} × noise floor {floor:.1e}"
+        return f"abs_min {self.abs_min:.1e}; noise floor {floor:.1e}"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Result of comparing subject logits with the oracle on one step.
+
+    ``max_abs`` is ``inf`` when the subject produced NaN/inf. ``worst`` is ``(batch_row, offset_in_step)``.
+    """
+
+    max_abs: float
+    floor: float
+    tol: float
+    worst: tuple
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs <= self.tol
+
+
+def compare_logits(observed, oracle, uncached, tolerance: Tolerance) -> Comparison:
+    """Compare ``observed`` with ``oracle``, the noise floor taken from ``uncached``.
+
+    Args:
+        observed: subject logits ``[B, k, V]`` (any float dtype).
+        oracle: float64 oracle logits ``[B, k, V]``.
+        uncached: case-dtype uncached logits ``[B, k, V]``.
+
+    Raises:
+        ValueError: the shapes differ (the message names both).
+    """
+    import torch
+
+    if tuple(observed.shape) != tuple(oracle.shape):
+        raise ValueError(f"logits shape {tuple(observed.shape)}, but should be {tuple(oracle.shape)}")
+    diff = (observed.detach().to("cpu", torch.float64) - oracle).abs()
+    floor = float((uncached.detach().to("cpu", torch.float64) - oracle).abs().max())
+    if not torch.isfinite(diff).all():
+        bad = (~torch.isfinite(diff)).nonzero()[0].tolist()
+        return Comparison(math.inf, floor, tolerance.bound(floor), (bad[0], bad[1]))
+    per_pos = diff.amax(dim=-1)  # [B, k]
+    flat = int(per_pos.argmax())
+    worst = (flat // per_pos.shape[1], flat % per_pos.shape[1])
+    return Comparison(float(per_pos.max()), floor, tolerance.bound(floor), worst)
+
+
+class Oracle:
+    """Uncached logits of one model, memoised per token sequence.
+
+    Args:
+        zoo_model: a ``kvconform.zoo.ZooModel``.
+
+    ``logits(...)`` returns float64 ``[B, T, V]`` from the float64 copy of the weights; ``uncached(...)`` returns
+    the same forward at the case dtype (for the noise floor), converted to float64.
+    """
+
+    def __init__(self, zoo_model):
+        self.zoo_model = zoo_model
+        self._memo: dict = {}
+
+    @staticmethod
+    def _key(kind, tokens, attention_mask, encoder_ids):
+        parts = [kind, tuple(tokens.shape), tokens.cpu().numpy().tobytes()]
+        for extra in (attention_mask, encoder_ids):
+            parts.append(None if extra is None else extra.cpu().numpy().tobytes())
+        return tuple(parts)
+
+    def _forward(self, model, tokens, attention_mask, encoder_ids):
+        import torch
+
+        device = next(model.parameters()).device
+        kwargs = {"use_cache": False}
+        if self.zoo_model.is_encoder_decoder:
+            kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=tokens.to(device))
+        else:
+            kwargs["input_ids"] = tokens.to(device)
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask.to(device)
+                kwargs["position_ids"] = padded_position_ids(attention_mask).to(device)
+        with torch.no_grad():
+            return model(**kwargs).logits.detach().to("cpu", torch.float64)
+
+    def _memoised(self, kind, model_fn, tokens, attention_mask, encoder_ids):
+        key = self._key(kind, tokens, attention_mask, encoder_ids)
+        if key not in self._memo:
+            self._memo[key] = self._forward(model_fn(), tokens, attention_mask, encoder_ids)
+        return self._memo[key]
+
+    def logits(self, tokens, attention_mask=None, encoder_ids=None):
+        """float64 oracle logits ``[B, T, V]`` of ``tokens`` ``[B, T]`` (int64)."""
+        return self._memoised("oracle", self.zoo_model.oracle_model, tokens, attention_mask, encoder_ids)
+
+    def uncached(self, tokens, attention_mask=None, encoder_ids=None):
+        """Case-dtype uncached logits ``[B, T, V]`` (as float64) — the noise-floor reference."""
+        return self._memoised("uncached", lambda: self.zoo_model.model, tokens, attention_mask, encoder_ids)
+
+
+def padded_position_ids(attention_mask):
+    """Position ids for a left-padded batch: ``cumsum(mask) − 1``, clamped at 0 (what ``generate`` uses)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -1,0 +1,219 @@
+"""kvconform's pytest plugin: hooks only.
+
+Loaded in every pytest run of an environment where kvconform is installed (``pytest11`` entry point), so the top
+level imports only pytest and the standard library; torch and transformers are imported inside hooks, and only
+when ``--kvconform`` (or the ``kvconform = true`` ini option) is set. Without it every hook returns at once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import os
+from pathlib import Path
+
+import pytest
+
+SUITE_DIR = Path(__file__).parent / "suite"
+SUITE_FILE = SUITE_DIR / "test_conformance.py"
+PROPERTY = "kvconform"
+
+OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
+OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
+
+SESSION_KEY = pytest.StashKey["object"]()
+RESULTS_KEY = pytest.StashKey["dict"]()
+
+
+# ------------------------------------------------------------------------------------------------------ options
+def pytest_addoption(parser):
+    group = parser.getgroup("kvconform", "KV-cache conformance (kvconform)")
+    group.addoption("--kvconform", action="store_true", dest=OPT_ACTIVE, default=None,
+                    help="run the kvconform conformance suite (injected; works in an empty folder)")
+    group.addoption("--kvconform-cache", action="append", dest=OPT_CACHE, default=None, metavar="SPEC",
+                    help="add a subject: 'pkg.module:Attr' or 'path/file.py:Attr' (a Cache subclass or factory); "
+                         "repeatable")
+    group.addoption("--kvconform-model", action="append", dest=OPT_MODEL, default=None, metavar="SPEC",
+                    help="limit the run to these models: a zoo name or a local checkpoint folder; repeatable")
+    group.addoption("--kvconform-cases", action="append", dest=OPT_CASES, default=None, metavar="PATH",
+                    help="extra case files or folders of *.toml (added to the built-in cases); repeatable")
+    group.addoption("--kvconform-json", dest=OPT_JSON, default=None, metavar="PATH",
+                    help="write the JSON report (schema 1) to PATH")
+    group.addoption("--kvconform-strict", action="store_true", dest=OPT_STRICT, default=None,
+                    help="ignore the bundled list of known upstream faults: they fail instead of xfail")
+    group.addoption("--kvconform-device", dest=OPT_DEVICE, default=None, metavar="DEVICE",
+                    help="torch device for the models under test (default: cpu)")
+    parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
+    parser.addini(OPT_CACHE, "extra subjects (same as --kvconform-cache)", type="linelist", default=[])
+    parser.addini(OPT_MODEL, "models to run (same as --kvconform-model)", type="linelist", default=[])
+    parser.addini(OPT_CASES, "extra case files (same as --kvconform-cases)", type="linelist", default=[])
+    parser.addini(OPT_JSON, "JSON report path (same as --kvconform-json)", default="")
+    parser.addini(OPT_STRICT, "known upstream faults fail (same as --kvconform-strict)", type="bool", default=False)
+    parser.addini(OPT_DEVICE, "torch device (same as --kvconform-device)", default="cpu")
+
+
+def _opt(config, name):
+    """Command-line value if given, else the ini twin."""
+    value = config.getoption(name)
+    return config.getini(name) if value is None else value
+
+
+def is_active(config) -> bool:
+    return bool(_opt(config, OPT_ACTIVE))
+
+
+# ------------------------------------------------------------------------------------------------------ configure
+MARKERS = {
+    "kvconform": "an item of the kvconform conformance suite",
+    "kvconform_logits": "kvconform family logits: cached forward vs the uncached oracle",
+    "kvconform_generate": "kvconform family generate: generate(cache=...) vs generate(use_cache=False)",
+}
+
+
+def pytest_configure(config):
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    if not is_active(config):
+        return
+    from kvconform.session import build_session
+
+    try:
+        config.stash[SESSION_KEY] = build_session(
+            caches=_opt(config, OPT_CACHE), models=_opt(config, OPT_MODEL), case_paths=_opt(config, OPT_CASES),
+            strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
+        )
+    except ValueError as exc:  # SpecError, CaseFileError, bad model spec
+        raise pytest.UsageError(f"kvconform: {exc}") from None
+    config.stash[RESULTS_KEY] = {}
+    if str(SUITE_DIR) not in config.args:
+        config.args.append(str(SUITE_DIR))
+
+
+def pytest_ignore_collect(collection_path, config):
+    # The suite only makes sense with --kvconform (it needs the generated parameters).
+    if not is_active(config) and SUITE_DIR in (collection_path, *collection_path.parents):
+        return True
+    return None
+
+
+def pytest_collect_file(file_path, parent):
+    # A user python_files setting (e.g. check_*.py) would drop the suite: collect it ourselves then.
+    config = parent.config
+    if not is_active(config) or file_path != SUITE_FILE:
+        return None
+    if any(fnmatch.fnmatch(file_path.name, pat) for pat in config.getini("python_files")):
+        return None
+    return pytest.Module.from_parent(parent, path=file_path)
+
+
+def pytest_report_header(config):
+    if not is_active(config):
+        return None
+    return config.stash[SESSION_KEY].header_lines()
+
+
+# ------------------------------------------------------------------------------------------------------ collection
+def pytest_generate_tests(metafunc):
+    if "kv_item" not in metafunc.fixturenames or not is_active(metafunc.config):
+        return
+    session = metafunc.config.stash[SESSION_KEY]
+    params = [pytest.param(item, id=item.id, marks=item.marks(pytest)) for item in session.items()]
+    metafunc.parametrize("kv_item", params)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    if not is_active(config):
+        return
+    ours = [it for it in items if PROPERTY in it.keywords and hasattr(it, "callspec")]
+    if not ours:
+        raise pytest.UsageError(
+            "kvconform: --kvconform is set but no conformance items were collected "
+            "(was the packaged suite excluded by a collection setting?)")
+    for it in ours:
+        it.user_properties.append((PROPERTY, it.callspec.params["kv_item"].describe()))
+
+
+# ------------------------------------------------------------------------------------------------------ running
+@pytest.fixture(scope="session")
+def kv_session(request):
+    """The per-process kvconform session (models, oracles, plan). Only available under --kvconform."""
+    if not is_active(request.config):
+        pytest.skip("kvconform is not active (run with --kvconform)")
+    return request.config.stash[SESSION_KEY]
+
+
+@pytest.fixture
+def kv_runner(kv_session, request):
+    """``kv_runner(item)`` runs one conformance item and records its metrics on the report."""
+
+    def run(item):
+        metrics = {}
+        try:
+            metrics.update(kv_session.run(item))
+        except Exception as exc:
+            metrics.update(getattr(exc, "metrics", {}) or {})
+            raise
+        finally:
+            request.node.user_properties.append((PROPERTY + "_metrics", metrics))
+
+    return run
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.excinfo is not None and PROPERTY in item.keywords:
+        from kvconform.checks import ConformanceError
+
+        if isinstance(call.excinfo.value, ConformanceError) and report.failed:
+            report.longrepr = str(call.excinfo.value)
+    return report
+
+
+def pytest_runtest_logreport(report):
+    props = dict(report.user_properties or ())
+    if PROPERTY not in props:
+        return
+    config = _CONFIG.get("config")
+    if config is None or RESULTS_KEY not in config.stash:
+        return
+    from kvconform.report import record_report
+
+    record_report(config.stash[RESULTS_KEY], report, props)
+
+
+_CONFIG: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    if is_active(session.config):
+        _CONFIG["config"] = session.config
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not is_active(config) or RESULTS_KEY not in config.stash:
+        return
+    from kvconform.report import write_markdown_summary, write_terminal_matrix
+
+    results = config.stash[RESULTS_KEY]
+    write_terminal_matrix(terminalreporter, results, config.stash[SESSION_KEY])
+    write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if not is_active(config) or hasattr(config, "workerinput") or RESULTS_KEY not in config.stash:
+        return
+    path = _opt(config, OPT_JSON)
+    if not path:
+        return
+    from kvconform.report import write_json
+
+    write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+
+
+def pytest_unconfigure(config):
+    _CONFIG.pop("config", None)
+

@@ -1,0 +1,154 @@
+"""Results of a run: one record per item, the terminal conformance matrix, Markdown and JSON (schema 1).
+
+Records are rebuilt from test reports (``report.user_properties``), so they work the same under pytest-xdist,
+where only reports travel back to the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+SCHEMA = 1
+
+
+def _outcome(report) -> str | None:
+    xfail = hasattr(report, "wasxfail")
+    if report.when == "call":
+        if report.passed:
+            return "xpassed" if xfail else "passed"
+        if report.skipped:
+            return "xfailed" if xfail else "skipped"
+        return "failed"
+    if report.failed:
+        return "error"
+    if report.when == "setup" and report.skipped:
+        return "xfailed" if xfail else "skipped"
+    return None
+
+
+def _message(report, outcome) -> str:
+    if outcome in ("skipped", "xfailed"):
+        if hasattr(report, "wasxfail"):
+            return str(report.wasxfail).removeprefix("reason: ")
+        longrepr = report.longrepr
+        return str(longrepr[2]).removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
+    if outcome in ("failed", "error"):
+        return report.longreprtext.strip()
+    return ""
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def record_report(results: dict, report, props: dict) -> None:
+    """Fold one ``TestReport`` into ``results`` (nodeid → record). Later phases refine earlier ones."""
+    outcome = _outcome(report)
+    if outcome is None:
+        return
+    info = props["kvconform"]
+    metrics = {k: _clean(v) for k, v in (props.get("kvconform_metrics") or {}).items()}
+    previous = results.get(report.nodeid)
+    if previous is not None and previous["outcome"] in ("failed", "error") and outcome == "error":
+        return  # a teardown error does not hide the call's failure
+    results[report.nodeid] = {"nodeid": report.nodeid, **info, "outcome": outcome,
+                              "message": _message(report, outcome), "metrics": metrics}
+
+
+def _cell(records) -> tuple[str, bool]:
+    counts = {o: 0 for o in OUTCOMES}
+    for r in records:
+        counts[r["outcome"]] += 1
+    ran = counts["passed"] + counts["failed"] + counts["error"] + counts["xfailed"] + counts["xpassed"]
+    bad = counts["failed"] + counts["error"]
+    if ran == 0:
+        return ("n/a" if not counts["skipped"] else f"skip {counts['skipped']}"), False
+    text = f"{counts['passed'] + counts['xpassed']}/{ran}"
+    if counts["xfailed"]:
+        text += f" x{counts['xfailed']}"
+    if bad:
+        text += f" F{bad}"
+    return text, bad > 0
+
+
+def matrix(results: dict, rows_key: str, cols: list, cols_key: str) -> list[tuple[str, list, bool]]:
+    """Rows of ``(row name, [cell text per column], any failure)``, rows in first-seen order."""
+    records = list(results.values())
+    row_names = list(dict.fromkeys(r[rows_key] for r in records))
+    out = []
+    for name in row_names:
+        cells, failed = [], False
+        for col in cols:
+            text, bad = _cell([r for r in records if r[rows_key] == name and r[cols_key] == col])
+            cells.append(text)
+            failed |= bad
+        out.append((name, cells, failed))
+    return out
+
+
+def _families(results) -> list:
+    from kvconform.checks import FAMILIES
+
+    present = {r["family"] for r in results.values()}
+    return [f for f in FAMILIES if f in present] + sorted(present - set(FAMILIES))
+
+
+def _table(tr, title, header, rows):
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *[[n, *c] for n, c, _ in rows])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    tr.write_line(title, bold=True)
+    tr.write_line(fmt.format(*header))
+    for name, cells, failed in rows:
+        tr.write_line(fmt.format(name, *cells), red=failed, green=not failed)
+
+
+def write_terminal_matrix(tr, results: dict, session) -> None:
+    """Print the matrices: subjects × families, then models × subjects. Cells: passed/ran, xN xfailed, FN failed."""
+    if not results:
+        return
+    tr.section("kvconform conformance matrix")
+    fams = _families(results)
+    _table(tr, "subjects × check families (passed/ran, xN = known faults xfailed, FN = failed):",
+           ["subject", *fams], matrix(results, "subject", fams, "family"))
+    subjects = list(dict.fromkeys(r["subject"] for r in results.values()))
+    tr.write_line("")
+    _table(tr, "models × subjects:", ["model", *subjects], matrix(results, "model", subjects, "subject"))
+    failed = [r for r in results.values() if r["outcome"] in ("failed", "error")]
+    if failed:
+        tr.write_line("")
+        tr.write_line(f"{len(failed)} non-conforming item(s); first: {failed[0]['nodeid']}", red=True)
+
+
+def markdown(results: dict) -> str:
+    """The subjects × families matrix as a GitHub-flavoured Markdown table."""
+    fams = _families(results)
+    lines = ["### kvconform conformance matrix", "", "| subject | " + " | ".join(fams) + " |",
+             "|---" * (len(fams) + 1) + "|"]
+    for name, cells, failed in matrix(results, "subject", fams, "family"):
+        lines.append(f"| {'❌' if failed else '✅'} {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown_summary(results: dict, path: str | None) -> None:
+    """Append the Markdown matrix to ``path`` (``$GITHUB_STEP_SUMMARY``) when set."""
+    if path and results:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(markdown(results))
+
+
+def write_json(path: str, results: dict, session) -> None:
+    """Write ``{"schema": 1, "environment": {...}, "results": [...]}`` atomically (temp file, then rename)."""
+    payload = {"schema": SCHEMA, "environment": session.environment(),
+               "results": sorted(results.values(), key=lambda r: r["nodeid"])}
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvconform-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=1, ensure_ascii=False)
+    os.replace(tmp, path)

@@ -1,0 +1,233 @@
+"""The plan of a kvconform run (subjects × models × cases) and the per-process state that runs it.
+
+Built once per process in ``pytest_configure`` (xdist workers build their own, identically: everything is sorted
+and ids contain no addresses). Models and oracles are built lazily, once per (model, dtype).
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+
+from kvconform import zoo
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What collection needs to know about a model without building its weights."""
+
+    name: str
+    spec: str
+    layer_types: tuple
+    is_encoder_decoder: bool
+    accepts_position_ids: bool
+
+    @property
+    def features(self) -> set:
+        from kvconform.zoo import ZooModel
+
+        probe = ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None)
+        feats = {"encoder_decoder" if self.is_encoder_decoder else "decoder_only"}
+        if probe.has_attention:
+            feats.add("attention")
+        if probe.has_sliding:
+            feats.add("sliding")
+        if probe.has_linear_attention:
+            feats.add("linear_attention")
+        return feats
+
+
+def model_info(spec: str) -> ModelInfo:
+    """Inspect a zoo name or checkpoint folder (config only).
+
+    Raises:
+        ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed).
+    """
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if spec in zoo.ZOO_NAMES:
+        config, name = zoo.zoo_config(spec), spec
+    elif os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ValueError(f"--kvconform-model {spec!r}: folder has no config.json (not a checkpoint)")
+        try:
+            config = AutoConfig.from_pretrained(spec, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"--kvconform-model {spec!r}: cannot read its config: {exc}") from None
+        name = "".join(c if c.isalnum() or c in "_." else "_" for c in os.path.basename(os.path.normpath(spec)))
+    else:
+        raise ValueError(f"--kvconform-model {spec!r}: not a zoo name ({', '.join(zoo.ZOO_NAMES)}) "
+                         f"and not a checkpoint folder")
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    try:
+        cls = auto._model_mapping[type(config)]
+        import inspect
+
+        accepts = "position_ids" in inspect.signature(cls.forward).parameters
+    except Exception:  # noqa: BLE001 - unknown architecture: decided at run time
+        accepts = True
+    types, _ = zoo._layer_types(config)
+    return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts)
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One item: subject × model × check × case, with the reason it is skipped or expected to fail."""
+
+    subject: object
+    model: ModelInfo
+    check: object
+    case: object
+    skip: str | None = None
+    xfail: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.subject.name}-{self.model.name}-{self.check.name.removeprefix('check_')}-{self.case.id}"
+
+    def marks(self, pytest):
+        marks = [pytest.mark.kvconform, getattr(pytest.mark, f"kvconform_{self.check.family}")]
+        if self.skip:
+            marks.append(pytest.mark.skip(reason=self.skip))
+        elif self.xfail:
+            marks.append(pytest.mark.xfail(reason=self.xfail, strict=False, raises=AssertionError))
+        return marks
+
+    def describe(self) -> dict:
+        return {"subject": self.subject.name, "model": self.model.name, "check": self.check.name,
+                "family": self.check.family, "case": self.case.id}
+
+
+def skip_reason(subject, model: ModelInfo, check, case) -> str | None:
+    """The one place that decides whether an item applies (DESIGN §4.1)."""
+    from kvconform.cases import model_requirements_unmet
+
+    missing = sorted(check.needs - subject.capabilities)
+    if missing:
+        return f"{subject.name} does not declare capability '{missing[0]}'"
+    unmet = model_requirements_unmet(case, model.features)
+    if unmet:
+        return unmet
+    if case.position_ids == "explicit" and not model.accepts_position_ids and check.family == "logits":
+        return f"{model.name}'s forward takes no position_ids"
+    if subject.applies_to is not None:
+        return subject.applies_to(model)
+    return None
+
+
+@dataclass
+class KVSession:
+    """Per-process state: the resolved subjects, models, cases, known faults and the built models."""
+
+    subjects: list
+    models: list
+    cases: list
+    checks: dict
+    strict: bool
+    device: str
+    faults: list
+    _built: dict = field(default_factory=dict)
+    _oracles: dict = field(default_factory=dict)
+
+    def items(self) -> list[PlanItem]:
+        from kvconform import known_faults
+        from kvconform.compat import transformers_version
+
+        version = transformers_version()
+        out = []
+        for case in self.cases:
+            check = self.checks[case.check]
+            for subject in self.subjects:
+                for model in self.models:
+                    if case.models and model.name not in case.models:
+                        continue
+                    skip = skip_reason(subject, model, check, case)
+                    xfail = (subject.expected_failures.get(f"{check.name}:{case.id}")
+                             or subject.expected_failures.get(check.name))
+                    if not xfail and not self.strict:
+                        xfail = known_faults.match(self.faults, version, subject.name, model.name, check.name,
+                                                   case.id)
+                    out.append(PlanItem(subject, model, check, case, skip, xfail))
+        return out
+
+    @property
+    def reference(self):
+        return next(s for s in self.subjects if s.name == "ReferenceCache") if any(
+            s.name == "ReferenceCache" for s in self.subjects) else _reference_spec()
+
+    def zoo_model(self, model: ModelInfo, dtype_name: str):
+        import torch
+
+        key = (model.spec, dtype_name)
+        if key not in self._built:
+            self._built[key] = zoo.load_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device)
+        return self._built[key]
+
+    def oracle(self, zm):
+        from kvconform.oracle import Oracle
+
+        if id(zm) not in self._oracles:
+            self._oracles[id(zm)] = Oracle(zm)
+        return self._oracles[id(zm)]
+
+    def run(self, item: PlanItem) -> dict:
+        """Run one item; return its metrics. Raises ``ConformanceError`` on non-conformance."""
+        import torch
+
+        from kvconform.checks import CheckContext, run_check
+
+        torch.manual_seed(0)
+        zm = self.zoo_model(item.model, item.case.dtype)
+        ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference)
+        return run_check(item.check.name, ctx)
+
+    def environment(self) -> dict:
+        import torch
+        import transformers
+
+        import kvconform
+
+        return {"kvconform": kvconform.__version__, "python": platform.python_version(),
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "platform": platform.platform(), "device": self.device,
+                "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict}
+
+    def header_lines(self) -> list[str]:
+        env = self.environment()
+        return [
+            f"kvconform {env['kvconform']}: transformers {env['transformers']}, torch {env['torch']}, "
+            f"device {self.device}, known faults {'fail (strict)' if self.strict else 'xfail'}",
+            f"kvconform subjects: {', '.join(s.name for s in self.subjects)}",
+            f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}",
+        ]
+
+
+def _reference_spec():
+    from kvconform.subjects import builtin_subjects
+
+    return builtin_subjects()[0]
+
+
+def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu") -> KVSession:
+    """Resolve everything the user passed; raise ``ValueError`` (a usage error) naming the bad input."""
+    from kvconform.cases import load_cases
+    from kvconform.checks import load_checks
+    from kvconform.known_faults import load_known_faults
+    from kvconform.subjects import builtin_subjects, check_factory_builds_cache, resolve_cache_spec
+
+    checks = load_checks()
+    subjects = builtin_subjects()
+    for spec in caches or ():
+        subject = resolve_cache_spec(spec)
+        check_factory_builds_cache(subject, zoo.zoo_config("llama"))
+        if any(s.name == subject.name for s in subjects):
+            raise ValueError(f"--kvconform-cache {spec!r}: a subject named {subject.name!r} already exists")
+        subjects.append(subject)
+    infos = [model_info(m) for m in (models or zoo.ZOO_NAMES)]
+    names = [i.name for i in infos]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--kvconform-model: duplicate model names {names}")
+    cases = load_cases(case_paths, known_checks=set(checks))
+    return KVSession(subjects, infos, cases, checks, strict, device, load_known_faults())

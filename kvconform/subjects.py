@@ -1,0 +1,189 @@
+"""Subjects: the caches under test, as ``CacheSpec`` (a factory plus declared capabilities).
+
+Built-in subjects are the reference cache kvconform ships and the transformers caches; ``--kvconform-cache SPEC``
+adds user subjects, where SPEC is ``package.module:attr`` or ``path/to/file.py:attr`` and ``attr`` is a
+``transformers.Cache`` subclass or a factory returning one (DESIGN §6, contract).
+
+Construction contract: a subject is built with keyword arguments drawn from
+``{config, max_cache_len, batch_size, device, dtype}`` — only those its signature accepts, all of them if it takes
+``**kwargs``. For encoder-decoder models it is built twice (self-attention with ``max_cache_len`` of the decoder
+sequence, cross-attention with ``max_cache_len`` of the encoder input) and wrapped in ``EncoderDecoderCache``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+CONSTRUCTION_KWARGS = ("config", "max_cache_len", "batch_size", "device", "dtype")
+
+CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_repeat", "batch_select", "reset",
+                "compile")
+"""Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
+
+
+class SpecError(ValueError):
+    """A ``--kvconform-cache`` spec cannot be resolved. ``str(err)`` names the spec and the cause."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A subject: how to build the cache and what it claims.
+
+    Attributes:
+        name: name in ids and reports (the attr name for user subjects); ``[A-Za-z0-9_.]+``.
+        factory: a ``Cache`` subclass or a callable returning a ``Cache``; called with the keyword arguments of
+            ``CONSTRUCTION_KWARGS`` that its signature accepts.
+        capabilities: subset of ``CAPABILITIES``.
+        expected_failures: ``{check name or "check:case": reason}`` — these items become xfail.
+        tolerance_factor: multiplies the case tolerance factor ``k`` (lossy subjects declare > 1).
+        applies_to: optional ``fn(model_info) -> reason or None`` excluding models the subject cannot serve.
+        source: ``"builtin"`` or the spec string it was resolved from.
+    """
+
+    name: str
+    factory: Callable
+    capabilities: frozenset = frozenset(CAPABILITIES)
+    expected_failures: Mapping[str, str] = field(default_factory=dict)
+    tolerance_factor: float = 1.0
+    applies_to: Callable | None = None
+    source: str = "builtin"
+
+    def build_one(self, **available):
+        """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``)."""
+        return self.factory(**accepted_kwargs(self.factory, available))
+
+    def build(self, model, max_cache_len: int, batch_size: int, encoder_len: int = 0):
+        """A fresh cache for ``model`` (a ``ZooModel``); wrapped in ``EncoderDecoderCache`` for encoder-decoders."""
+        import torch
+
+        device = next(model.model.parameters()).device
+        common = dict(config=model.config, batch_size=batch_size, device=device, dtype=model.dtype)
+        if not model.is_encoder_decoder:
+            return self.build_one(max_cache_len=max_cache_len, **common)
+        from transformers import EncoderDecoderCache
+
+        self_attention = self.build_one(max_cache_len=max_cache_len, **common)
+        cross_attention = self.build_one(max_cache_len=max(encoder_len, 1), **common)
+        del torch
+        return EncoderDecoderCache(self_attention, cross_attention)
+
+
+def accepted_kwargs(factory, available: Mapping) -> dict:
+    """The subset of ``available`` that ``factory``'s signature accepts (all of it if it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return dict(available)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(available)
+    return {k: v for k, v in available.items() if k in params}
+
+
+# ---------------------------------------------------------------------------------------------------- built-ins
+def _reference(**kwargs):
+    from kvconform.reference import ReferenceCache
+
+    return ReferenceCache(**kwargs)
+
+
+def _dynamic(config):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def _static(config, max_cache_len):
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=max_cache_len)
+
+
+def builtin_subjects() -> list[CacheSpec]:
+    """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…)."""
+    return [
+        CacheSpec("ReferenceCache", _reference),
+        CacheSpec("DynamicCache", _dynamic),
+        CacheSpec("StaticCache", _static, capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"}),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------- user specs
+def _import_file(path: str):
+    mod_name = "kvconform_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def resolve_cache_spec(spec: str) -> CacheSpec:
+    """``"pkg.mod:Attr"`` or ``"path/file.py:Attr"`` → ``CacheSpec``.
+
+    ``Attr`` may also be a ``CacheSpec`` instance (returned as is). Capabilities of a class may be declared in a
+    ``kvconform_capabilities`` attribute (iterable of names); default: all.
+
+    Raises:
+        SpecError: malformed spec, module/file that does not import (with the exception), missing attribute,
+            or an attribute that is neither a Cache subclass, a CacheSpec nor a callable.
+    """
+    if not isinstance(spec, str) or spec.count(":") < 1:
+        raise SpecError(f"{spec!r}: expected 'module:attr' or 'path/to/file.py:attr'")
+    target, attr = spec.rsplit(":", 1)
+    if not target or not attr.isidentifier():
+        raise SpecError(f"{spec!r}: expected 'module:attr' or 'path/to/file.py:attr' (attr must be an identifier)")
+    try:
+        if target.endswith(".py") or os.sep in target:
+            if not os.path.isfile(target):
+                raise SpecError(f"{spec!r}: file {target!r} does not exist")
+            module = _import_file(target)
+        else:
+            module = importlib.import_module(target)
+    except SpecError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any import failure is the user's spec problem
+        raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}") from None
+    if not hasattr(module, attr):
+        raise SpecError(f"{spec!r}: module {target!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if isinstance(obj, CacheSpec):
+        return obj
+    from transformers import Cache
+
+    if inspect.isclass(obj):
+        if not issubclass(obj, Cache):
+            raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass")
+        declared = getattr(obj, "kvconform_capabilities", None)
+        caps = frozenset(CAPABILITIES) if declared is None else frozenset(declared)
+        unknown = caps - set(CAPABILITIES)
+        if unknown:
+            raise SpecError(f"{spec!r}: unknown capabilities {sorted(unknown)}; known: {', '.join(CAPABILITIES)}")
+        return CacheSpec(attr, obj, capabilities=caps, source=spec)
+    if callable(obj):
+        return CacheSpec(attr, obj, source=spec)
+    raise SpecError(f"{spec!r}: {attr} is a {type(obj).__name__}, not a Cache subclass or a factory")
+
+
+def check_factory_builds_cache(spec: CacheSpec, config) -> None:
+    """Build ``spec`` once for ``config`` and make sure the result is a ``transformers.Cache``.
+
+    Raises:
+        SpecError: the factory returned something that is not a Cache.
+    (An exception raised by the factory itself is left to the items: it fails them, not the session.)
+    """
+    from transformers import Cache
+
+    try:
+        built = spec.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
+    except Exception:  # noqa: BLE001 - reported per item
+        return
+    if not isinstance(built, Cache):
+        raise SpecError(f"{spec.source!r}: {spec.name} built a {type(built).__name__}, not a transformers.Cache")

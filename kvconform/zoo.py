@@ -1,0 +1,216 @@
+"""The model zoo: 14 tiny model families built offline from configs, plus loading a local checkpoint.
+
+Every zoo model has hidden size 64, 2 layers, 4 attention heads (2 KV heads where the family has GQA) and a
+vocabulary of 128 tokens, and is initialised with ``torch.manual_seed(seed)`` and ``initializer_range=0.1``:
+with the transformers default of 0.02 the top-1 margins of a tiny model are ~1e-3, so token-level comparisons
+flip on float noise (measured, ``shared/FACTS.md``). Families with a sliding window use a window of 8 tokens, and
+the cases feed prompts longer than that, so the window is really exercised.
+
+Nothing is downloaded: configs come from ``AutoConfig.for_model`` and weights from the seeded initialiser.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+
+ZOO_NAMES = (
+    "llama", "mistral", "qwen2", "gemma2", "gemma3", "gpt2", "phi3",
+    "mamba", "mamba2", "jamba", "bamba", "falcon_h1", "t5", "bart",
+)
+"""The zoo families, in matrix order (contract: DESIGN §6)."""
+
+SLIDING_WINDOW = 8
+VOCAB_SIZE = 128
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=512,
+)
+_MAMBA2_MIXER = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+                     mamba_expand=2, mamba_chunk_size=16)
+
+# model_type, config kwargs. Kept as data so a reader sees every tiny config at a glance.
+_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", dict(_COMMON)),
+    "mistral": ("mistral", dict(_COMMON, sliding_window=SLIDING_WINDOW)),
+    "qwen2": ("qwen2", dict(_COMMON, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
+                            layer_types=["full_attention", "sliding_attention"])),
+    "gemma2": ("gemma2", dict(_COMMON, sliding_window=SLIDING_WINDOW, head_dim=16)),
+    "gemma3": ("gemma3_text", dict(_COMMON, sliding_window=SLIDING_WINDOW, head_dim=16,
+                                   layer_types=["sliding_attention", "full_attention"])),
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                          initializer_range=0.1)),
+    "phi3": ("phi3", dict(_COMMON)),
+    "mamba": ("mamba", dict(vocab_size=VOCAB_SIZE, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2,
+                            conv_kernel=4, initializer_range=0.1)),
+    "mamba2": ("mamba2", dict(vocab_size=VOCAB_SIZE, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2,
+                              conv_kernel=4, num_heads=8, head_dim=16, n_groups=1, chunk_size=16,
+                              initializer_range=0.1)),
+    "jamba": ("jamba", dict(_COMMON, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                            expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+                            mamba_expand=2, mamba_dt_rank=8)),
+    "bamba": ("bamba", dict(_COMMON, attn_layer_indices=[1], **_MAMBA2_MIXER)),
+    "falcon_h1": ("falcon_h1", dict(_COMMON, mamba_d_ssm=128, head_dim=16, **_MAMBA2_MIXER)),
+    "t5": ("t5", dict(vocab_size=VOCAB_SIZE, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, initializer_factor=1.0)),
+    "bart": ("bart", dict(vocab_size=VOCAB_SIZE, d_model=64, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                          decoder_ffn_dim=128, max_position_embeddings=512, init_std=0.1)),
+}
+# Special token ids inside the tiny vocabulary (several families default to ids > 127).
+_SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+
+
+@dataclass
+class ZooModel:
+    """A model ready for conformance checks.
+
+    Attributes:
+        name: zoo name (``"llama"``) or, for a checkpoint, the folder's base name.
+        model: the ``PreTrainedModel`` in eval mode, weights in ``dtype`` on ``device``.
+        config: its config (the full config; ``config.get_text_config(decoder=True)`` for the decoder).
+        dtype: the case dtype of ``model`` (``torch.float32`` by default).
+        is_encoder_decoder: True for t5 / bart (the cache is an ``EncoderDecoderCache``).
+        layer_types: the decoder's cache layer types, e.g. ``("sliding_attention", "full_attention")``.
+        sliding_window: the smallest sliding window of any layer, or None.
+        source: ``"zoo"`` or the checkpoint path.
+    """
+
+    name: str
+    model: object
+    config: object
+    dtype: object
+    is_encoder_decoder: bool
+    layer_types: tuple
+    sliding_window: int | None
+    source: str = "zoo"
+    _oracle_model: object = field(default=None, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get_text_config(decoder=True).vocab_size)
+
+    @property
+    def has_linear_attention(self) -> bool:
+        """True if any layer holds a linear-attention (conv / recurrent) state."""
+        return any(t in ("linear_attention", "conv", "hybrid", "hybrid_sliding") for t in self.layer_types)
+
+    @property
+    def has_attention(self) -> bool:
+        """True if any layer holds per-token keys and values."""
+        return any(t not in ("linear_attention", "conv", "dummy") for t in self.layer_types)
+
+    @property
+    def has_sliding(self) -> bool:
+        return any(t in ("sliding_attention", "chunked_attention", "hybrid_sliding") for t in self.layer_types)
+
+    def oracle_model(self):
+        """The same weights in float64 on CPU (built once, lazily): the oracle's model."""
+        import torch
+
+        if self._oracle_model is None:
+            from kvconform.compat import prepare_float64
+
+            oracle = copy.deepcopy(self.model).to(device="cpu", dtype=torch.float64).eval()
+            self._oracle_model = prepare_float64(oracle)
+        return self._oracle_model
+
+
+def _layer_types(config) -> tuple[tuple, int | None]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = [kw["sliding_window"] for kw in kwargs if kw.get("sliding_window")]
+    return tuple(types), (min(windows) if windows else None)
+
+
+def zoo_config(name: str):
+    """The tiny ``PretrainedConfig`` of zoo family ``name``.
+
+    Raises:
+        KeyError: ``name`` is not in ``ZOO_NAMES``.
+    """
+    from transformers import AutoConfig
+
+    if name not in _CONFIGS:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO_NAMES)}")
+    model_type, kwargs = _CONFIGS[name]
+    config = AutoConfig.for_model(model_type, **kwargs, **_SPECIAL_TOKENS)
+    return config
+
+
+def _finish(name, model, dtype, device, source) -> ZooModel:
+    model = model.to(device=device, dtype=dtype).eval()
+    # Greedy, no early stop at eos: the generate checks compare fixed-length continuations.
+    gc = model.generation_config
+    gc.eos_token_id = None
+    gc.pad_token_id = 0
+    gc.do_sample = False
+    gc.temperature = gc.top_p = gc.top_k = None
+    types, window = _layer_types(model.config)
+    return ZooModel(
+        name=name, model=model, config=model.config, dtype=dtype,
+        is_encoder_decoder=bool(getattr(model.config, "is_encoder_decoder", False)),
+        layer_types=types, sliding_window=window, source=source,
+    )
+
+
+def build_zoo_model(name: str, dtype=None, device: str = "cpu", seed: int = 0) -> ZooModel:
+    """Build zoo family ``name`` with seeded random weights.
+
+    Args:
+        name: one of ``ZOO_NAMES``.
+        dtype: torch dtype of the weights (default ``torch.float32``).
+        device: torch device string.
+        seed: ``torch.manual_seed`` used before initialisation (same seed → same weights).
+
+    Raises:
+        KeyError: unknown ``name``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    dtype = dtype or torch.float32
+    config = zoo_config(name)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = auto.from_config(config)
+    return _finish(name, model, dtype, device, "zoo")
+
+
+def load_checkpoint(path: str, dtype=None, device: str = "cpu") -> ZooModel:
+    """Load a local Hugging Face checkpoint folder (``config.json`` + weights), never downloading.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a folder with a ``config.json``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} is not a checkpoint folder: no config.json in it")
+    dtype = dtype or torch.float32
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = auto.from_pretrained(path, local_files_only=True, dtype=dtype)
+    name = os.path.basename(os.path.normpath(path)).replace(" ", "_") or "checkpoint"
+    return _finish(name, model, dtype, device, os.path.abspath(path))
+
+
+def is_checkpoint_spec(spec: str) -> bool:
+    """True when ``spec`` names a local folder rather than a zoo family."""
+    return spec not in ZOO_NAMES and (os.sep in spec or os.path.isdir(spec))
+
+
+def load_model(spec: str, dtype=None, device: str = "cpu") -> ZooModel:
+    """A zoo name or a checkpoint folder → ``ZooModel``.
+
+    Raises:
+        KeyError / FileNotFoundError: neither a zoo name nor a checkpoint folder.
+    """
+    if spec in ZOO_NAMES:
+        return build_zoo_model(spec, dtype=dtype, device=device)
+    return load_checkpoint(spec, dtype=dtype, device=device)
