@@ -32,6 +32,7 @@ OP_NAMES = ("prefill", "decode", "chunk", "crop", "fork", "reorder", "repeat", "
 OPS_WITH_COUNT = ("prefill", "decode", "chunk", "crop", "repeat")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 POSITION_MODES = ("auto", "explicit", "implicit")
+TIERS = ("default", "full")
 REQUIREMENTS = ("attention", "sliding", "linear_attention", "decoder_only", "encoder_decoder")
 _ID = re.compile(r"^[A-Za-z0-9_.]+$")
 
@@ -80,7 +81,8 @@ class Case:
     abs_min: float | None = None
     seed: int = 0
     description: str = ""
-    extra: dict = field(default_factory=dict, compare=False)
+    tier: str = "default"
+    params: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def total_tokens(self) -> int:
@@ -109,6 +111,8 @@ KEYS = {
     "abs_min": ((int, float), None, "abs_min in max(k·floor, abs_min)"),
     "seed": (int, None, "seed of the token generator"),
     "description": (str, None, "free text"),
+    "tier": (str, TIERS, "default: runs in every run; full: only with --kvconform-full (heavier, run in CI)"),
+    "params": (dict, None, "check-specific parameters (budgets, sizes); each check documents and validates its own"),
 }
 
 
@@ -189,6 +193,7 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
         for key in ("models", "requires"):
             merged[key] = tuple(merged.get(key, ()))
+        merged["params"] = dict(merged.get("params", {}))
         cases.append(Case(source=path, **merged))
     return cases
 

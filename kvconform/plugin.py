@@ -20,6 +20,7 @@ PROPERTY = "kvconform"
 
 OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
 OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
+OPT_FULL = "kvconform_full"
 
 SESSION_KEY = pytest.StashKey["object"]()
 RESULTS_KEY = pytest.StashKey["dict"]()
@@ -41,6 +42,9 @@ def pytest_addoption(parser):
                     help="write the JSON report (schema 1) to PATH")
     group.addoption("--kvconform-strict", action="store_true", dest=OPT_STRICT, default=None,
                     help="ignore the bundled list of known upstream faults: they fail instead of xfail")
+    group.addoption("--kvconform-full", action="store_true", dest=OPT_FULL, default=None,
+                    help="also run the heavier tier (cases with tier = \"full\": compile on every model, long "
+                         "fuzzing, long contexts); meant for CI")
     group.addoption("--kvconform-device", dest=OPT_DEVICE, default=None, metavar="DEVICE",
                     help="torch device for the models under test (default: cpu)")
     parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
@@ -49,6 +53,7 @@ def pytest_addoption(parser):
     parser.addini(OPT_CASES, "extra case files (same as --kvconform-cases)", type="linelist", default=[])
     parser.addini(OPT_JSON, "JSON report path (same as --kvconform-json)", default="")
     parser.addini(OPT_STRICT, "known upstream faults fail (same as --kvconform-strict)", type="bool", default=False)
+    parser.addini(OPT_FULL, "run the heavier tier (same as --kvconform-full)", type="bool", default=False)
     parser.addini(OPT_DEVICE, "torch device (same as --kvconform-device)", default="cpu")
 
 
@@ -63,11 +68,12 @@ def is_active(config) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------ configure
-MARKERS = {
-    "kvconform": "an item of the kvconform conformance suite",
-    "kvconform_logits": "kvconform family logits: cached forward vs the uncached oracle",
-    "kvconform_generate": "kvconform family generate: generate(cache=...) vs generate(use_cache=False)",
-}
+# One marker per check family (kept in sync with kvconform.checks.FAMILIES by tests/test_plugin.py; listed here
+# because importing kvconform.checks would import torch in every pytest run).
+FAMILY_MARKERS = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contract", "fuzz", "quality",
+                  "coverage", "compile", "memory", "speed")
+MARKERS = {"kvconform": "an item of the kvconform conformance suite",
+           **{f"kvconform_{f}": f"kvconform check family '{f}'" for f in FAMILY_MARKERS}}
 
 
 def pytest_configure(config):
@@ -81,6 +87,7 @@ def pytest_configure(config):
         config.stash[SESSION_KEY] = build_session(
             caches=_opt(config, OPT_CACHE), models=_opt(config, OPT_MODEL), case_paths=_opt(config, OPT_CASES),
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
+            full=bool(_opt(config, OPT_FULL)),
         )
     except ValueError as exc:  # SpecError, CaseFileError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None

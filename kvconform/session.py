@@ -100,10 +100,12 @@ class PlanItem:
                 "family": self.check.family, "case": self.case.id}
 
 
-def skip_reason(subject, model: ModelInfo, check, case) -> str | None:
+def skip_reason(subject, model: ModelInfo, check, case, full: bool = False) -> str | None:
     """The one place that decides whether an item applies (DESIGN §4.1)."""
     from kvconform.cases import model_requirements_unmet
 
+    if case.tier == "full" and not full:
+        return f"case {case.id} is in the full tier (opt-in: --kvconform-full)"
     missing = sorted(check.needs - subject.capabilities)
     if missing:
         return f"{subject.name} does not declare capability '{missing[0]}'"
@@ -128,14 +130,11 @@ class KVSession:
     strict: bool
     device: str
     faults: list
+    full: bool = False
     _built: dict = field(default_factory=dict)
     _oracles: dict = field(default_factory=dict)
 
     def items(self) -> list[PlanItem]:
-        from kvconform import known_faults
-        from kvconform.compat import transformers_version
-
-        version = transformers_version()
         out = []
         for case in self.cases:
             check = self.checks[case.check]
@@ -143,13 +142,13 @@ class KVSession:
                 for model in self.models:
                     if case.models and model.name not in case.models:
                         continue
-                    skip = skip_reason(subject, model, check, case)
+                    skip = skip_reason(subject, model, check, case, self.full)
                     xfail = (subject.expected_failures.get(f"{check.name}:{case.id}")
                              or subject.expected_failures.get(check.name))
+                    item = PlanItem(subject, model, check, case, skip, xfail)
                     if not xfail and not self.strict:
-                        xfail = known_faults.match(self.faults, version, subject.name, model.name, check.name,
-                                                   case.id)
-                    out.append(PlanItem(subject, model, check, case, skip, xfail))
+                        item = PlanItem(subject, model, check, case, skip, self.known_fault(item))
+                    out.append(item)
         return out
 
     @property
@@ -180,8 +179,17 @@ class KVSession:
 
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
-        ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference)
+        ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,
+                           known_fault=self.known_fault(item), full=self.full)
         return run_check(item.check.name, ctx)
+
+    def known_fault(self, item: PlanItem) -> str | None:
+        """The bundled known-fault reason for ``item`` on the installed transformers (strict or not)."""
+        from kvconform import known_faults
+        from kvconform.compat import transformers_version
+
+        return known_faults.match(self.faults, transformers_version(), item.subject.name, item.model.name,
+                                  item.check.name, item.case.id)
 
     def environment(self) -> dict:
         import torch
@@ -210,13 +218,22 @@ def _reference_spec():
     return builtin_subjects()[0]
 
 
-def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu") -> KVSession:
+def _quiet_transformers():
+    """transformers logs a warning per kernel fallback ("causal_conv1d is not installed ...") in every Mamba item;
+    keep its logger at ERROR during a kvconform run so failures stay readable."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+
+def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False) -> KVSession:
     """Resolve everything the user passed; raise ``ValueError`` (a usage error) naming the bad input."""
     from kvconform.cases import load_cases
     from kvconform.checks import load_checks
     from kvconform.known_faults import load_known_faults
     from kvconform.subjects import builtin_subjects, check_factory_builds_cache, resolve_cache_spec
 
+    _quiet_transformers()
     checks = load_checks()
     subjects = builtin_subjects()
     for spec in caches or ():
@@ -230,4 +247,4 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
     cases = load_cases(case_paths, known_checks=set(checks))
-    return KVSession(subjects, infos, cases, checks, strict, device, load_known_faults())
+    return KVSession(subjects, infos, cases, checks, strict, device, load_known_faults(), full)

@@ -32,8 +32,9 @@ class CheckInfo:
 
 
 CHECKS: dict[str, CheckInfo] = {}
-FAMILIES = ("logits", "generate")
-_MODULES = ("logits", "generate")
+FAMILIES = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contract", "fuzz", "quality",
+            "coverage", "compile", "memory", "speed")
+"""Check families in matrix-column order. A check registered under another family is appended after these."""
 
 
 def register(family: str, needs=()):
@@ -47,9 +48,12 @@ def register(family: str, needs=()):
 
 
 def load_checks() -> dict[str, CheckInfo]:
-    """Import every check module (registering its checks) and return the registry."""
-    for name in _MODULES:
-        importlib.import_module(f"kvconform.checks.{name}")
+    """Import every public module of this package (each registers its checks) and return the registry."""
+    import pkgutil
+
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
     return CHECKS
 
 
@@ -64,6 +68,9 @@ class CheckContext:
         oracle: the model's ``Oracle`` (memoised float64 logits).
         reference: the ``CacheSpec`` used to tell model faults from cache faults.
         metrics: filled by the check (JSON-serialisable), reported even on success.
+        check_name: the running check's name (set by ``run_check``).
+        known_fault: the bundled known-upstream-fault reason matching this item, if any (named in the message).
+        full: True under ``--kvconform-full`` (checks may then use their heavier profile).
     """
 
     subject: object
@@ -73,6 +80,8 @@ class CheckContext:
     reference: object = None
     metrics: dict = field(default_factory=dict)
     check_name: str = ""
+    known_fault: str | None = None
+    full: bool = False
 
     def tolerance(self):
         from kvconform.oracle import DEFAULT_ABS_MIN, DEFAULT_FACTOR, Tolerance
@@ -103,6 +112,10 @@ class CheckContext:
     def fail(self, lines, metrics=None):
         """Raise ``ConformanceError`` with the headline, ``lines`` (indented) and the reproduce line."""
         self.metrics.update(metrics or {})
+        lines = list(lines)
+        if self.known_fault:
+            short = self.known_fault if len(self.known_fault) <= 220 else self.known_fault[:217] + "..."
+            lines.append(f"known upstream fault: {short}")
         body = [self.headline(), *("  " + line for line in lines if line), "  " + self.reproduce()]
         raise ConformanceError("\n".join(body), dict(self.metrics))
 

@@ -7,7 +7,7 @@ explicit ``position_ids`` or without them (then the model derives positions from
 from __future__ import annotations
 
 from kvconform.checks import register
-from kvconform.checks._engine import SubjectRaised, fail_raised, fail_verdict, judge, run_ops
+from kvconform.checks._engine import SubjectRaised, fail_raised, fail_verdict, judge, positions_label, run_ops
 
 
 def _length_note(steps, upto) -> str | None:
@@ -24,7 +24,7 @@ def _decode_cause(ctx, steps):
         if model_at_fault:
             return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
         note = _length_note(steps, step)
-        if note:
+        if note and not positions_label(ctx).startswith("explicit"):
             return note
         if step.label in ("decode 1",) or step.label.startswith("chunk") and step.index == 1:
             return "the prefill's keys/values (or states) were not stored intact: a dropped, shifted or stale token"

@@ -1,0 +1,56 @@
+"""Faulty caches that kvconform must catch, and helpers for users' own meta-tests.
+
+Every ``kvconform/testing/faulty_*.py`` module defines ``FAULTY``: a list of ``FaultyCache`` entries, each one
+small realistic bug. ``tests/test_faulty_caches.py`` runs each through the plugin and proves it is caught by the
+check it targets, with its message pinned. ``faulty_caches()`` collects them all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FaultyCache:
+    """One faulty cache.
+
+    Attributes:
+        name: short id (``hidden_window_16``).
+        attr: attribute name of the cache class / factory in ``module`` (what ``--kvconform-cache`` names).
+        module: the module holding it (``kvconform.testing.faulty_logits``).
+        family: the check family that must catch it.
+        check: the check that must fail.
+        model: the zoo model on which the fault shows.
+        message: substrings the failure message must contain (pinned by the meta-tests).
+        also_caught_by: other families that legitimately fail too (a fault visible everywhere), documented.
+        case: optional case id to narrow the run (``-k``), default: all cases of the check.
+    """
+
+    name: str
+    attr: str
+    module: str
+    family: str
+    check: str
+    model: str
+    message: tuple = ()
+    also_caught_by: tuple = ()
+    case: str = ""
+
+    @property
+    def spec(self) -> str:
+        """The ``--kvconform-cache`` spec of this cache."""
+        return f"{self.module}:{self.attr}"
+
+    def load(self):
+        return getattr(importlib.import_module(self.module), self.attr)
+
+
+def faulty_caches() -> list[FaultyCache]:
+    """Every ``FaultyCache`` of every ``kvconform.testing.faulty_*`` module, sorted by name."""
+    out = []
+    for module in pkgutil.iter_modules(__path__):
+        if module.name.startswith("faulty_"):
+            out.extend(importlib.import_module(f"{__name__}.{module.name}").FAULTY)
+    return sorted(out, key=lambda f: f.name)

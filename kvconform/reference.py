@@ -1,0 +1,353 @@
+"""ReferenceCache: the simplest correct cache, the oracle's twin and the worked example for cache authors.
+
+A transformers cache is a list of *layers*, one per decoder layer. The model talks to the cache through two small
+protocols, and this module implements each of them in the plainest way that is still correct:
+
+* attention layers (``cache.update(keys, values, layer_idx)``): keep every key/value ever given, in a Python list of
+  chunks, and return ``torch.cat`` of all of them. Sliding-window and chunked layers keep everything too: the mask
+  built from absolute positions (``masking_utils``) hides the tokens outside the window, so nothing needs evicting.
+* linear-attention layers (Mamba-style SSMs: ``get_conv_state`` / ``update_conv_state`` / ``get_recurrent_state`` /
+  ``update_recurrent_state``): keep the last ``conv_kernel_size`` conv inputs and the recurrent state, exactly as the
+  models expect, because the models mutate those tensors in place during single-token decode.
+
+Nothing here is fast or compileable; everything is easy to check by reading.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import (Cache, CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin,
+                                      get_layer_types_and_kwargs)
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LINEAR_LAYER_TYPES = ("linear_attention", "conv")
+HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+
+
+def _check_crop_sign(tokens_to_remove: int) -> None:
+    if tokens_to_remove > 0:
+        raise ValueError(
+            f"crop({tokens_to_remove}): pass a negative count of tokens to remove, e.g. crop(-3); "
+            "positive values (the legacy 'final length' meaning) are not accepted"
+        )
+
+
+class BatchOpsMixin:
+    """Beam search and batch surgery for a layer whose held tensors all have the batch as dim 0.
+
+    The layer only says how to apply a function to each of its tensors (``_map_batch``).
+    """
+
+    def _map_batch(self, fn) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes old row ``beam_idx[i]`` (beam search); ``beam_idx`` is ``[new_batch]`` int64."""
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place: ``[b0, b0, b1, b1, ...]`` (contrastive search)."""
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (int64 indices or a bool mask over the batch)."""
+        self._map_batch(lambda t: t[indices])
+
+
+class ReferenceAttentionLayer(BatchOpsMixin, CacheLayerMixin):
+    """Keys and values of one attention layer, kept as a list of chunks, one chunk per ``update`` call.
+
+    Every chunk is a tensor ``[batch, kv_heads, chunk_len, head_dim]`` in the dtype and device the model gave it.
+    ``keys`` / ``values`` are ``torch.cat`` of the chunks along dim -2 (``None`` while empty); encoder-decoder
+    models read them directly to reuse cross-attention states.
+
+    Args:
+        sliding_window: the window of a sliding / chunked layer, or None for full attention. It only sets
+            ``is_sliding``: all tokens are kept, and the sliding mask hides the old ones.
+    """
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, sliding_window: int | None = None, **ignored_kwargs):
+        # No super().__init__(): the mixin would assign ``self.keys``, which is a read-only property here.
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None  # masking_utils sizes sliding masks against such a layer
+        self.key_chunks: list[torch.Tensor] = []
+        self.value_chunks: list[torch.Tensor] = []
+        self.is_initialized = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return torch.cat(self.key_chunks, dim=-2) if self.key_chunks else None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return torch.cat(self.value_chunks, dim=-2) if self.value_chunks else None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate ahead of time: chunks are stored as they arrive."""
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new keys/values ``[batch, kv_heads, new_len, head_dim]``; return all held so far.
+
+        Returns:
+            ``(keys, values)``, each ``[batch, kv_heads, held_len + new_len, head_dim]``; position ``i`` along dim -2
+            is absolute token position ``i`` (the mask offset is always 0, see ``get_mask_sizes``).
+        """
+        self.is_initialized = True
+        # Copies: the model's tensors may be views into a larger activation (GPT-2 splits one qkv projection),
+        # which the cache should neither keep alive nor share.
+        self.key_chunks.append(key_states.clone())
+        self.value_chunks.append(value_states.clone())
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Number of tokens held (an ``int``)."""
+        return sum(chunk.shape[-2] for chunk in self.key_chunks)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the keys the *next* ``update`` will return for ``query_length`` new tokens.
+
+        It is called before ``update``, while building the mask. All tokens are kept, so the next update returns
+        ``held + query_length`` keys starting at absolute position 0, for sliding layers as well.
+        """
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        """-1: no maximum, the layer grows without bound."""
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (all of them if more than held; 0 is a no-op).
+
+        Raises:
+            ValueError: ``tokens_to_remove > 0``.
+        """
+        _check_crop_sign(tokens_to_remove)
+        if tokens_to_remove == 0 or not self.key_chunks:
+            return
+        keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        keys, values = self.keys[..., :keep, :], self.values[..., :keep, :]
+        self.key_chunks, self.value_chunks = ([keys], [values]) if keep > 0 else ([], [])
+
+    def reset(self) -> None:
+        """Forget everything (the layer object and its configuration stay)."""
+        self.key_chunks, self.value_chunks = [], []
+        self.is_initialized = False
+
+    def _map_batch(self, fn) -> None:
+        self.key_chunks = [fn(chunk) for chunk in self.key_chunks]
+        self.value_chunks = [fn(chunk) for chunk in self.value_chunks]
+
+
+class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixin):
+    """Conv and recurrent states of one linear-attention (SSM) layer.
+
+    The protocol, as the Mamba / Mamba2 / Jamba / Bamba / FalconH1 mixers use it (``transformers.Cache`` reads the
+    attribute names set in ``__init__`` directly):
+
+    1. Prefill or chunked continuation (``seq_len > 1``), and every step while past recording is on: the model calls
+       ``update_conv_state(x)`` with its conv input ``x`` ``[batch, channels, seq_len]`` and runs a causal conv
+       over what it gets back, so the return value must be ``x`` with its real left context prepended. It then
+       calls ``update_recurrent_state(s)`` with the SSM state after the last token.
+    2. Single-token decode (and recording off): the model takes ``get_conv_state()`` ``[batch, channels, K]`` and
+       ``get_recurrent_state()`` and **updates both in place**, without calling ``update_*``. So the stored conv
+       state must hold exactly the last ``K = conv_kernel_size`` inputs (zeros before the first token), and the
+       stored tensors must be the cache's own (not views of the model's activations).
+    3. ``get_*_state`` return None until the conv state of that slot was first written (``has_previous_state``).
+
+    Args:
+        number_of_states: how many independent (conv, recurrent) slots the layer has (``state_idx``), usually 1.
+    """
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, number_of_states: int = 1, **ignored_kwargs):
+        slots = range(number_of_states)
+        self.number_of_states = number_of_states
+        self.conv_states = dict.fromkeys(slots)  # slot -> [batch, channels, K] (all history while recording)
+        self.recurrent_states = dict.fromkeys(slots)  # slot -> model-defined shape, batch first
+        self.conv_kernel_size = dict.fromkeys(slots)  # slot -> K
+        self.has_previous_state = dict.fromkeys(slots, False)
+        self.is_conv_states_initialized = dict.fromkeys(slots, False)
+        self.is_recurrent_states_initialized = dict.fromkeys(slots, False)
+        self.record_past = False  # read by the models through Cache.is_recording_past(layer_idx)
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
+        """Nothing to allocate ahead of time: each state is stored when first written."""
+
+    def activate_past_recording(self) -> None:
+        """Keep the whole conv input history from now on, so that ``crop`` can rewind it.
+
+        While recording, the models route single-token decode through ``update_conv_state`` as well (step 1).
+        """
+        self.record_past = True
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> torch.Tensor:
+        """Store new conv inputs ``[batch, channels, new_len]``; return them with their left context prepended.
+
+        Returns:
+            ``[batch, channels, held + new_len]``: ``held`` is what was stored (``K - 1`` zeros on the first call).
+        """
+        if conv_kernel_size is not None:
+            self.conv_kernel_size[state_idx] = conv_kernel_size
+        elif self.conv_kernel_size[state_idx] is None:  # older callers pass an input already K wide
+            self.conv_kernel_size[state_idx] = conv_states.shape[-1]
+        kernel = self.conv_kernel_size[state_idx]
+
+        if self.has_previous_state[state_idx]:
+            previous = self.conv_states[state_idx]
+        else:  # before the first token the context is zeros, exactly like the uncached conv's padding
+            previous = conv_states.new_zeros(*conv_states.shape[:-1], kernel - 1)
+        full = torch.cat([previous, conv_states], dim=-1)
+        kept = full if self.record_past else full[..., -kernel:]
+        self.conv_states[state_idx] = kept.clone()  # our own tensor: decode will mutate it in place
+        self.is_conv_states_initialized[state_idx] = True
+        self.has_previous_state[state_idx] = True
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Store the recurrent state after the last token (shape, dtype as the model gives); return the stored copy."""
+        self.recurrent_states[state_idx] = recurrent_states.clone()  # our own tensor: decode mutates it in place
+        self.is_recurrent_states_initialized[state_idx] = True
+        return self.recurrent_states[state_idx]
+
+    @property
+    def is_croppable(self) -> bool:
+        """True once a conv state is held and no recurrent state is: a recurrent state cannot be rewound."""
+        return any(self.is_conv_states_initialized.values()) and not any(self.is_recurrent_states_initialized.values())
+
+    def _crop_problem(self, tokens_to_remove: int) -> str | None:
+        if tokens_to_remove == 0 or not any(self.is_conv_states_initialized.values()):
+            return None
+        if any(self.is_recurrent_states_initialized.values()):
+            return "it holds a recurrent (SSM) state, which cannot be rewound"
+        for slot, conv in self.conv_states.items():  # the next token needs K - 1 inputs of left context
+            if conv is not None and conv.shape[-1] + tokens_to_remove < self.conv_kernel_size[slot] - 1:
+                removable = conv.shape[-1] - self.conv_kernel_size[slot] + 1
+                return (f"at most {removable} conv inputs can be removed (the next token needs the K - 1 before "
+                        "them); call activate_past_recording() before the tokens to remove arrive")
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` conv inputs (0 is a no-op).
+
+        Raises:
+            ValueError: ``tokens_to_remove > 0``.
+            RuntimeError: a recurrent state is held, or the inputs to remove plus ``K - 1`` before them are not
+                all held (past recording was not active when they came).
+        """
+        _check_crop_sign(tokens_to_remove)
+        problem = self._crop_problem(tokens_to_remove)
+        if problem:
+            raise RuntimeError(f"{type(self).__name__} cannot crop({tokens_to_remove}): {problem}")
+        if tokens_to_remove == 0:
+            return
+        for slot, conv in self.conv_states.items():
+            if conv is not None:
+                self.conv_states[slot] = conv[..., : conv.shape[-1] + tokens_to_remove]
+
+    def reset(self) -> None:
+        """Forget all states (``record_past`` and the kernel sizes stay)."""
+        for slot in range(self.number_of_states):
+            self.conv_states[slot] = self.recurrent_states[slot] = None
+            self.has_previous_state[slot] = False
+            self.is_conv_states_initialized[slot] = self.is_recurrent_states_initialized[slot] = False
+
+    def _map_batch(self, fn) -> None:
+        for states in (self.conv_states, self.recurrent_states):
+            for slot, state in states.items():
+                if state is not None:
+                    states[slot] = fn(state)
+
+
+class ReferenceHybridLayer(ReferenceLinearAttentionLayer, ReferenceAttentionLayer):
+    """One layer holding both an SSM state and attention keys/values (FalconH1's ``"hybrid"`` layers).
+
+    It must be an instance of both mixins: ``Cache`` checks ``isinstance`` to route ``update`` and
+    ``get_conv_state`` calls. Every method that both parents define is spelled out to call both.
+    """
+
+    def __init__(self, number_of_states: int = 1, sliding_window: int | None = None, **ignored_kwargs):
+        ReferenceAttentionLayer.__init__(self, sliding_window=sliding_window)
+        ReferenceLinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        ReferenceLinearAttentionLayer.crop(self, tokens_to_remove)  # raises before anything changed
+        ReferenceAttentionLayer.crop(self, tokens_to_remove)
+
+    def reset(self) -> None:
+        ReferenceLinearAttentionLayer.reset(self)
+        ReferenceAttentionLayer.reset(self)
+
+    def _map_batch(self, fn) -> None:  # used by reorder_cache / batch_repeat_interleave / batch_select_indices
+        ReferenceLinearAttentionLayer._map_batch(self, fn)
+        ReferenceAttentionLayer._map_batch(self, fn)
+
+
+def make_reference_layer(layer_type: str, layer_kwargs: dict):
+    """The reference layer for one entry of ``get_layer_types_and_kwargs``.
+
+    Raises:
+        ValueError: a layer type the reference does not implement (e.g. ``indexed_attention``).
+    """
+    window = layer_kwargs.get("sliding_window")
+    states = layer_kwargs.get("number_of_states", 1)
+    if layer_type in ATTENTION_LAYER_TYPES:
+        return ReferenceAttentionLayer(sliding_window=window if layer_type != "full_attention" else None)
+    if layer_type in LINEAR_LAYER_TYPES:
+        return ReferenceLinearAttentionLayer(number_of_states=states)
+    if layer_type in HYBRID_LAYER_TYPES:
+        return ReferenceHybridLayer(number_of_states=states, sliding_window=window)
+    if layer_type == "dummy":
+        return DummyLayer()
+    raise ValueError(f"ReferenceCache has no layer for layer type {layer_type!r}")
+
+
+class ReferenceCache(Cache):
+    """The simplest correct cache: every token's keys/values kept, SSM states kept as the models expect.
+
+    ``ReferenceCache(config)`` builds one layer per decoder layer of ``config.get_text_config(decoder=True)``
+    (``ReferenceAttentionLayer``, ``ReferenceLinearAttentionLayer``, ``ReferenceHybridLayer`` or ``DummyLayer``).
+    ``ReferenceCache()`` adds full-attention layers lazily as the model updates them, which is what each half of
+    ``EncoderDecoderCache(ReferenceCache(), ReferenceCache())`` needs. Models with SSM layers need the config.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` or None.
+        **ignored_kwargs: ``max_cache_len``, ``batch_size``, ``device``, ``dtype``... are accepted and ignored:
+            the layers take dtype and device from the tensors they are given.
+
+    Raises:
+        ValueError: the config has a layer type the reference does not implement.
+    """
+
+    def __init__(self, config=None, **ignored_kwargs):
+        if config is None:
+            super().__init__(layer_class_to_replicate=ReferenceAttentionLayer)
+        else:
+            layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            super().__init__(layers=[make_reference_layer(t, kw) for t, kw in zip(layer_types, layer_kwargs)])
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens in every layer; all-or-nothing.
+
+        Raises:
+            ValueError: ``tokens_to_remove > 0``.
+            RuntimeError: a linear-attention layer cannot rewind (see ``ReferenceLinearAttentionLayer.crop``);
+                no layer is changed then.
+        """
+        _check_crop_sign(tokens_to_remove)
+        for idx, layer in enumerate(self.layers):
+            linear = isinstance(layer, ReferenceLinearAttentionLayer)
+            problem = layer._crop_problem(tokens_to_remove) if linear else None
+            if problem:
+                raise RuntimeError(f"ReferenceCache cannot crop({tokens_to_remove}): layer {idx} {problem}")
+        super().crop(tokens_to_remove)
