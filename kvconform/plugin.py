@@ -20,7 +20,8 @@ PROPERTY = "kvconform"
 
 OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
 OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
-OPT_FULL = "kvconform_full"
+OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
+SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
 RESULTS_KEY = pytest.StashKey["dict"]()
@@ -45,6 +46,11 @@ def pytest_addoption(parser):
     group.addoption("--kvconform-full", action="store_true", dest=OPT_FULL, default=None,
                     help="also run the heavier tier (cases with tier = \"full\": compile on every model, long "
                          "fuzzing, long contexts); meant for CI")
+    group.addoption("--kvconform-selftest", action="store_true", dest=OPT_SELFTEST, default=None,
+                    help="run kvconform's bundled faulty caches through the suite instead of the subjects, and "
+                         "print the share caught per check family")
+    group.addoption("--kvconform-timeout", dest=OPT_TIMEOUT, default=None, type=float, metavar="SECONDS",
+                    help="fail an item whose subject runs longer than this (default 300; 0 disables)")
     group.addoption("--kvconform-device", dest=OPT_DEVICE, default=None, metavar="DEVICE",
                     help="torch device for the models under test (default: cpu)")
     parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
@@ -54,6 +60,8 @@ def pytest_addoption(parser):
     parser.addini(OPT_JSON, "JSON report path (same as --kvconform-json)", default="")
     parser.addini(OPT_STRICT, "known upstream faults fail (same as --kvconform-strict)", type="bool", default=False)
     parser.addini(OPT_FULL, "run the heavier tier (same as --kvconform-full)", type="bool", default=False)
+    parser.addini(OPT_SELFTEST, "run the selftest (same as --kvconform-selftest)", type="bool", default=False)
+    parser.addini(OPT_TIMEOUT, "per-item timeout in seconds (same as --kvconform-timeout)", default="300")
     parser.addini(OPT_DEVICE, "torch device (same as --kvconform-device)", default="cpu")
 
 
@@ -76,6 +84,12 @@ MARKERS = {"kvconform": "an item of the kvconform conformance suite",
            **{f"kvconform_{f}": f"kvconform check family '{f}'" for f in FAMILY_MARKERS}}
 
 
+def pytest_addhooks(pluginmanager):
+    from kvconform import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
@@ -83,9 +97,11 @@ def pytest_configure(config):
         return
     from kvconform.session import build_session
 
+    hooked = [spec for specs in config.hook.pytest_kvconform_caches(config=config) for spec in specs or ()]
     try:
         config.stash[SESSION_KEY] = build_session(
-            caches=_opt(config, OPT_CACHE), models=_opt(config, OPT_MODEL), case_paths=_opt(config, OPT_CASES),
+            caches=[*_opt(config, OPT_CACHE), *hooked], models=_opt(config, OPT_MODEL),
+            case_paths=_opt(config, OPT_CASES),
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
             full=bool(_opt(config, OPT_FULL)),
         )
@@ -97,8 +113,14 @@ def pytest_configure(config):
 
 
 def pytest_ignore_collect(collection_path, config):
-    # The suite only makes sense with --kvconform (it needs the generated parameters).
-    if not is_active(config) and SUITE_DIR in (collection_path, *collection_path.parents):
+    # The suite only makes sense with --kvconform (it needs the generated parameters); the selftest module runs
+    # instead of the conformance module under --kvconform-selftest.
+    if SUITE_DIR not in (collection_path, *collection_path.parents):
+        return None
+    if not is_active(config):
+        return True
+    selftest = bool(_opt(config, OPT_SELFTEST))
+    if collection_path == (SUITE_FILE if selftest else SELFTEST_FILE):
         return True
     return None
 
@@ -106,7 +128,7 @@ def pytest_ignore_collect(collection_path, config):
 def pytest_collect_file(file_path, parent):
     # A user python_files setting (e.g. check_*.py) would drop the suite: collect it ourselves then.
     config = parent.config
-    if not is_active(config) or file_path != SUITE_FILE:
+    if not is_active(config) or file_path not in (SUITE_FILE, SELFTEST_FILE):
         return None
     if any(fnmatch.fnmatch(file_path.name, pat) for pat in config.getini("python_files")):
         return None
@@ -121,9 +143,17 @@ def pytest_report_header(config):
 
 # ------------------------------------------------------------------------------------------------------ collection
 def pytest_generate_tests(metafunc):
-    if "kv_item" not in metafunc.fixturenames or not is_active(metafunc.config):
+    if not is_active(metafunc.config):
         return
     session = metafunc.config.stash[SESSION_KEY]
+    if "kv_selftest" in metafunc.fixturenames:
+        from kvconform.testing import faulty_caches
+
+        metafunc.parametrize("kv_selftest", [pytest.param(f, id=f.name) for f in faulty_caches()])
+    if "kv_item" not in metafunc.fixturenames:
+        return
+    if any(m.args and m.args[0] == "kv_item" for m in metafunc.definition.iter_markers("parametrize")):
+        return  # a user test decorated with kvconform.parametrize_with_checks
     params = [pytest.param(item, id=item.id, marks=item.marks(pytest)) for item in session.items()]
     metafunc.parametrize("kv_item", params)
 
@@ -138,26 +168,37 @@ def pytest_collection_modifyitems(session, config, items):
             "kvconform: --kvconform is set but no conformance items were collected "
             "(was the packaged suite excluded by a collection setting?)")
     for it in ours:
-        it.user_properties.append((PROPERTY, it.callspec.params["kv_item"].describe()))
+        if "kv_item" in it.callspec.params:
+            it.user_properties.append((PROPERTY, it.callspec.params["kv_item"].describe()))
 
 
 # ------------------------------------------------------------------------------------------------------ running
 @pytest.fixture(scope="session")
 def kv_session(request):
-    """The per-process kvconform session (models, oracles, plan). Only available under --kvconform."""
-    if not is_active(request.config):
-        pytest.skip("kvconform is not active (run with --kvconform)")
-    return request.config.stash[SESSION_KEY]
+    """The per-process kvconform session (models, oracles, plan). Without --kvconform (a user test decorated
+    with ``kvconform.parametrize_with_checks``) a bare session is built: no subjects of its own."""
+    if is_active(request.config):
+        return request.config.stash[SESSION_KEY]
+    from kvconform.session import build_session
+
+    return build_session(builtin=False)
+
+
+def _timeout(config) -> float:
+    value = config.getoption(OPT_TIMEOUT)
+    return float(config.getini(OPT_TIMEOUT) if value is None else value)
 
 
 @pytest.fixture
 def kv_runner(kv_session, request):
     """``kv_runner(item)`` runs one conformance item and records its metrics on the report."""
+    from kvconform.session import item_timeout
 
     def run(item):
         metrics = {}
         try:
-            metrics.update(kv_session.run(item))
+            with item_timeout(_timeout(request.config), item):
+                metrics.update(kv_session.run(item))
         except Exception as exc:
             metrics.update(getattr(exc, "metrics", {}) or {})
             raise
@@ -206,6 +247,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     results = config.stash[RESULTS_KEY]
     write_terminal_matrix(terminalreporter, results, config.stash[SESSION_KEY])
+    if _opt(config, OPT_SELFTEST):
+        from kvconform.report import write_selftest_summary
+
+        write_selftest_summary(terminalreporter)
     write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"))
 
 

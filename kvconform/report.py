@@ -152,3 +152,26 @@ def write_json(path: str, results: dict, session) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump(payload, fh, indent=1, ensure_ascii=False)
     os.replace(tmp, path)
+
+
+def write_selftest_summary(tr) -> None:
+    """Print the share of bundled faulty caches caught, per family (``--kvconform-selftest``)."""
+    per_family: dict = {}
+    for reports in tr.stats.values():
+        for report in reports:
+            props = dict(getattr(report, "user_properties", None) or ())
+            info = props.get("kvconform_selftest")
+            if info and getattr(report, "when", None) == "call":
+                per_family.setdefault(info["family"], []).append(info)
+    if not per_family:
+        return
+    tr.section("kvconform selftest: faulty caches caught per family")
+    total = caught = 0
+    for family in sorted(per_family):
+        infos = per_family[family]
+        n = sum(1 for i in infos if i["caught"])
+        total, caught = total + len(infos), caught + n
+        missed = [i["name"] for i in infos if not i["caught"]]
+        tr.write_line(f"{family:<12} {n}/{len(infos)} caught" + (f"   missed: {', '.join(missed)}" if missed else ""),
+                      green=not missed, red=bool(missed))
+    tr.write_line(f"{'all':<12} {caught}/{total} caught ({100 * caught / total:.0f}%)", bold=True)

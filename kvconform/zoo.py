@@ -196,8 +196,14 @@ def load_checkpoint(path: str, dtype=None, device: str = "cpu") -> ZooModel:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     model = auto.from_pretrained(path, local_files_only=True, dtype=dtype)
-    name = os.path.basename(os.path.normpath(path)).replace(" ", "_") or "checkpoint"
-    return _finish(name, model, dtype, device, os.path.abspath(path))
+    return _finish(checkpoint_name(path), model, dtype, device, os.path.abspath(path))
+
+
+def checkpoint_name(path: str) -> str:
+    """The name of a checkpoint folder in ids and reports: its base name with every character outside
+    ``[A-Za-z0-9_.]`` replaced by ``_`` (``-`` separates the parts of an item id)."""
+    base = os.path.basename(os.path.normpath(path))
+    return "".join(c if c.isalnum() or c in "_." else "_" for c in base) or "checkpoint"
 
 
 def is_checkpoint_spec(spec: str) -> bool:

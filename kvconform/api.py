@@ -1,0 +1,103 @@
+"""Entry points for cache authors outside ``pytest --kvconform``: ``check_cache`` and ``parametrize_with_checks``.
+
+Both run the same checks, cases, oracle and known-fault list as the suite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Outcome of one item run by ``check_cache``.
+
+    Attributes:
+        id: the item id (``subject-model-check-case``), as in pytest.
+        subject, model, check, family, case: the item's coordinates.
+        outcome: ``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed`` or ``error``.
+        message: the failure message (DESIGN §7), the skip / xfail reason, or the exception for ``error``.
+        metrics: JSON-serialisable numbers (``max_abs``, ``tolerance``, ``noise_floor``, ...).
+    """
+
+    id: str
+    subject: str
+    model: str
+    check: str
+    family: str
+    case: str
+    outcome: str
+    message: str = ""
+    metrics: dict = field(default_factory=dict)
+
+
+def _session(caches, models, checks, cases, strict, device, full):
+    from kvconform.session import build_session
+
+    return build_session(caches=list(caches), models=models, strict=strict, device=device, full=full,
+                         builtin=False, checks=checks, case_ids=cases)
+
+
+def _as_list(obj):
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def check_cache(cache, models=None, checks=None, cases=None, strict=False, device="cpu", full=False,
+                raise_on_failure=False) -> list[CheckResult]:
+    """Run every applicable conformance item on ``cache`` and return the results (no pytest needed).
+
+    Args:
+        cache: a ``CacheSpec``, a ``transformers.Cache`` subclass, a factory, or a ``"module:attr"`` string (or a
+            list of these).
+        models: zoo names / checkpoint folders (default: the whole zoo).
+        checks: check names to run (default: all), e.g. ``["check_prefill_then_decode"]``.
+        cases: case ids to run (default: all).
+        strict: known upstream faults count as failures.
+        raise_on_failure: raise ``ConformanceError`` with every failure message after running everything.
+
+    Raises:
+        kvconform.subjects.SpecError / ValueError: bad input (spec, model, check or case name).
+        kvconform.checks.ConformanceError: when ``raise_on_failure`` and an item failed.
+    """
+    from kvconform.checks import ConformanceError
+
+    session = _session(_as_list(cache), models, checks, cases, strict, device, full)
+    results = []
+    for item in session.items():
+        base = item.describe()
+        if item.skip:
+            results.append(CheckResult(item.id, **base, outcome="skipped", message=item.skip))
+            continue
+        try:
+            metrics = session.run(item)
+            outcome, message = ("xpassed", item.xfail) if item.xfail else ("passed", "")
+        except ConformanceError as exc:
+            metrics = exc.metrics
+            outcome, message = ("xfailed", item.xfail) if item.xfail else ("failed", str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported as the item's error
+            metrics, outcome, message = {}, "error", f"{type(exc).__name__}: {exc}"
+        results.append(CheckResult(item.id, **base, outcome=outcome, message=message, metrics=dict(metrics)))
+    failures = [r for r in results if r.outcome in ("failed", "error")]
+    if raise_on_failure and failures:
+        raise ConformanceError("\n\n".join(r.message for r in failures))
+    return results
+
+
+def parametrize_with_checks(caches, models=None, checks=None, cases=None, strict=False, device="cpu",
+                            full=False):
+    """A ``pytest.mark.parametrize`` over every conformance item of ``caches``, for a cache author's own tests::
+
+        from kvconform import parametrize_with_checks
+
+        @parametrize_with_checks([PagedCache], models=["llama", "mistral"])
+        def test_paged_cache_conforms(kv_item, kv_runner):
+            kv_runner(kv_item)
+
+    ``kv_runner`` is a fixture of kvconform's plugin. Skips and expected failures (``CacheSpec
+    .expected_failures``, known upstream faults) become skip / xfail marks. Arguments as in ``check_cache``.
+    """
+    import pytest
+
+    session = _session(_as_list(caches), models, checks, cases, strict, device, full)
+    params = [pytest.param(item, id=item.id, marks=item.marks(pytest)) for item in session.items()]
+    return pytest.mark.parametrize("kv_item", params)
