@@ -9,6 +9,10 @@ Facts it encodes (``shared/FACTS.md``, measured; transformers changelogs):
 * ``crop``: since 5.14 ``crop(-n)`` removes n tokens (positive raises since 5.20, warned 5.16–5.18); before 5.14 the
   argument was the absolute length to keep (and ``crop(0)`` emptied the cache).
 * ``get_max_length`` replaced ``get_max_cache_shape`` in 5.x; both are tried.
+* ``QuantizedCache`` (read from the released sources, replayed on 5.16.1): until 5.18 ``QuantizedLayer`` inherited
+  ``DynamicLayer.reorder_cache``, which reorders only the exact residual, so after a residual flush the quantized part
+  kept the old row order; 5.19 defers the reorder to the dequantized states. Until 5.17 ``reset()`` kept the
+  quantized states; until 5.19 the flush ignored the chunk length (``len(residual) + 1 >= residual_length``).
 """
 
 from __future__ import annotations
@@ -89,3 +93,37 @@ def prepare_float64(model):
         except (ValueError, AttributeError):  # the model has no experts
             pass
     return model
+
+
+def quantized_reorder_fixed() -> bool:
+    """Whether the installed ``QuantizedCache`` reorders its quantized part on ``reorder_cache`` (5.19 and later)."""
+    return transformers_version().release >= (5, 19)
+
+
+def layer_types_and_kwargs(config) -> tuple[list, list]:
+    """Per decoder layer: the cache layer type (``"full_attention"``, ``"sliding_attention"``,
+    ``"linear_attention"``, ``"hybrid"``, ...) and the keyword arguments its cache layer needs.
+
+    Uses ``transformers.cache_utils.get_layer_types_and_kwargs`` where it exists (5.2x). Older releases have no
+    such function: there the answer is read off a real ``DynamicCache(config=config)`` of the installed version,
+    so it is whatever that version's own cache would build.
+    """
+    import transformers.cache_utils as cu
+
+    decoder = config.get_text_config(decoder=True)
+    if hasattr(cu, "get_layer_types_and_kwargs"):
+        types, kwargs = cu.get_layer_types_and_kwargs(decoder)
+        if isinstance(kwargs, dict):  # up to 5.1x: one kwargs dict shared by every layer
+            return list(types), [dict(kwargs) for _ in types]
+        return list(types), list(kwargs)
+    names = {"DynamicLayer": "full_attention", "DynamicSlidingWindowLayer": "sliding_attention",
+             "LinearAttentionLayer": "linear_attention", "LinearAttentionAndFullAttentionLayer": "hybrid"}
+    types, kwargs = [], []
+    for layer in cu.DynamicCache(config=decoder).layers:
+        kind = names.get(type(layer).__name__, "full_attention")
+        types.append(kind)
+        extra = {"sliding_window": layer.sliding_window} if kind == "sliding_attention" else {}
+        if kind in ("linear_attention", "hybrid"):
+            extra["number_of_states"] = getattr(layer, "number_of_states", 1)
+        kwargs.append(extra)
+    return types, kwargs

@@ -16,8 +16,14 @@ Nothing here is fast or compileable; everything is easy to check by reading.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import (Cache, CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin,
-                                      get_layer_types_and_kwargs)
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from kvconform.compat import layer_types_and_kwargs
+
+try:  # not in every supported release (absent from 5.16)
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    DummyLayer = None
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 LINEAR_LAYER_TYPES = ("linear_attention", "conv")
@@ -303,7 +309,7 @@ def make_reference_layer(layer_type: str, layer_kwargs: dict):
         return ReferenceLinearAttentionLayer(number_of_states=states)
     if layer_type in HYBRID_LAYER_TYPES:
         return ReferenceHybridLayer(number_of_states=states, sliding_window=window)
-    if layer_type == "dummy":
+    if layer_type == "dummy" and DummyLayer is not None:
         return DummyLayer()
     raise ValueError(f"ReferenceCache has no layer for layer type {layer_type!r}")
 
@@ -329,7 +335,7 @@ class ReferenceCache(Cache):
         if config is None:
             super().__init__(layer_class_to_replicate=ReferenceAttentionLayer)
         else:
-            layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+            layer_types, layer_kwargs = layer_types_and_kwargs(config)
             super().__init__(layers=[make_reference_layer(t, kw) for t, kw in zip(layer_types, layer_kwargs)])
 
     @property

@@ -56,7 +56,7 @@ def model_info(spec: str) -> ModelInfo:
             config = AutoConfig.from_pretrained(spec, local_files_only=True)
         except Exception as exc:  # noqa: BLE001
             raise ValueError(f"--kvconform-model {spec!r}: cannot read its config: {exc}") from None
-        name = "".join(c if c.isalnum() or c in "_." else "_" for c in os.path.basename(os.path.normpath(spec)))
+        name = zoo.checkpoint_name(spec)
     else:
         raise ValueError(f"--kvconform-model {spec!r}: not a zoo name ({', '.join(zoo.ZOO_NAMES)}) "
                          f"and not a checkpoint folder")
@@ -100,15 +100,51 @@ class PlanItem:
                 "family": self.check.family, "case": self.case.id}
 
 
-def skip_reason(subject, model: ModelInfo, check, case, full: bool = False) -> str | None:
-    """The one place that decides whether an item applies (DESIGN §4.1)."""
+def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
+    """Whether the item exists at all. A case limited to some models (``models``) or model features
+    (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
+    model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
+    ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
     from kvconform.cases import model_requirements_unmet
+
+    if (case.tier == "full" or subject.tier == "full") and not full:
+        return False  # opt-in tier: counted in the report header instead of listed as skips
+    if case.models and model.name not in case.models:
+        return False
+    if model_requirements_unmet(case, model.features):
+        return False
+    return subject.applies_to is None or subject.applies_to(model) is None
+
+
+def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, device: str = "cpu") -> str | None:
+    """The one place that decides whether an item applies (DESIGN §4.1).
+
+    Besides capabilities and model features: a check may declare its own rule as
+    ``fn.kvconform_applies(subject, model, case, device=...) -> reason or None`` (lossy-only checks, coverage checks
+    tied to one subject); a lossy subject (``CacheSpec.twin``) is not held to the generate family's token-for-token
+    comparison with the exact model; ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
+    hardware.
+    """
+    from kvconform.cases import model_requirements_unmet
+    from kvconform.quant import missing_requirement
 
     if case.tier == "full" and not full:
         return f"case {case.id} is in the full tier (opt-in: --kvconform-full)"
     missing = sorted(check.needs - subject.capabilities)
     if missing:
         return f"{subject.name} does not declare capability '{missing[0]}'"
+    own_rule = getattr(check.fn, "kvconform_applies", None)
+    reason = own_rule(subject, model, case, device=device) if own_rule is not None else None
+    if reason:
+        return reason
+    if getattr(subject, "twin", None) is not None and check.family == "generate" and own_rule is None:
+        return (f"{subject.name} is lossy: its greedy generate() is compared with its fake-quant twin "
+                f"(check_generate_vs_twin), not token for token with the exact model")
+    for requirement, hint in getattr(subject, "requires", {}).items():
+        if missing_requirement(requirement):
+            return f"requires {requirement} ({hint})"
+    if getattr(subject, "needs_cuda", None) and not _cuda_device(device):
+        return subject.needs_cuda
     unmet = model_requirements_unmet(case, model.features)
     if unmet:
         return unmet
@@ -117,6 +153,12 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False) -> s
     if subject.applies_to is not None:
         return subject.applies_to(model)
     return None
+
+
+def _cuda_device(device: str) -> bool:
+    import torch
+
+    return str(device).startswith("cuda") and torch.cuda.is_available()
 
 
 @dataclass
@@ -140,9 +182,9 @@ class KVSession:
             check = self.checks[case.check]
             for subject in self.subjects:
                 for model in self.models:
-                    if case.models and model.name not in case.models:
+                    if not in_scope(subject, model, case, self.full):
                         continue
-                    skip = skip_reason(subject, model, check, case, self.full)
+                    skip = skip_reason(subject, model, check, case, self.full, self.device)
                     xfail = (subject.expected_failures.get(f"{check.name}:{case.id}")
                              or subject.expected_failures.get(check.name))
                     item = PlanItem(subject, model, check, case, skip, xfail)
@@ -171,8 +213,9 @@ class KVSession:
             self._oracles[id(zm)] = Oracle(zm)
         return self._oracles[id(zm)]
 
-    def run(self, item: PlanItem) -> dict:
-        """Run one item; return its metrics. Raises ``ConformanceError`` on non-conformance."""
+    def run(self, item: PlanItem, benchmark=None) -> dict:
+        """Run one item; return its metrics. Raises ``ConformanceError`` on non-conformance, ``CheckSkipped`` when
+        the check cannot measure here. ``benchmark``: the pytest-benchmark fixture for speed items (or None)."""
         import torch
 
         from kvconform.checks import CheckContext, run_check
@@ -180,7 +223,7 @@ class KVSession:
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,
-                           known_fault=self.known_fault(item), full=self.full)
+                           known_fault=self.known_fault(item), full=self.full, benchmark=benchmark)
         return run_check(item.check.name, ctx)
 
     def known_fault(self, item: PlanItem) -> str | None:
@@ -208,7 +251,9 @@ class KVSession:
             f"kvconform {env['kvconform']}: transformers {env['transformers']}, torch {env['torch']}, "
             f"device {self.device}, known faults {'fail (strict)' if self.strict else 'xfail'}",
             f"kvconform subjects: {', '.join(s.name for s in self.subjects)}",
-            f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}",
+            f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}"
+            + ("" if self.full else f" ({sum(c.tier == 'full' for c in self.cases)} in the full tier, not run: "
+                                    f"add --kvconform-full)"),
         ]
 
 
@@ -226,25 +271,113 @@ def _quiet_transformers():
     logging.set_verbosity_error()
 
 
-def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False) -> KVSession:
-    """Resolve everything the user passed; raise ``ValueError`` (a usage error) naming the bad input."""
+def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
+                  builtin=True, checks=None, case_ids=None) -> KVSession:
+    """Resolve everything the user passed into a ``KVSession``.
+
+    Args:
+        caches: extra subjects — ``"module:attr"`` strings, ``CacheSpec`` objects, Cache subclasses or factories.
+        models: zoo names / checkpoint folders (default: the whole zoo).
+        case_paths: extra case files or folders.
+        builtin: include the built-in subjects (ReferenceCache, DynamicCache, StaticCache, ...).
+        checks: if given, only cases running these check names.
+        case_ids: if given, only these case ids.
+
+    Raises:
+        ValueError (``SpecError``, ``CaseFileError``): bad input, naming the spec / file and the cause.
+    """
     from kvconform.cases import load_cases
     from kvconform.checks import load_checks
     from kvconform.known_faults import load_known_faults
-    from kvconform.subjects import builtin_subjects, check_factory_builds_cache, resolve_cache_spec
+    from kvconform.subjects import as_cache_spec, builtin_subjects, check_factory_builds_cache
 
     _quiet_transformers()
-    checks = load_checks()
-    subjects = builtin_subjects()
-    for spec in caches or ():
-        subject = resolve_cache_spec(spec)
+    registry = load_checks()
+    subjects = builtin_subjects() if builtin else []
+    for obj in caches or ():
+        subject = as_cache_spec(obj)
         check_factory_builds_cache(subject, zoo.zoo_config("llama"))
         if any(s.name == subject.name for s in subjects):
-            raise ValueError(f"--kvconform-cache {spec!r}: a subject named {subject.name!r} already exists")
+            raise ValueError(f"--kvconform-cache {obj!r}: a subject named {subject.name!r} already exists")
         subjects.append(subject)
     infos = [model_info(m) for m in (models or zoo.ZOO_NAMES)]
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
-    cases = load_cases(case_paths, known_checks=set(checks))
-    return KVSession(subjects, infos, cases, checks, strict, device, load_known_faults(), full)
+    cases = load_cases(case_paths, known_checks=set(registry))
+    for name in checks or ():
+        if name not in registry:
+            raise ValueError(f"unknown check {name!r}; known: {', '.join(sorted(registry))}")
+    if checks:
+        cases = [c for c in cases if c.check in set(checks)]
+    if case_ids:
+        unknown = set(case_ids) - {c.id for c in cases}
+        if unknown:
+            raise ValueError(f"unknown case id(s) {sorted(unknown)}")
+        cases = [c for c in cases if c.id in set(case_ids)]
+    return KVSession(subjects, infos, cases, registry, strict, device, load_known_faults(), full)
+
+
+class ItemTimeout(BaseException):
+    """Raised inside an item that ran past ``--kvconform-timeout`` (converted to a ConformanceError). A
+    BaseException, so that the checks' ``except Exception`` around subject calls does not swallow it."""
+
+
+def item_timeout(seconds: float, item: PlanItem):
+    """Context manager failing ``item`` with a ConformanceError after ``seconds`` (POSIX main thread only; a hang
+    inside one native call is interrupted when it returns to Python). ``seconds <= 0`` disables it."""
+    import contextlib
+    import signal
+    import threading
+
+    @contextlib.contextmanager
+    def guard():
+        usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        if not usable:
+            yield
+            return
+
+        def on_alarm(signum, frame):
+            raise ItemTimeout()
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        except ItemTimeout:
+            from kvconform.checks import ConformanceError
+
+            d = item.describe()
+            raise ConformanceError(
+                f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}\n"
+                f"  no result after {seconds:g} s (per-item timeout, --kvconform-timeout)\n"
+                f"  likely cause: the subject hangs (an endless loop, a lock) or is pathologically slow\n"
+                f'  reproduce: pytest --kvconform -k "{item.id}"', {"timeout_s": seconds}) from None
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return guard()
+
+
+def run_selftest(session: KVSession, faulty) -> dict:
+    """Run a bundled faulty cache (``kvconform.testing.FaultyCache``) through its target check on its model.
+
+    Returns ``{"name", "family", "check", "caught", "items", "failed", "message"}``; ``caught`` is True when at
+    least one item of the target check failed with the fault attributed to the subject (not to the model).
+    """
+    from kvconform.checks import ConformanceError
+
+    sub = build_session(caches=[faulty.spec], models=[faulty.model], builtin=False, checks=[faulty.check],
+                        strict=True, device=session.device, full=session.full)
+    failed, first = 0, ""
+    items = [i for i in sub.items() if not i.skip]
+    for item in items:
+        try:
+            sub.run(item)
+        except ConformanceError as exc:
+            if not exc.metrics.get("model_at_fault"):
+                failed += 1
+                first = first or str(exc)
+    return {"name": faulty.name, "family": faulty.family, "check": faulty.check, "caught": failed > 0,
+            "items": len(items), "failed": failed, "message": first}

@@ -44,6 +44,15 @@ class CacheSpec:
         tolerance_factor: multiplies the case tolerance factor ``k`` (lossy subjects declare > 1).
         applies_to: optional ``fn(model_info) -> reason or None`` excluding models the subject cannot serve.
         source: ``"builtin"`` or the spec string it was resolved from.
+        tier: ``"default"``, or ``"full"`` for subjects that only run under ``--kvconform-full`` (keeps the default
+            run within its time budget; e.g. the 2-bit quantized variants).
+        twin: for a lossy (quantized) subject, the factory of its fake-quant reference (``kvconform.quant``,
+            built with the same construction kwargs): the exact families compare the subject with the twin run on
+            the same ops instead of the oracle, and the quality family holds it to a budget against the oracle.
+        requires: ``{"module" or "module:attr": install hint}`` — items skip with "requires X (hint)" where one is
+            not importable (optional backends such as hqq).
+        needs_cuda: the skip reason when the run's device is not CUDA (e.g. "offloading needs CUDA"); None: any.
+        same_as: name of the subject whose logits this one must equal exactly (offloaded → non-offloaded).
     """
 
     name: str
@@ -53,6 +62,11 @@ class CacheSpec:
     tolerance_factor: float = 1.0
     applies_to: Callable | None = None
     source: str = "builtin"
+    tier: str = "default"
+    twin: Callable | None = None
+    requires: Mapping[str, str] = field(default_factory=dict)
+    needs_cuda: str | None = None
+    same_as: str | None = None
 
     def build_one(self, **available):
         """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``)."""
@@ -105,11 +119,18 @@ def _static(config, max_cache_len):
 
 
 def builtin_subjects() -> list[CacheSpec]:
-    """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…)."""
+    """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…), the QuantizedCache
+    subjects and the offloaded caches (``kvconform.quant``)."""
+    from kvconform.quant import offloaded_subjects, quantized_subjects
+
     return [
         CacheSpec("ReferenceCache", _reference),
         CacheSpec("DynamicCache", _dynamic),
-        CacheSpec("StaticCache", _static, capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"}),
+        # StaticCache inherits Cache.batch_repeat_interleave / batch_select_indices, so it claims them; its layers
+        # lack them on transformers 5.24 (known_faults.toml), which the contract and batch families report.
+        CacheSpec("StaticCache", _static),
+        *quantized_subjects(),
+        *offloaded_subjects(),
     ]
 
 
@@ -187,3 +208,26 @@ def check_factory_builds_cache(spec: CacheSpec, config) -> None:
         return
     if not isinstance(built, Cache):
         raise SpecError(f"{spec.source!r}: {spec.name} built a {type(built).__name__}, not a transformers.Cache")
+
+
+def as_cache_spec(obj, source: str = "python") -> CacheSpec:
+    """Turn what a user hands over into a ``CacheSpec``: a ``CacheSpec`` (as is), a ``"module:attr"`` string, a
+    ``transformers.Cache`` subclass or a factory (named after ``__name__``).
+
+    Raises:
+        SpecError: anything else, or a string that does not resolve (see ``resolve_cache_spec``).
+    """
+    if isinstance(obj, CacheSpec):
+        return obj
+    if isinstance(obj, str):
+        return resolve_cache_spec(obj)
+    from transformers import Cache
+
+    name = getattr(obj, "__name__", None)
+    if inspect.isclass(obj) and not issubclass(obj, Cache):
+        raise SpecError(f"{name}: a class but not a transformers.Cache subclass")
+    if not callable(obj) or not name or not name.isidentifier():
+        raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
+    declared = getattr(obj, "kvconform_capabilities", None)
+    caps = frozenset(CAPABILITIES) if declared is None else frozenset(declared)
+    return CacheSpec(name, obj, capabilities=caps, source=source)

@@ -119,9 +119,9 @@ class ZooModel:
 
 
 def _layer_types(config) -> tuple[tuple, int | None]:
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from kvconform.compat import layer_types_and_kwargs
 
-    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    types, kwargs = layer_types_and_kwargs(config)
     windows = [kw["sliding_window"] for kw in kwargs if kw.get("sliding_window")]
     return tuple(types), (min(windows) if windows else None)
 

@@ -20,6 +20,11 @@ class ConformanceError(AssertionError):
         self.metrics = metrics or {}
 
 
+class CheckSkipped(Exception):
+    """A check found at run time that it cannot measure here (e.g. benchmarking is disabled). The suite reports
+    the item as skipped with ``str(err)`` as the reason — never as passed."""
+
+
 @dataclass(frozen=True)
 class CheckInfo:
     """A registered check: ``fn(ctx)``, its ``family`` and the subject ``capabilities`` it needs."""
@@ -71,6 +76,8 @@ class CheckContext:
         check_name: the running check's name (set by ``run_check``).
         known_fault: the bundled known-upstream-fault reason matching this item, if any (named in the message).
         full: True under ``--kvconform-full`` (checks may then use their heavier profile).
+        benchmark: the pytest-benchmark fixture for ``speed`` items when the plugin is installed, else None
+            (``kvconform.timing`` then times with its own loop).
     """
 
     subject: object
@@ -82,6 +89,7 @@ class CheckContext:
     check_name: str = ""
     known_fault: str | None = None
     full: bool = False
+    benchmark: object = None
 
     def tolerance(self):
         from kvconform.oracle import DEFAULT_ABS_MIN, DEFAULT_FACTOR, Tolerance

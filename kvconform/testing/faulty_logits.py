@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvconform.compat import layer_types_and_kwargs
 
 from kvconform.testing import FaultyCache
 
@@ -25,7 +27,7 @@ class HiddenWindowCache(Cache):
     wrong from the 18th token on."""
 
     def __init__(self, config=None, **kwargs):
-        types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        types, _ = layer_types_and_kwargs(config)
         super().__init__(layers=[_ForgetfulLayer() for _ in types])
 
 
@@ -45,7 +47,7 @@ class ChunkTailOnlyCache(Cache):
     """A chunk of k>1 tokens fed into a warm cache is attended correctly, but only its last token is stored."""
 
     def __init__(self, config=None, **kwargs):
-        types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        types, _ = layer_types_and_kwargs(config)
         super().__init__(layers=[_ChunkTailLayer() for _ in types])
 
 

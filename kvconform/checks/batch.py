@@ -1,0 +1,154 @@
+"""Family ``batch``: batch surgery on a warm cache — ``reorder_cache`` (beam search), ``batch_repeat_interleave`` and
+``batch_select_indices`` (contrastive search, prompt-cache expansion) — keeps every row's own history.
+
+The cases use *distinct* prompts per row, left-padded with an attention mask (``params.padding``: pad tokens per
+row), so that a row that picks up another row's keys or states, or a pad that leaks, shows in the logits. After
+each op the decode steps are compared with the oracle rows of the rearranged batch. ``check_beam_search`` runs
+``generate(num_beams ≥ 2)`` on such a batch and compares with uncached beam search.
+"""
+
+from __future__ import annotations
+
+from kvconform import compat
+from kvconform.checks import register
+from kvconform.checks._engine import (SubjectRaised, case_generator, describe_exception, fail_raised, fail_verdict,
+                                      judge, lossy_generate_rule, random_tokens, run_ops)
+
+_OP_CAUSE = {
+    "reorder": ("reorder_cache", "reorder_cache() did not move every tensor of every layer with its row (keys "
+                "and values, conv and recurrent states, and any per-row counter)"),
+    "repeat": ("batch_repeat_interleave", "batch_repeat_interleave() did not repeat every tensor row by row "
+               "([b0, b0, b1, b1]: repeat_interleave, not tile)"),
+    "select": ("batch_select_indices", "batch_select_indices() did not keep exactly the selected rows of every "
+               "tensor of every layer"),
+}
+
+
+def _run_batch_case(ctx, op_name):
+    if not any(op.name == op_name for op in ctx.case.ops):
+        raise ValueError(f"case {ctx.case.id}: this check needs a '{op_name}' op")
+    if op_name == "reorder" and ctx.case.batch < 2:
+        raise ValueError(f"case {ctx.case.id}: a non-identity reorder needs batch ≥ 2")
+    method, cause_text = _OP_CAUSE[op_name]
+    try:
+        steps = run_ops(ctx, ctx.new_cache())
+    except SubjectRaised as exc:
+        missing = isinstance(exc.cause, (AttributeError, NotImplementedError))
+        fail_raised(ctx, exc, (f"the cache (or one of its layers) has no working {method}()"
+                               if missing and exc.where.startswith(op_name) else
+                               f"after {method}() the cache holds tensors of inconsistent batch sizes"
+                               if not exc.where.startswith(op_name) else
+                               f"{method}() fails on this cache (see the exception)"))
+    verdict = judge(ctx, steps)
+    _, cmp = verdict.first_fail or verdict.worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps))
+    if not verdict.passed:
+        op_index = next(i for i, op in enumerate(ctx.case.ops) if op.name == op_name)
+
+        def cause(step, cmp, model_at_fault):
+            if model_at_fault:
+                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+            if step.op_index < op_index:
+                return "the batch is wrong before the op: rows or padding are not kept apart (see the logits family)"
+            return cause_text
+
+        fail_verdict(ctx, verdict, cause)
+
+
+@register("batch", needs=("forward", "reorder"))
+def check_reorder_then_decode(ctx):
+    """Left-padded distinct prompts, decode, ``reorder_cache`` with a non-identity permutation, decode: every row
+    equals the oracle row of the permuted batch."""
+    _run_batch_case(ctx, "reorder")
+
+
+@register("batch", needs=("forward", "batch_repeat"))
+def check_repeat_then_decode(ctx):
+    """Left-padded distinct prompts, ``batch_repeat_interleave(r)``, decode: rows ``b·r … b·r+r−1`` each equal the
+    oracle of prompt ``b``."""
+    _run_batch_case(ctx, "repeat")
+
+
+@register("batch", needs=("forward", "batch_select"))
+def check_select_then_decode(ctx):
+    """Left-padded distinct prompts, ``batch_select_indices`` dropping row 0, decode: the kept rows equal their
+    oracle rows."""
+    _run_batch_case(ctx, "select")
+
+
+def _beam(m, prompt, mask, n, beams, cache_kwargs):
+    """Beam search with ``m`` (a ``PreTrainedModel``); returns (sequences, sequence scores float64) on CPU."""
+    import torch
+
+    device = next(m.parameters()).device
+    kwargs = dict(attention_mask=mask.to(device)) if mask is not None else {}
+    with torch.no_grad():
+        out = m.generate(prompt.to(device), max_new_tokens=n, min_new_tokens=n, num_beams=beams, do_sample=False,
+                         early_stopping=False, length_penalty=1.0, return_dict_in_generate=True, output_scores=True,
+                         **kwargs, **cache_kwargs)
+    return out.sequences.cpu(), out.sequences_scores.detach().to("cpu", torch.float64)
+
+
+@register("batch", needs=("generate", "reorder"))
+def check_beam_search(ctx):
+    """``generate(num_beams=params.beams)`` on distinct, left-padded prompts with the subject's cache equals uncached
+    beam search: the same sequences, and sequence scores within the tolerance (noise floor: uncached beam search in
+    the case dtype vs in float64)."""
+    import torch
+
+    case, model = ctx.case, ctx.model
+    beams = int(case.params.get("beams", 2))
+    if beams < 2:
+        raise ValueError(f"case {case.id}: params.beams must be ≥ 2")
+    gen = case_generator(case, model.name)
+    length = case.encoder_len if model.is_encoder_decoder else case.prompt
+    prompt = random_tokens(gen, case.batch, length, model.vocab_size)
+    mask = torch.ones_like(prompt)
+    padding = case.params.get("padding") if not model.is_encoder_decoder else None
+    for b, p in enumerate(padding or ()):
+        if b < case.batch:
+            prompt[b, :p], mask[b, :p] = 0, 0
+    n = case.max_new_tokens
+    ops_text = (f"generate(num_beams={beams}, prompts {length} tokens"
+                + (f" left-padded by {list(padding)[:case.batch]}" if padding else "") + f", max_new_tokens={n})")
+    cache = ctx.subject.build(model, max_cache_len=ctx.max_cache_len, batch_size=case.batch * beams,
+                              encoder_len=case.encoder_len)
+    try:
+        seq, scores = _beam(model.model, prompt, mask, n, beams, compat.generate_cache_kwargs(cache))
+    except Exception as exc:  # noqa: BLE001
+        missing = isinstance(exc, (AttributeError, NotImplementedError))
+        ctx.fail([f"beam search raised {describe_exception(exc)}", f"ops: {ops_text}",
+                  "likely cause: " + ("the cache has no working reorder_cache() (beam search calls it every step)"
+                                      if missing else "the cache cannot follow beam search (see the exception)")],
+                 {"raised": type(exc).__name__})
+    ref_seq, ref_scores = _beam(model.model, prompt, mask, n, beams, {"use_cache": False})
+    # noise floor: the same uncached beam search in float64, row by row without the pads (a fully masked pad row
+    # turns some models' float64 eager attention into NaN; a padded row must equal its prompt alone anyway)
+    exact_scores = torch.cat([_beam(model.oracle_model(), prompt[b:b + 1, mask[b].bool()], None, n, beams,
+                                    {"use_cache": False})[1] for b in range(case.batch)])
+    tol = ctx.tolerance()
+    floor = float((ref_scores - exact_scores).abs().max())
+    same = tuple(seq.shape) == tuple(ref_seq.shape) and bool((seq == ref_seq).all())
+    delta = float((scores - ref_scores).abs().max()) if same else float("inf")
+    bound = tol.bound(floor)
+    ctx.metrics.update(max_abs=delta, tolerance=bound, noise_floor=floor, beams=beams, tokens_equal=same)
+    if same and delta <= bound:
+        return
+    lines = []
+    if not same:
+        if tuple(seq.shape) == tuple(ref_seq.shape):
+            b, i = (seq != ref_seq).nonzero()[0].tolist()
+            lines.append(f"beam search picked different tokens than uncached beam search at batch={b} index={i}: "
+                         f"{seq[b, i].item()} vs {ref_seq[b, i].item()}")
+        else:
+            lines.append(f"sequences of shape {tuple(seq.shape)}, but uncached beam search gave "
+                         f"{tuple(ref_seq.shape)}")
+    else:
+        lines.append(f"max|Δ sequence score| = {delta:.1e}, but should be ≤ {bound:.1e} ({tol.describe(floor)})")
+    lines += [f"ops: {ops_text}",
+              "likely cause: reorder_cache() does not move every layer's tensors with the surviving beams (or the "
+              "padding of the rows leaks into other rows)"]
+    ctx.fail(lines)
+
+
+check_beam_search.kvconform_applies = lossy_generate_rule

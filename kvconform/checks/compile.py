@@ -1,0 +1,447 @@
+"""Family ``compile``: ``torch.compile`` conformance of the decode loop.
+
+The protocol (``run_protocol``), the way ``generate`` and the transformers docs compile a static cache: the prefill
+runs eagerly, every decode step through ``torch.compile(model.forward, fullgraph=True, dynamic=False)``. Three
+sequences of the same shape and different tokens: **A** on a fresh cache, **B** on the same cache after
+``reset()``, **C** on a second, fresh cache object. The first compiled call (A's first decode step) is the warm-up
+that compiles; from then on ``torch.compiler.set_stance("fail_on_recompile")`` is set, so a call that misses the
+compiled graph raises at once, with dynamo's guard-failure reasons, instead of compiling again: the check counts
+it, keeps the reason and runs that step eagerly. Recompiles are therefore counted at no compile cost, and every
+compiled step's logits are compared with the same ops run eagerly on the subject (A, reset, B, fresh C).
+
+``check_compile_static_decode`` — subjects whose cache declares ``is_compileable = True``: no graph break
+(``fullgraph=True``), **zero** recompiles after the warm-up (across steps, ``reset()`` and a fresh cache object),
+compiled logits equal eager within ``max(k · noise floor, abs_min)``; with ``mode="reduce-overhead"`` on CUDA, no
+cudagraph skips either. ``check_compile_claim`` — subjects declaring ``is_compileable = False``, compiled anyway the
+way a user compiling the model would (``fullgraph=False``): it fails on a crash or on compiled logits that differ
+from eager (a silent miscompile), and reports the claim as *confirmed* (graph breaks or recompiles, with the first
+reason) or *conservative* (one graph, no recompile on this model — e.g. ``ReferenceCache`` on the all-linear Mamba:
+fixed-size states). A conservative claim is not a fault: this CPU protocol does not test the static addresses CUDA
+graphs need.
+
+Why a recompile after the warm-up is a fault even though torch would "just" recompile: with ``dynamic=False`` a
+Python int that changes every step recompiles every step until ``torch._dynamo.config.recompile_limit`` (8), after
+which ``fullgraph=True`` raises ``FailOnRecompileLimitHit`` and ``fullgraph=False`` silently runs eagerly; with
+``dynamic=None`` (generate's default) dynamo recompiles once into a graph taking the int as a SymInt input, and CUDA
+graphs (``mode="reduce-overhead"``) then record a new graph for every new value, i.e. every step. The same holds for
+transformers' own sliding-window ``StaticCache`` on 5.24 (``StaticSlidingWindowLayer.cumulative_length_int``):
+kvconform reports it as a fault, listed in ``known_faults.toml`` (xfail unless ``--kvconform-strict``).
+
+Applicability (decided at collection, ``kvconform_applies``): the subject's cache is built for the model (cheap,
+no tensors) and its ``is_compileable`` read; ``params.device = "cuda"`` cases skip off CUDA. Compile state is
+process-global: every item starts and ends with ``torch.compiler.reset()``.
+
+Case ``params``: ``mode`` (None | "default" | "reduce-overhead" | "max-autotune"), ``backend`` ("inductor"),
+``dynamic`` (false), ``device`` ("cuda" → CUDA only).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from kvconform import compat
+from kvconform.checks import register
+from kvconform.checks._engine import FIRST_TOKEN, case_generator
+
+_RECOMPILE = "Detected recompile"
+_GUARD = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(?P<guard>.+?)\s*(?:#\s*(?P<src>.*))?$")
+
+
+# ------------------------------------------------------------------------------------------------ applicability
+_CLAIMS: dict = {}
+
+
+def declared_compileable(subject, model_info) -> bool | None:
+    """``is_compileable`` of ``subject``'s cache built for ``model_info``'s config (no tensors allocated), memoised;
+    None when it cannot be built here (then the item runs and reports the failure)."""
+    key = (subject.name, subject.source, model_info.spec)
+    if key not in _CLAIMS:
+        try:
+            from kvconform import zoo
+
+            config = zoo.zoo_config(model_info.spec) if model_info.spec in zoo.ZOO_NAMES else _checkpoint_config(
+                model_info.spec)
+            cache = subject.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
+            _CLAIMS[key] = bool(cache.is_compileable)
+        except Exception:  # noqa: BLE001 - reported by the item itself
+            _CLAIMS[key] = None
+    return _CLAIMS[key]
+
+
+def _checkpoint_config(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def _device_rule(case, device) -> str | None:
+    if case.params.get("device") == "cuda":
+        import torch
+
+        if not (str(device).startswith("cuda") and torch.cuda.is_available()):
+            return (f"case {case.id} requires CUDA (mode={case.params.get('mode')!r}: CUDA graphs); "
+                    f"run with --kvconform-device cuda on a GPU")
+    return None
+
+
+def _applies(claim: bool):
+    def rule(subject, model, case, device="cpu"):
+        reason = _device_rule(case, device)
+        if reason:
+            return reason
+        declared = declared_compileable(subject, model)
+        if declared is not None and declared != claim:
+            other = "check_compile_static_decode" if declared else "check_compile_claim"
+            return (f"{subject.name} on {model.name} declares is_compileable={declared}; "
+                    f"this check is for is_compileable={claim} ({other} tests it)")
+        return None
+
+    return rule
+
+
+# ------------------------------------------------------------------------------------------------ the protocol
+@dataclass
+class Recompile:
+    """One compiled call that missed the graph: ``where`` (``"A step 2"``), the failing ``guard`` expression and the
+    ``source`` line dynamo names for it."""
+
+    where: str
+    guard: str
+    source: str
+
+
+@dataclass
+class ProtocolRun:
+    """What ``run_protocol`` observed. Logits are float64 ``[B, 1, V]`` per decode step, keyed by ``(seq, step)``."""
+
+    compile_seconds: float = 0.0
+    graph_break: str | None = None
+    graph_break_where: str = ""
+    error: str | None = None
+    recompiles: list = field(default_factory=list)
+    compiled_calls: int = 0
+    eager_fallbacks: int = 0
+    graph_breaks_counted: int = 0
+    graphs: int = 0
+    compiled: dict = field(default_factory=dict)
+    eager: dict = field(default_factory=dict)
+    sequences: dict = field(default_factory=dict)
+    cudagraph_skips: int = 0
+
+
+def _protocol_shape(case):
+    ops = case.ops
+    if len(ops) != 2 or ops[0].name != "prefill" or ops[1].name != "decode" or ops[1].n < 2:
+        raise ValueError(f"case {case.id}: the compile checks need ops = ['prefill P', 'decode N'] (N ≥ 8 "
+                         f"recommended), got {[op.label for op in ops]}")
+    return ops[0].n, ops[1].n
+
+
+def _sequences(ctx):
+    """Tokens of sequences A, B, C: ``{name: (encoder_ids or None, tokens [B, P+N])}``, distinct per sequence."""
+    import torch
+
+    prefill, steps = _protocol_shape(ctx.case)
+    gen = case_generator(ctx.case, ctx.model.name)
+    out = {}
+    for name in ("A", "B", "C"):
+        enc = (torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, ctx.case.encoder_len), generator=gen)
+               if ctx.model.is_encoder_decoder else None)
+        out[name] = (enc, torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, prefill + steps),
+                                        generator=gen))
+    return out
+
+
+def _kwargs(ctx, cache, tokens, start, enc):
+    import torch
+
+    m = ctx.model.model
+    device = next(m.parameters()).device
+    kwargs = {compat.cache_kwarg(m): cache, "use_cache": True}
+    if ctx.model.is_encoder_decoder:
+        kwargs.update(input_ids=enc.to(device), decoder_input_ids=tokens.to(device))
+    elif compat.accepts_position_ids(m):
+        k = tokens.shape[1]
+        kwargs.update(input_ids=tokens.to(device),
+                      position_ids=torch.arange(start, start + k, device=device).expand(tokens.shape[0], k))
+    else:
+        kwargs["input_ids"] = tokens.to(device)
+    return kwargs
+
+
+def _logits(out):
+    import torch
+
+    return out.logits[:, -1:].detach().to("cpu", torch.float64)
+
+
+def _drive(ctx, seqs, step_fn):
+    """A, reset, B, fresh C: prefill eagerly, then ``step_fn(where, kwargs)`` per decode step (returns logits)."""
+    import torch
+
+    prefill, steps = _protocol_shape(ctx.case)
+    m = ctx.model.model
+    cache = None
+    for name, (enc, tokens) in seqs.items():
+        if name == "A" or name == "C":
+            cache = ctx.new_cache()
+        else:
+            cache.reset()
+        with torch.no_grad():
+            m(**_kwargs(ctx, cache, tokens[:, :prefill], 0, enc))
+            for s in range(steps):
+                pos = prefill + s
+                step_fn(name, s, _kwargs(ctx, cache, tokens[:, pos:pos + 1], pos, enc))
+
+
+def _first_guard(message: str) -> tuple[str, str]:
+    """``(guard expression, source)`` of the first guard failure in a ``fail_on_recompile`` message."""
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        if "guard failure" in line and i + 1 < len(lines):
+            match = _GUARD.match(lines[i + 1])
+            if match:
+                return match.group("guard").strip(), (match.group("src") or "").strip()
+    return message.splitlines()[0][:200], ""
+
+
+def _user_frame(message: str) -> str:
+    """The innermost ``File ..., line N, in fn`` of dynamo's "from user code" section, shortened."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', message)
+    if not frames:
+        return ""
+    path, line, fn = frames[-1]
+    return f"{path.rsplit('/', 2)[-2] + '/' + path.rsplit('/', 1)[-1] if '/' in path else path}:{line} in {fn}"
+
+
+def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
+    """Run A / reset B / fresh C eagerly and compiled (see the module docstring); never raises for the subject's
+    faults (they are recorded), only for a malformed case (``ValueError``)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    params = ctx.case.params
+    seqs = _sequences(ctx)
+    run = ProtocolRun(sequences=seqs)
+
+    def eager_step(name, s, kwargs):
+        run.eager[(name, s)] = _logits(ctx.model.model(**kwargs))
+
+    _drive(ctx, seqs, eager_step)
+
+    mode = params.get("mode")
+    cudagraphs = mode in ("reduce-overhead", "max-autotune")
+    torch.compiler.reset()
+    counters.clear()
+    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=bool(params.get("dynamic", False)),
+                             backend=params.get("backend", "inductor"), mode=mode)
+    state = {"warm": False, "dead": False}
+
+    def compiled_step(name, s, kwargs):
+        where = f"{name} step {s + 1}"
+        if state["dead"]:
+            run.compiled[(name, s)] = None
+            ctx.model.model(**kwargs)
+            return
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        if not state["warm"]:
+            start = time.perf_counter()
+            try:
+                out = compiled(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - the subject's (or the model's) failure to compile
+                run.compile_seconds = time.perf_counter() - start
+                text = str(exc)
+                if type(exc).__name__ in ("Unsupported", "UserError") or "graph break" in text.lower():
+                    run.graph_break = text.strip().splitlines()[0][:240]
+                    run.graph_break_where = _user_frame(text)
+                else:
+                    run.error = f"{type(exc).__name__}: {text.strip().splitlines()[0][:240] if text.strip() else ''}"
+                state["dead"] = True
+                run.compiled[(name, s)] = None
+                return
+            run.compile_seconds = time.perf_counter() - start
+            state["warm"] = True
+            torch.compiler.set_stance("fail_on_recompile")
+            run.compiled_calls += 1
+            run.compiled[(name, s)] = _logits(out)
+            return
+        try:
+            out = compiled(**kwargs)
+        except RuntimeError as exc:
+            if _RECOMPILE not in str(exc):
+                raise
+            guard, source = _first_guard(str(exc))
+            run.recompiles.append(Recompile(where, guard, source))
+            run.eager_fallbacks += 1
+            run.compiled[(name, s)] = None
+            ctx.model.model(**kwargs)
+            return
+        run.compiled_calls += 1
+        run.compiled[(name, s)] = _logits(out)
+
+    try:
+        _drive(ctx, seqs, compiled_step)
+    finally:
+        torch.compiler.set_stance("default")
+        run.graph_breaks_counted = sum(counters["graph_break"].values())
+        run.graphs = int(counters["stats"]["unique_graphs"])
+        run.cudagraph_skips = int(counters["inductor"].get("cudagraph_skips", 0) or 0)
+        torch.compiler.reset()
+    return run
+
+
+def compare_compiled(ctx, run: ProtocolRun):
+    """``(max|compiled − eager|, tolerance, noise floor, where)`` over the steps that ran compiled.
+
+    The noise floor is the usual one (case-dtype uncached forward vs the float64 oracle) over the decode positions
+    of each sequence; the tolerance ``max(k · floor, abs_min)`` (``ctx.tolerance()``)."""
+    prefill, steps = _protocol_shape(ctx.case)
+    floor = 0.0
+    for name, (enc, tokens) in run.sequences.items():
+        oracle = ctx.oracle.logits(tokens, encoder_ids=enc)[:, prefill:]
+        uncached = ctx.oracle.uncached(tokens, encoder_ids=enc)[:, prefill:]
+        floor = max(floor, float((uncached - oracle).abs().max()))
+    worst, where = 0.0, ""
+    for key, got in run.compiled.items():
+        if got is None:
+            continue
+        diff = float((got - run.eager[key]).abs().max())
+        if diff != diff:  # NaN
+            diff = float("inf")
+        if diff > worst:
+            worst, where = diff, f"{key[0]} step {key[1] + 1}"
+    return worst, ctx.tolerance().bound(floor), floor, where
+
+
+def _ops(ctx) -> str:
+    prefill, steps = _protocol_shape(ctx.case)
+    return (f"ops: prefill({prefill}, eager) → decode×{steps} compiled; reset() → same shape, new tokens; "
+            f"fresh cache → same")
+
+
+def _recompile_cause(rec: Recompile) -> str:
+    guard = rec.guard
+    attr = re.search(r"(\w+(?:\[[^\]]+\])?(?:\.\w+(?:\[\d+\])?)*)\s*==\s*-?\d+\b", guard)
+    if attr and "size" not in guard and "stride" not in guard:
+        name = attr.group(1).replace("kwargs['cache'].", "cache.").replace("L['kwargs']['cache'].", "cache.")
+        return (f"the cache keeps a Python int ({name}) that changes every step; dynamo specialises on it, so every "
+                f"step misses the graph (dynamic=False: a recompile per step up to the limit; dynamic=None: one "
+                f"recompile to a SymInt graph that CUDA graphs re-record per value). Keep it in a tensor updated "
+                f"in place (as StaticLayer.cumulative_length)")
+    if "size" in guard or "stride" in guard or "tensor" in guard.lower():
+        return ("a tensor the forward reads changes shape between steps (the cache grows or reallocates): a "
+                "compileable cache must keep static shapes and addresses")
+    if "id" in guard.lower() or "obj" in guard.lower():
+        return "an object the graph guards on by identity is replaced between steps (new layer or buffer objects)"
+    return "state read by the compiled forward changes between steps (see the guard)"
+
+
+def _recompile_lines(run: ProtocolRun, total: int) -> list[str]:
+    rec = run.recompiles[0]
+    wheres = sorted({r.where.split(" ")[0] for r in run.recompiles})
+    label = {"A": "decode steps", "B": "after reset()", "C": "on a fresh cache"}
+    return [
+        f"{len(run.recompiles)} of {total} compiled calls after the warm-up needed a recompile "
+        f"({', '.join(label[w] for w in wheres)}), but should be 0",
+        f"first at {rec.where}: guard failed: {rec.guard}" + (f"  [{rec.source}]" if rec.source else ""),
+    ]
+
+
+def _post_warmup_calls(ctx) -> int:
+    _, steps = _protocol_shape(ctx.case)
+    return 3 * steps - 1
+
+
+@register("compile", needs=("compile",))
+def check_compile_static_decode(ctx):
+    """A cache declaring ``is_compileable`` decodes under ``torch.compile(fullgraph=True)``: no graph break, zero
+    recompiles after the warm-up (steps, ``reset()``, a fresh cache), compiled logits equal eager (and, with CUDA
+    graphs, no cudagraph skips)."""
+    run = run_protocol(ctx, fullgraph=True)
+    worst, tol, floor, where = compare_compiled(ctx, run)
+    total = _post_warmup_calls(ctx)
+    ctx.metrics.update(compile_s=round(run.compile_seconds, 2), recompiles=len(run.recompiles),
+                       compiled_calls=run.compiled_calls, max_abs=worst, tolerance=tol, noise_floor=floor,
+                       graph_breaks=int(run.graph_break is not None), guard=run.recompiles[0].guard
+                       if run.recompiles else None, mode=ctx.case.params.get("mode"))
+    mode = ctx.case.params.get("mode")
+    compile_line = f"torch.compile(model.forward, fullgraph=True, dynamic=False{', mode=' + repr(mode) if mode else ''})"
+    if run.graph_break or run.error:
+        ctx.fail([
+            (f"graph break under torch.compile(fullgraph=True): {run.graph_break}" if run.graph_break else
+             f"torch.compile raised {run.error}"),
+            f"at {run.graph_break_where}" if run.graph_break_where else "",
+            f"compiled as: {compile_line}; {_ops(ctx)}",
+            "likely cause: " + ("the cache calls something dynamo cannot trace (data-dependent Python control flow on "
+                                "a tensor, .tolist(), .numpy()) although it declares is_compileable"
+                                if run.graph_break else "the cache or model is not traceable (see the exception)"),
+        ], {"graph_break": run.graph_break, "error": run.error})
+    if run.recompiles:
+        ctx.fail([
+            *_recompile_lines(run, total),
+            f"compiled as: {compile_line}, then set_stance('fail_on_recompile'); misses ran eagerly",
+            _ops(ctx),
+            "likely cause: " + _recompile_cause(run.recompiles[0]),
+        ], {"recompiles": len(run.recompiles), "guard": run.recompiles[0].guard})
+    if worst > tol:
+        ctx.fail([
+            f"max|compiled − eager logits| = {worst:.1e}, but should be ≤ {tol:.1e} "
+            f"({ctx.tolerance().describe(floor)})",
+            f"worst at {where}",
+            f"compiled as: {compile_line}; {_ops(ctx)}",
+            "likely cause: the compiled graph reads stale cache state (an update not visible to the graph, a "
+            "mutation dynamo did not replay) or a miscompile",
+        ], {"max_abs": worst, "tolerance": tol})
+    if run.cudagraph_skips:
+        ctx.fail([
+            f"CUDA graphs were skipped {run.cudagraph_skips} time(s) under mode={mode!r}, but should be 0",
+            "reasons: rerun with TORCH_LOGS=cudagraphs (inductor logs 'skipping cudagraphs due to ...')",
+            f"compiled as: {compile_line}; {_ops(ctx)}",
+            "likely cause: the cache mutates or reallocates tensors CUDA graphs need at static addresses (mark them "
+            "with torch._dynamo.mark_static_address, update in place)",
+        ], {"cudagraph_skips": run.cudagraph_skips})
+
+
+check_compile_static_decode.kvconform_applies = _applies(True)
+
+
+@register("compile", needs=("compile",))
+def check_compile_claim(ctx):
+    """A cache declaring ``is_compileable = False``, compiled anyway (``fullgraph=False``, as a user compiling the
+    model would): compiled logits equal eager and nothing crashes. The claim itself is reported: *confirmed* (the
+    decode loop graph-breaks or needs recompiles; the first reason is kept) or *conservative* (it compiled into one
+    graph with no recompile on this model — not a fault: CUDA-graph static addresses are not tested here)."""
+    run = run_protocol(ctx, fullgraph=False)
+    worst, tol, floor, where = compare_compiled(ctx, run)
+    total = _post_warmup_calls(ctx)
+    breaks = run.graph_breaks_counted + (1 if run.graph_break else 0)
+    confirmed = bool(breaks or run.recompiles or run.graphs > 1)
+    reason = (run.recompiles[0].guard if run.recompiles else
+              run.graph_break or (f"{run.graphs} graphs (graph breaks)" if run.graphs > 1 else None))
+    ctx.metrics.update(compile_s=round(run.compile_seconds, 2), recompiles=len(run.recompiles), graphs=run.graphs,
+                       graph_breaks=breaks, compiled_calls=run.compiled_calls, max_abs=worst, tolerance=tol,
+                       noise_floor=floor, claim="confirmed" if confirmed else "conservative", reason=reason)
+    if run.error:
+        ctx.fail([
+            f"torch.compile(model.forward, fullgraph=False) raised {run.error}",
+            "(is_compileable=False: graph breaks and recompiles are expected, a crash is not)",
+            _ops(ctx),
+            "likely cause: the cache does something dynamo mis-traces instead of graph-breaking on it (a user "
+            "compiling the model with this cache gets an exception)",
+        ], {"error": run.error})
+    if worst > tol:
+        ctx.fail([
+            f"max|compiled − eager logits| = {worst:.1e}, but should be ≤ {tol:.1e} "
+            f"({ctx.tolerance().describe(floor)})",
+            f"worst at {where} (is_compileable=False, compiled anyway with fullgraph=False; "
+            f"{run.compiled_calls} of {total + 1} steps ran compiled)",
+            _ops(ctx),
+            "likely cause: under torch.compile the cache's state goes stale (a side effect dynamo does not replay): "
+            "a user compiling the model gets silently wrong logits",
+        ], {"max_abs": worst, "tolerance": tol})
+
+
+check_compile_claim.kvconform_applies = _applies(False)

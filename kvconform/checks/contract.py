@@ -1,0 +1,309 @@
+"""Family ``contract``: the API surface callers rely on is there, and the bookkeeping it reports is true.
+
+* ``check_api_contract``: every method or attribute a caller needs, for each capability the subject declares, is
+  present and works on a prefilled cache. A missing one (``AttributeError``, ``NotImplementedError``, or a
+  ``TypeError`` refusing the call) is one failed contract item naming the method and the callers that need it (beam
+  search, assisted decoding, ...), never a crash of the check.
+* ``check_length_bookkeeping``: after every op of the case (those whose capability the subject declares),
+  ``get_seq_length()`` equals the tokens the cache holds (pads included; 0 after ``reset``), ``get_max_length()``
+  stays the same int, and at every forward each attention layer's ``get_mask_sizes(q, layer)`` — asked just before
+  — matches what its ``update`` then returned: ``kv_length`` = the number of keys returned, ``kv_offset`` covering
+  every position the new queries may attend (0 for full attention, at most ``held − window + 1`` for a sliding
+  layer), ``kv_offset + kv_length ≥ held + q``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from kvconform.checks import register
+from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, fail_raised
+from kvconform.checks.crop import CROP_WORDS, clear_error
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+OP_CAPABILITY = {"crop": "crop", "fork": "deepcopy", "reorder": "reorder", "repeat": "batch_repeat",
+                 "select": "batch_select", "reset": "reset"}
+
+
+# ------------------------------------------------------------------------------------------------ api contract
+def _attention_layers(ctx):
+    return [i for i, t in enumerate(ctx.model.layer_types) if t in ATTENTION_TYPES]
+
+
+def _contract_items(ctx, held, step):
+    """(capability, item, callers, exercise(cache)) — ``exercise`` raises when the item is missing or broken.
+    ``step(cache)`` feeds one more token to a prefilled cache."""
+    import torch
+
+    batch = ctx.case.batch
+    layers = _attention_layers(ctx)
+
+    def seq_len(c):
+        if not layers:  # an all-linear cache may refuse: it holds no tokens (transformers raises a ValueError)
+            return
+        value = c.get_seq_length()
+        frozen = int(value)
+        if frozen != held:
+            raise ValueError(f"returned {frozen} for a cache holding {held} tokens")
+        return value
+
+    def seq_len_snapshot(c):
+        if not layers:
+            return
+        value = c.get_seq_length()
+        before = int(value)
+        step(c)
+        if int(value) != before:
+            raise ValueError(f"the value it returned ({before}) became {int(value)} after the next forward: it is "
+                             f"the cache's live counter, not a snapshot")
+
+    def mask_sizes(c):
+        for i in layers:
+            kv_len, kv_off = c.get_mask_sizes(1, i)
+            int(kv_len), int(kv_off)
+
+    def max_len(c):
+        value = c.get_max_length()
+        if not isinstance(value, int) and not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            raise TypeError(f"returned {type(value).__name__}, not an int")
+
+    return [
+        ("forward", "get_seq_length()", "models deriving positions without position_ids; generate() slicing a "
+         "reused prompt", seq_len),
+        ("forward", "get_seq_length() returns a snapshot", "callers keeping the length across a forward "
+         "(start = cache.get_seq_length(); model(...); positions from start)", seq_len_snapshot),
+        ("forward", "get_mask_sizes(query_length, layer_idx)", "masking_utils (every attention mask)", mask_sizes),
+        ("forward", "get_max_length()", "generate() and the masks of fixed-size caches", max_len),
+        ("forward", "is_compileable", "generate() (4D masks, automatic compilation)",
+         lambda c: bool(c.is_compileable)),
+        ("reorder", "reorder_cache(beam_idx)", "beam search: generate(num_beams > 1)",
+         lambda c: c.reorder_cache(torch.arange(batch).flip(0))),
+        ("crop", "is_croppable", "assisted decoding and prompt lookup (read after the prefill)",
+         lambda c: bool(c.is_croppable)),
+        ("crop", "activate_past_recording()", "assisted decoding, generate's deferred stop check",
+         lambda c: c.activate_past_recording()),
+        ("crop", "crop(-n)", "assisted decoding, prompt lookup, generate's deferred stop check (rollback)",
+         lambda c: _crop_allowing_refusal(c)),
+        ("batch_repeat", "batch_repeat_interleave(repeats)", "contrastive search (Hub custom_generate), expanding "
+         "a prefilled prompt cache for parallel sampling", lambda c: c.batch_repeat_interleave(2)),
+        ("batch_select", "batch_select_indices(indices)", "contrastive search (Hub custom_generate)",
+         lambda c: c.batch_select_indices(torch.arange(batch))),
+        ("reset", "reset()", "reusing one cache object across generate() calls; CUDA-graph serving loops",
+         lambda c: c.reset()),
+        ("deepcopy", "copy.deepcopy(cache)", "prefix caching and multi-turn reuse", copy.deepcopy),
+    ]
+
+
+def _in_installed_api(item: str) -> bool:
+    """An item is part of the contract only if the installed transformers' ``Cache`` defines it (callers of that
+    version use it): ``is_croppable`` exists since 5.18, ``activate_past_recording`` since 5.2x."""
+    from transformers import Cache
+
+    name = item.split("(")[0].split(" ")[0]
+    return name.startswith("copy.") or hasattr(Cache, name)
+
+
+def _crop_allowing_refusal(cache):
+    """Call ``crop(-1)``; a refusal raised as ``ValueError``/``RuntimeError`` (a state the cache cannot roll back)
+    counts as present — the crop family judges it."""
+    from kvconform import compat
+
+    try:
+        compat.crop(cache, 1)
+    except (ValueError, RuntimeError):
+        pass
+
+
+@register("contract", needs=("forward",))
+def check_api_contract(ctx):
+    """Every method a caller needs (per declared capability) is present and callable on a prefilled cache; each
+    missing one is a failed contract item naming the method and its callers."""
+    n = ctx.case.ops[0].n if ctx.case.ops and ctx.case.ops[0].name == "prefill" else 6
+
+    runners = {}
+
+    def prefilled():
+        runner = Runner(ctx, ctx.new_cache())
+        runner.feed(n, f"prefill({n})")
+        runners[id(runner.cache)] = runner
+        return runner.cache
+
+    def step(cache):
+        runners[id(cache)].feed(1, "decode")
+
+    try:
+        prefilled()
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "the cache cannot even take a prefill (see the exception)", f"prefill({n})")
+    items = [it for it in _contract_items(ctx, n, step) if it[0] in ctx.subject.capabilities
+             and _in_installed_api(it[1])]
+    problems = []
+    for capability, name, callers, exercise in items:
+        cache = prefilled()
+        try:
+            exercise(cache)
+        except SubjectRaised as exc:
+            problems.append((name, callers, "the next forward raised " + describe_exception(exc.cause), False))
+        except Exception as exc:  # noqa: BLE001 - missing (AttributeError...) or present but broken
+            missing = isinstance(exc, (AttributeError, NotImplementedError, TypeError))
+            problems.append((name, callers, describe_exception(exc), missing))
+    if problems:
+        lines = [f"{len(problems)} of {len(items)} contract items fail on a cache prefilled with {n} tokens:"]
+        for name, callers, error, _ in problems[:5]:
+            lines.append(f"{name} — {_short(error)} — needed by {callers}")
+        if len(problems) > 5:
+            lines.append(f"... and {len(problems) - 5} more: {', '.join(p[0] for p in problems[5:])}")
+        causes = []
+        if any(p[3] for p in problems):
+            causes.append("the cache class (or one of its layer classes) does not implement "
+                          + ", ".join(p[0] for p in problems if p[3])
+                          + " — implement it, or undeclare the capability (kvconform_capabilities)")
+        if any(not p[3] for p in problems):
+            causes.append(", ".join(p[0] for p in problems if not p[3]) + " exists but reports a wrong or live "
+                          "value, or leaves the cache unusable")
+        lines.append("likely cause: " + "; ".join(causes))
+        ctx.fail(lines, {"missing": [p[0] for p in problems if p[3]],
+                         "broken": [p[0] for p in problems if not p[3]], "items": len(items)})
+    ctx.metrics.update(items=len(items))
+
+
+def _short(error: str, limit: int = 110) -> str:
+    """The error text without the ``(at file:line in fn)`` suffix, cut to ``limit`` characters."""
+    text = error.split(" (at ")[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------------ bookkeeping
+class UpdateSpy:
+    """Records ``(layer_idx, new_tokens, returned_length)`` for every ``update`` call of the (self-attention) cache,
+    calling through to the real method (an instance attribute shadowing the class method)."""
+
+    def __init__(self, cache):
+        self.target = getattr(cache, "self_attention_cache", cache)
+        self.calls = []
+        original = self.target.update
+
+        def update(*args, **kwargs):
+            keys, values = original(*args, **kwargs)
+            layer_idx = kwargs.get("layer_idx", args[2] if len(args) > 2 else None)
+            key_states = kwargs.get("key_states", args[0] if args else None)
+            self.calls.append((layer_idx, int(key_states.shape[-2]), int(keys.shape[-2])))
+            return keys, values
+
+        self.target.update = update
+
+
+def _lengths_differ(cache, runner) -> bool:
+    try:
+        return int(cache.get_seq_length()) != runner.length
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _windows(ctx):
+    """Per-layer sliding window (None for full attention) of the decoder."""
+    from kvconform.compat import layer_types_and_kwargs
+
+    types, kwargs = layer_types_and_kwargs(ctx.model.config)
+    return [kw.get("sliding_window") if t in SLIDING_TYPES else None for t, kw in zip(types, kwargs)]
+
+
+@register("contract", needs=("forward",))
+def check_length_bookkeeping(ctx):
+    """After every op, ``get_seq_length()`` equals the tokens held and ``get_max_length()`` is stable; at every
+    forward, ``get_mask_sizes`` (asked just before) matches what ``update`` returned."""
+    ops = [op for op in ctx.case.ops if op.name not in OP_CAPABILITY
+           or OP_CAPABILITY[op.name] in ctx.subject.capabilities]
+    skipped = [op.label for op in ctx.case.ops if op not in ops]
+    if any(op.name == "fork" for op in ops):
+        raise ValueError(f"case {ctx.case.id}: check_length_bookkeeping spies on update(); a fork would share the "
+                         f"spy between copies")
+    cache = ctx.new_cache()
+    runner = Runner(ctx, cache)
+    spy = UpdateSpy(cache)
+    layers = _attention_layers(ctx)
+    windows = _windows(ctx)
+    problems = []
+    max_first = None
+    original_feed = runner.feed
+
+    def feed(n, label=None, tokens=None):
+        held = runner.length
+        predicted = {}
+        for i in layers:
+            try:
+                predicted[i] = tuple(int(x) for x in spy.target.get_mask_sizes(n, i))
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"get_mask_sizes({n}, {i}) raised {describe_exception(exc)}")
+        spy.calls.clear()
+        step = original_feed(n, label, tokens)
+        for layer_idx, q, returned in spy.calls:
+            if layer_idx not in predicted:
+                continue
+            kv_len, kv_off = predicted[layer_idx]
+            window = windows[layer_idx] if layer_idx < len(windows) else None
+            first_needed = 0 if window is None else max(held - window + 1, 0)
+            if returned != kv_len:
+                problems.append(f"at {step.label}: layer {layer_idx} update() returned {returned} keys, but "
+                                f"get_mask_sizes({q}) said kv_length={kv_len}")
+            elif kv_off > first_needed or kv_off + kv_len < held + q:
+                problems.append(f"at {step.label}: layer {layer_idx} get_mask_sizes({q}) = (kv_length={kv_len}, "
+                                f"kv_offset={kv_off}) does not cover positions {first_needed}..{held + q - 1}")
+        return step
+
+    runner.feed = feed
+    trail = []
+    for i, op in enumerate(ops):
+        try:
+            runner.apply(op, i)
+        except SubjectRaised as exc:
+            refused = op.name not in ("prefill", "decode", "chunk") and (
+                isinstance(exc.cause, (AttributeError, NotImplementedError, TypeError))
+                or clear_error(exc.cause, CROP_WORDS))
+            if not refused:
+                fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)",
+                            " → ".join(trail + [op.label]))
+            # an op the cache refuses (clearly) or lacks is the crop / batch / contract families' finding
+            trail.append(op.label + " (refused)")
+            skipped.append(op.label + " (refused)")
+            if op.name == "crop" and _lengths_differ(cache, runner):
+                problems.append(f"after {' → '.join(trail)}: the refused crop changed get_seq_length() to "
+                                f"{int(cache.get_seq_length())}, but the cache should still hold {runner.length}")
+                break
+            continue
+        trail.append(op.label)
+        if layers:
+            try:
+                reported = int(cache.get_seq_length())
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"after {' → '.join(trail)}: get_seq_length() raised {describe_exception(exc)}")
+                break
+            if reported != runner.length:
+                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache holds "
+                                f"{runner.length} tokens")
+        try:
+            value = int(cache.get_max_length())
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"after {' → '.join(trail)}: get_max_length() raised {describe_exception(exc)}")
+            break
+        if max_first is None:
+            max_first = value
+            if value == 0 or value < -1:
+                problems.append(f"get_max_length() = {value}: should be -1 (unbounded) or the capacity")
+        elif value != max_first:
+            problems.append(f"after {' → '.join(trail)}: get_max_length() = {value}, was {max_first}")
+        if problems:
+            break
+    ctx.metrics.update(ops=len(ops), skipped_ops=skipped, update_calls_checked=True)
+    if problems:
+        cause = ("get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
+                 "reset() or a batch op forgot to update) — models derive positions from it"
+                 if "get_seq_length" in problems[0] else
+                 "get_mask_sizes() and update() disagree on which keys the next forward sees — the attention mask "
+                 "then hides the wrong positions" if "get_mask_sizes" in problems[0] else
+                 "get_max_length() changes over the cache's life")
+        ctx.fail([problems[0], *problems[1:3],
+                  f"ops: {' → '.join(op.label for op in ops)}"
+                  + (f"   (skipped: {', '.join(skipped)})" if skipped else ""),
+                  "likely cause: " + cause], {"problems": problems[:5]})

@@ -1,0 +1,248 @@
+"""Family ``crop``: rolling a cache back (``crop``) and feeding *different* tokens behaves like no cache at all.
+
+Assisted decoding, prompt lookup and the deferred stop check roll a cache back with ``crop(-k)`` and continue with
+other tokens; they first call ``activate_past_recording()`` and read ``is_croppable`` after the prefill. So:
+
+* a crop the cache accepts must leave exactly the first ``T − k`` tokens (the continuation equals the oracle of the
+  edited sequence, and ``get_seq_length()`` is ``max(T − k, 0)`` — never negative);
+* a crop it cannot honour must raise a clear error (a ``ValueError``/``RuntimeError``... naming the problem, not a
+  raw ``IndexError`` from a tensor op) and leave the cache untouched;
+* ``is_croppable`` tells the truth: True → the crop round-trips exactly; False → the crop is refused, or (a
+  conservative flag) it still round-trips exactly. A crop accepted while the flag says False and then wrong is the
+  fault callers cannot defend against.
+
+Case keys: the ``crop N`` op gives ``k``; ``params.record = true`` calls ``activate_past_recording()`` before the first
+token; ``params.positive = true`` calls ``crop(+N)`` instead, whose meaning depends on the installed version
+(``positive_crop_contract``).
+"""
+
+from __future__ import annotations
+
+from kvconform import compat
+from kvconform.checks import register
+from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_verdict, judge,
+                                      seq_length, tensors_of)
+
+RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
+CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",
+              "positive", "only", "dynamic")
+
+
+def clear_error(exc: BaseException, words) -> bool:
+    """A *clear* error: not one of the raw errors a tensor op throws (``IndexError``, ``KeyError``, ...), and a
+    message that names the problem (contains one of ``words``, case-insensitive)."""
+    if isinstance(exc, RAW_ERRORS):
+        return False
+    text = str(exc).lower()
+    return any(w.lower() in text for w in words)
+
+
+def positive_crop_contract() -> str:
+    """What ``crop(+n)`` means on the installed transformers: ``"raise"`` (≥ 5.20: only negative counts) or
+    ``"keep"`` (older: the length to keep). Source: transformers changelogs 5.14–5.20, ``shared/FACTS.md``.
+    (Version knowledge; candidate for ``kvconform.compat``.)"""
+    return "raise" if compat.transformers_version().release >= (5, 20) else "keep"
+
+
+def snapshot(cache) -> dict:
+    """``{name: clone}`` of every tensor the cache holds, plus its reported length (to prove a refusal changed
+    nothing)."""
+    state = {name: t.detach().clone() for name, t in tensors_of(cache).items()}
+    state["get_seq_length()"] = seq_length(cache)
+    return state
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    """Names whose tensor (shape or value) or reported length differ between two snapshots."""
+    import torch
+
+    out = []
+    for name in sorted(set(before) | set(after)):
+        a, b = before.get(name), after.get(name)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or not torch.equal(a, b):
+                out.append(name)
+        elif a != b:
+            out.append(name)
+    return out
+
+
+class CropRecord:
+    """What happened at the crop: the flag, the lengths, acceptance, and the refusal (if any)."""
+
+    def __init__(self, label, k, held, flag, positive):
+        self.label, self.k, self.held, self.flag, self.positive = label, k, held, flag, positive
+        self.refused: BaseException | None = None
+        self.reported_after = None
+
+
+def _flag(cache):
+    value = getattr(cache, "is_croppable", None)
+    return None if value is None else bool(value)
+
+
+def run_crop_case(ctx, cache, records=None):
+    """Run the case's ops; the ``crop`` op is done with the policy above. Returns ``(runner, records)``; each crop
+    appends a ``CropRecord`` to ``records`` (a list, filled even when a later op raises).
+
+    Raises:
+        ConformanceError: a raw error, a lying flag, a half-done refusal, a wrong length, an accepted positive
+            argument (through ``ctx.fail``).
+        SubjectRaised: a forward raised.
+    """
+    params = ctx.case.params
+    runner = Runner(ctx, cache)
+    if params.get("record"):
+        runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
+        runner.trail.append("activate_past_recording()")
+    records = [] if records is None else records
+    for i, op in enumerate(ctx.case.ops):
+        if op.name != "crop":
+            runner.apply(op, i)
+            continue
+        positive = bool(params.get("positive"))
+        label = f"crop({op.n})" if positive or op.n == 0 else op.label
+        rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
+        records.append(rec)
+        before = snapshot(runner.cache)
+        try:
+            if positive:
+                runner.cache.crop(op.n)
+            else:
+                compat.crop(runner.cache, op.n)
+        except Exception as exc:  # noqa: BLE001 - judged below
+            rec.refused = exc
+        runner.trail.append(label + (" (refused)" if rec.refused is not None else ""))
+        if rec.refused is not None:
+            _judge_refusal(ctx, runner, rec, before)
+            continue
+        keep = rec.held - op.n if not positive or positive_crop_contract() == "raise" else op.n
+        if positive and positive_crop_contract() == "raise":
+            ctx.fail([f"crop({op.n}) with a positive argument was accepted on a {rec.held}-token cache, but should "
+                      f"raise a clear error: on transformers ≥ 5.20 crop takes a negative count of tokens to remove",
+                      f"ops: {' → '.join(runner.trail)}",
+                      "likely cause: crop() treats the sign loosely (abs(n)) instead of rejecting positive values"],
+                     {"flag": rec.flag, "accepted": True})
+        keep = max(min(keep, rec.held), 0)
+        runner.seq = runner.seq[:, :keep]
+        runner.mask = None if runner.mask is None or keep == 0 else runner.mask[:, :keep]
+        rec.reported_after = seq_length(runner.cache)
+        if rec.reported_after is not None and rec.reported_after != keep:
+            ctx.fail([f"after {label} on a {rec.held}-token cache get_seq_length() = {rec.reported_after}, but should "
+                      f"be {keep}" + (" (never negative)" if rec.reported_after < 0 else ""),
+                      f"ops: {' → '.join(runner.trail)}",
+                      "likely cause: " + ("crop() subtracts k from the length without clamping at 0: removing more "
+                                          "tokens than are cached must empty the cache or raise a clear error"
+                                          if rec.reported_after < 0 else
+                                          "crop() removed a different number of tokens than asked")],
+                     {"flag": rec.flag, "reported_length": rec.reported_after, "expected_length": keep})
+    runner.check_parked()
+    return runner, records
+
+
+def _judge_refusal(ctx, runner, rec, before):
+    """A refused crop passes only if the error is clear, the flag did not promise a round trip, and nothing changed.
+    All problems found go into one message, the most severe (a half-done crop) first."""
+    exc = rec.refused
+    what = f"{rec.label} on a {rec.held}-token cache raised {describe_exception(exc)}"
+    metrics = {"flag": rec.flag, "accepted": False, "raised": type(exc).__name__}
+    diff = changed(before, snapshot(runner.cache))
+    lines, causes = [], []
+    if diff:
+        lines.append(f"and changed {', '.join(diff[:3])}" + (f" (+{len(diff) - 3} more)" if len(diff) > 3 else "")
+                     + " before raising: the cache is now half-cropped")
+        causes.append("crop() modifies some layers before another refuses; a refusal must leave the cache as it was "
+                      "(check every layer first, then crop)")
+        metrics["changed"] = diff[:10]
+    if rec.positive and positive_crop_contract() == "raise":
+        pass  # refusing a positive count is the contract
+    elif not clear_error(exc, CROP_WORDS):
+        lines.append("but a crop the cache cannot honour should raise a clear error naming the problem")
+        causes.append("crop() does not check its argument or its state before touching tensors")
+    elif rec.flag and rec.k > 0:
+        lines.insert(0, "although is_croppable is True")
+        if ctx.model.is_encoder_decoder and "dynamic" in str(exc).lower():
+            why = ("EncoderDecoderCache.crop() accepts only DynamicCache halves (an isinstance check) while "
+                   "is_croppable asks the halves")
+        elif ctx.model.has_sliding:
+            why = "is_croppable does not account for a sliding window already full with past recording off"
+        else:
+            why = "is_croppable does not account for this state"
+        causes.append(f"{why}; callers such as assisted decoding trust the flag and expect crop() to round-trip")
+    if lines:
+        ctx.fail([what, *lines, f"ops: {' → '.join(runner.trail)}", "likely cause: " + "; ".join(causes)],
+                 metrics)
+
+
+def _cause(ctx, records):
+    def cause(step, cmp, model_at_fault):
+        if model_at_fault:
+            return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+        rec = next((r for r in records if r.refused is None), None)
+        if rec is None:
+            return "the cache changed after a refused crop, or a later op corrupted it"
+        if rec.flag is False:
+            if ctx.model.has_linear_attention:
+                return (f"{rec.label} was accepted although is_croppable is False: a linear-attention layer rolled "
+                        f"back its conv state but cannot roll back its recurrent (SSM) state; crop() must raise")
+            if ctx.model.has_sliding:
+                return (f"{rec.label} was accepted although is_croppable is False: the sliding window (size "
+                        f"{ctx.model.sliding_window}) already evicted the states the rollback needs; crop() must "
+                        f"raise")
+            return f"{rec.label} was accepted although is_croppable is False, and did not restore the cache"
+        return (f"{rec.label} removed the wrong tokens or left stale state behind (keys/values of some layer, "
+                f"a length counter, or a conv/recurrent state not rolled back)")
+
+    return cause
+
+
+def _crop_check(ctx):
+    cache = ctx.new_cache()
+    records = []
+    try:
+        runner, _ = run_crop_case(ctx, cache, records)
+    except SubjectRaised as exc:
+        accepted = [r for r in records if r.refused is None]
+        if accepted:
+            cause = (f"{accepted[-1].label} left the cache in a state its next update cannot handle (its keys, "
+                     f"length counter and get_mask_sizes() no longer agree)")
+        else:
+            cause = "the cache does not support this sequence of calls (see the exception)"
+        recording = "activate_past_recording() → " if ctx.case.params.get("record") else ""
+        ctx.fail([f"the subject raised {describe_exception(exc.cause)}",
+                  f"ops: {recording}{ctx.case.ops_label()}   [raised at {exc.where}]", "likely cause: " + cause],
+                 {"raised": type(exc.cause).__name__, "failed_at": exc.where})
+    ctx.metrics.update(is_croppable=[r.flag for r in records], crop_accepted=[r.refused is None for r in records])
+    verdict = judge(ctx, runner.steps, driver=_driver)
+    _, cmp = verdict.first_fail or verdict.worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(runner.steps))
+    if not verdict.passed:
+        fail_verdict(ctx, verdict, _cause(ctx, records), ops_text=" → ".join(runner.trail), driver=_driver)
+
+
+def _driver(ctx, cache):
+    """Replays the crop case on another subject (the reference or a lossy subject's twin)."""
+    return run_crop_case(ctx, cache)[0].steps
+
+
+@register("crop", needs=("forward", "crop"))
+def check_crop_then_continue(ctx):
+    """Prefill, decode, ``crop(-k)``, then feed *different* tokens: every step equals the oracle of the edited
+    sequence; edges: ``crop(0)``, ``k`` larger than the cached length, a positive argument."""
+    if not any(op.name == "crop" for op in ctx.case.ops):
+        raise ValueError(f"case {ctx.case.id}: check_crop_then_continue needs a 'crop N' op")
+    _crop_check(ctx)
+
+
+@register("crop", needs=("forward", "crop"))
+def check_crop_contract(ctx):
+    """``is_croppable`` tells the truth: a cache that says True round-trips a crop exactly; a crop it cannot honour
+    raises a clear error and changes nothing; a crop accepted while the flag says False must still be exact."""
+    if not any(op.name == "crop" for op in ctx.case.ops):
+        raise ValueError(f"case {ctx.case.id}: check_crop_contract needs a 'crop N' op")
+    from transformers import Cache
+
+    if hasattr(Cache, "is_croppable") and not hasattr(ctx.new_cache(), "is_croppable"):
+        ctx.fail(["the cache has no is_croppable attribute",
+                  "likely cause: a Cache without is_croppable: assisted decoding reads it after the prefill"], {})
+    _crop_check(ctx)

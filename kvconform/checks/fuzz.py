@@ -1,0 +1,232 @@
+"""Family ``fuzz``: random sequences of cache ops, compared with the oracle after every forward.
+
+Hypothesis draws programs — a prefill, then up to ``params.max_ops`` ops among decode, chunk, crop, fork (deepcopy),
+reorder, repeat, select and reset, limited to the capabilities the subject declares and to the ops that work on
+their own (each op is probed once; one that fails alone is its own family's finding, not rediscovered here) — and
+runs each through the engine on a fresh cache. The fuzzer behaves like a careful caller: it calls
+``activate_past_recording()`` first (as assisted decoding does), crops only when ``is_croppable`` says it can and
+never more than the cache holds, and keeps the batch at most 8 rows and the sequence below ``max_cache_len``.
+
+A program fails when the subject raises or its logits leave the tolerance *and* ``ReferenceCache`` on the same
+program does not (otherwise the model's code is at fault: such programs are counted, not reported; for the
+reference subject itself every failure is reported, naming the model as the culprit). Hypothesis then
+shrinks it, and the message prints the shrunk program as the reproducer, in case-file syntax.
+
+Profiles (``params``): ``max_examples`` (default 8), ``max_ops`` (default 6); the default tier is derandomized (the
+same programs every run); under ``--kvconform-full`` (``ctx.full``) ``full_examples`` (default 60) are drawn.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from kvconform.cases import Op
+from kvconform.checks import ConformanceError, register
+from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, judge
+
+MAX_BATCH = 8
+OPS = ("decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
+NEEDS = {"crop": "crop", "fork": "deepcopy", "reorder": "reorder", "repeat": "batch_repeat",
+         "select": "batch_select", "reset": "reset"}
+
+
+class ProgramFailed(Exception):
+    """A program on which the subject fails and the reference does not. ``lines``: the message body."""
+
+    def __init__(self, program, lines, metrics):
+        super().__init__("\n".join(lines))
+        self.program, self.lines, self.metrics = program, lines, metrics
+
+
+def program_text(program) -> str:
+    """``prefill(5) → crop(-2) → reorder → decode×1`` (the ops labels)."""
+    return " → ".join(Op(name, n).label for name, n in program)
+
+
+def program_case_syntax(program) -> str:
+    """The program as a case file's ``ops`` list: ``["prefill 5", "crop 2", "reorder", "decode 1"]``."""
+    items = [f'"{name} {n}"' if name in ("prefill", "decode", "chunk", "crop", "repeat") else f'"{name}"'
+             for name, n in program]
+    return "[" + ", ".join(items) + "]"
+
+
+def run_program(ctx, cache, program, info=None):
+    """Run ``program`` (a list of ``(op, n)``) on ``cache`` as a careful caller; return the steps.
+
+    ``info["done"]`` lists the ops actually executed (others were skipped: a crop the flag forbids, a repeat past
+    ``MAX_BATCH`` rows, a feed past the capacity).
+
+    Raises:
+        SubjectRaised: the subject raised (names the op).
+    """
+    runner = Runner(ctx, cache, position_mode="explicit")
+    done = [] if info is None else info.setdefault("done", [])
+    limit = ctx.max_cache_len - 1
+    if "crop" in {name for name, _ in program} and hasattr(cache, "activate_past_recording"):
+        runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
+    for i, (name, n) in enumerate(program):
+        op = Op(name, n)
+        if name in ("prefill", "decode", "chunk"):
+            if runner.length + (n if name != "decode" else n) > limit:
+                continue
+            if name == "decode":
+                for s in range(n):
+                    runner.op_index = i
+                    runner.feed(1, f"decode {s + 1}")
+            else:
+                runner.op_index = i
+                runner.feed(n, f"prefill({n})" if runner.length == 0 else op.label)
+        elif name == "crop":
+            if runner.length == 0 or not bool(getattr(runner.cache, "is_croppable", False)):
+                continue
+            op = Op("crop", min(n, runner.length))
+            runner.apply(op, i)
+        elif name == "repeat":
+            if runner.batch * n > MAX_BATCH or runner.length == 0:
+                continue
+            runner.apply(op, i)
+        elif name in ("reorder", "select", "fork") and runner.length == 0:
+            continue
+        else:
+            runner.apply(op, i)
+        done.append((op.name, op.n))
+    runner.check_parked()
+    return runner.steps
+
+
+def _outcome(ctx, spec, program):
+    """None if ``spec`` passes ``program``, else ``(lines, metrics)`` describing the failure."""
+    sctx = copy.copy(ctx)
+    sctx.subject, sctx.metrics = spec, {}
+    info = {}
+    try:
+        steps = run_program(sctx, sctx.new_cache(), program, info)
+    except SubjectRaised as exc:
+        return ([f"the subject raised {describe_exception(exc.cause)} at {exc.where}"],
+                {"raised": type(exc.cause).__name__, "failed_at": exc.where}, info)
+
+    def driver(c, cache):
+        return run_program(c, cache, program)
+
+    verdict = judge(sctx, steps, spec, driver)
+    if verdict.passed:
+        return None
+    step, cmp = verdict.first_fail
+    observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
+    return ([f"max|Δlogit| = {observed}, but should be ≤ {cmp.tol:.1e} ({sctx.tolerance().describe(cmp.floor)}), "
+             f"worst at batch={cmp.worst[0]} position={step.start + cmp.worst[1]} [failed at {step.label}]"],
+            {"max_abs": cmp.max_abs, "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label},
+            info)
+
+
+def _strategy(ctx, ops, max_ops):
+    from hypothesis import strategies as st
+
+    choices = []
+    for name in ops:
+        if name == "decode":
+            choices.append(st.tuples(st.just("decode"), st.integers(1, 3)))
+        elif name == "chunk":
+            choices.append(st.tuples(st.just("chunk"), st.integers(2, 5)))
+        elif name == "crop":
+            choices.append(st.tuples(st.just("crop"), st.integers(1, 4)))
+        elif name == "repeat":
+            choices.append(st.tuples(st.just("repeat"), st.just(2)))
+        else:
+            choices.append(st.tuples(st.just(name), st.just(0)))
+    prefill = st.tuples(st.just("prefill"), st.integers(2, 10))
+    body = st.lists(st.one_of(*choices), min_size=1, max_size=max_ops)
+    # a final decode step shows the state the last op left behind
+    return st.builds(lambda p, b: [p, *b, ("decode", 1)], prefill, body)
+
+
+def _available_ops(ctx):
+    """Ops the subject declares (capabilities), minus those that fail on their own.
+
+    Each non-feed op is probed once — ``prefill 6 → op → decode 1`` on a fresh cache, judged like any program —
+    and left out if the subject fails it while the reference does not: a single broken op is its family's finding
+    (batch, crop, prefix, lifecycle, contract), and would otherwise be all the fuzzer ever reports. Returns
+    ``(ops, left_out)`` with a reason for each op left out.
+    """
+    ops, left_out = [], []
+    for name in OPS:
+        need = NEEDS.get(name)
+        if need and need not in ctx.subject.capabilities:
+            left_out.append(f"{name} (capability '{need}' not declared)")
+            continue
+        if name not in ("decode", "chunk"):
+            probe = [("prefill", 6), (name, {"repeat": 2, "crop": 1}.get(name, 0)), ("decode", 1)]
+            outcome = _outcome(ctx, ctx.subject, probe)
+            if outcome is not None and (ctx.reference is None or ctx.reference.name == ctx.subject.name
+                                        or _outcome(ctx, ctx.reference, probe) is None):
+                left_out.append(f"{name} (fails on its own: {outcome[0][0][:90]}; see its family)")
+                continue
+        ops.append(name)
+    return ops, left_out
+
+
+def _applies(subject, model, case, **_):
+    """Needs hypothesis (an optional dependency: ``pip install hypothesis`` or ``kvconform[dev]``). Lossy subjects
+    are judged against their fake-quant twin, replayed twice per program: fuzz them only in the full tier, where the
+    time is budgeted."""
+    import importlib.util
+
+    if importlib.util.find_spec("hypothesis") is None:
+        return "requires hypothesis (pip install hypothesis) for op-sequence fuzzing"
+    if getattr(subject, "twin", None) is not None and case.tier != "full":
+        return (f"{subject.name} is lossy: each program replays its fake-quant twin twice, so it is fuzzed in the "
+                f"full tier only (--kvconform-full)")
+    return None
+
+
+@register("fuzz", needs=("forward",))
+def check_op_sequences(ctx):
+    """Random op programs (hypothesis), limited to the subject's capabilities, compared with the oracle after every
+    forward; a failure prints the shrunk program as the reproducer."""
+    from hypothesis import HealthCheck, given, settings
+
+    params = ctx.case.params
+    ops, left_out = _available_ops(ctx)
+    max_ops = int(params.get("max_ops", 6))
+    examples = int(params.get("full_examples", 60)) if ctx.full else int(params.get("max_examples", 8))
+    reference = ctx.reference
+    stats = {"programs": 0, "model_faults": 0}
+
+    @settings(max_examples=examples, derandomize=not ctx.full, deadline=None, database=None, print_blob=False,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @given(_strategy(ctx, ops, max_ops))
+    def programs_conform(program):
+        stats["programs"] += 1
+        outcome = _outcome(ctx, ctx.subject, program)
+        if outcome is None:
+            return
+        if reference is not None and reference.name != ctx.subject.name and \
+                _outcome(ctx, reference, program) is not None:
+            stats["model_faults"] += 1  # the reference fails too: the model's code, not the subject
+            return
+        lines, metrics, info = outcome
+        raise ProgramFailed(program, lines, {**metrics, "executed": info.get("done", [])})
+
+    try:
+        programs_conform()
+    except ProgramFailed as exc:
+        executed = exc.metrics.get("executed") or exc.program
+        ctx.fail([f"a random op program fails (shrunk by hypothesis to {len(exc.program)} ops):",
+                  f"program: {program_text(exc.program)}",
+                  *exc.lines,
+                  f"ran: {program_text(executed)}" if executed != exc.program else "",
+                  "" if reference is None else
+                  f"oracle: {reference.name} is kvconform's reference cache → the fault is in the model, not the cache"
+                  if reference.name == ctx.subject.name else
+                  f"oracle: {reference.name} on the same program conforms → the fault is in the subject",
+                  f"as a case: ops = {program_case_syntax(exc.program)}",
+                  "likely cause: an interaction between these ops that no single-op case covers (replay the "
+                  "program as a case to bisect it)"],
+                 {**exc.metrics, "program": program_case_syntax(exc.program), "ops_drawn_from": ops,
+                  "left_out": left_out, **stats})
+    except ConformanceError:
+        raise
+    ctx.metrics.update(ops_drawn_from=ops, left_out=left_out, examples=examples, **stats)
+
+
+check_op_sequences.kvconform_applies = _applies

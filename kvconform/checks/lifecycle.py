@@ -1,0 +1,169 @@
+"""Family ``lifecycle``: a cache object lives through several sequences and up to its capacity.
+
+* ``check_reset_then_reuse``: ``reset()`` then a new sequence equals a fresh cache (the oracle); a cache that says
+  ``is_compileable`` keeps the same data pointers for every tensor it held (CUDA graphs and ``torch.compile``
+  captured those addresses).
+* ``check_capacity``: a cache built with ``max_cache_len = M`` and fed past ``M`` tokens either keeps working
+  exactly (an unbounded or window-only cache) or raises a clear error *before writing anything* (a fixed-size cache);
+  a raw ``IndexError`` from a tensor op, a write before the error, or silently wrong logits fail.
+"""
+
+from __future__ import annotations
+
+from kvconform.checks import register
+from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_raised, fail_verdict, judge,
+                                      tensors_of)
+from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
+
+
+# ------------------------------------------------------------------------------------------------ reset
+def run_reset_case(ctx, cache, info=None):
+    """Run the case's ops; around every ``reset`` record ``{name: data_ptr}`` of the cache's tensors before the
+    reset and after the whole run (``info["pointers"] = [(before, after)]``). Returns the steps."""
+    runner = Runner(ctx, cache)
+    befores = []
+    for i, op in enumerate(ctx.case.ops):
+        if op.name == "reset":
+            befores.append({k: t.data_ptr() for k, t in tensors_of(runner.cache).items()})
+        if info is not None:
+            info.setdefault("done", []).append(op.name)
+        runner.apply(op, i)
+    runner.check_parked()
+    if info is not None:
+        after = {k: t.data_ptr() for k, t in tensors_of(runner.cache).items()}
+        info["pointers"] = [(b, after) for b in befores]
+        info["compileable"] = bool(getattr(runner.cache, "is_compileable", False))
+    return runner.steps
+
+
+@register("lifecycle", needs=("forward", "reset"))
+def check_reset_then_reuse(ctx):
+    """Prefill and decode, ``reset()``, then a new (different) sequence: every step equals the oracle, as with a
+    fresh cache; a compileable cache keeps its tensors' data pointers across the reset."""
+    if not any(op.name == "reset" for op in ctx.case.ops):
+        raise ValueError(f"case {ctx.case.id}: check_reset_then_reuse needs a 'reset' op")
+    info = {}
+    try:
+        steps = run_reset_case(ctx, ctx.new_cache(), info)
+    except SubjectRaised as exc:
+        after_reset = "reset" in info.get("done", [])[:-1] or exc.where == "reset"
+        fail_raised(ctx, exc, "reset() leaves the cache in a state its next update cannot handle"
+                    if after_reset else "the cache does not support this sequence of calls (see the exception)")
+    verdict = judge(ctx, steps, driver=run_reset_case)
+    _, cmp = verdict.first_fail or verdict.worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps),
+                       compileable=info["compileable"])
+    if not verdict.passed:
+        reset_at = next(i for i, op in enumerate(ctx.case.ops) if op.name == "reset")
+
+        def cause(step, cmp, model_at_fault):
+            if model_at_fault:
+                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+            if step.op_index > reset_at:
+                return ("reset() did not clear everything: tokens, a length counter or a conv/recurrent state of "
+                        "the previous sequence survive into the next one")
+            return "the cache is wrong before the reset (see the logits family)"
+
+        fail_verdict(ctx, verdict, cause, driver=run_reset_case)
+    if info["compileable"]:
+        for before, after in info["pointers"]:
+            moved = sorted(k for k in before if k in after and before[k] != after[k])
+            if moved:
+                ctx.fail([f"is_compileable is True, but reset() and reuse moved {len(moved)} tensor(s) to new "
+                          f"memory: {', '.join(moved[:4])}" + (" ..." if len(moved) > 4 else ""),
+                          f"ops: {ctx.case.ops_label()}",
+                          "likely cause: reset() (or the next update) reallocates tensors instead of zeroing them in "
+                          "place; CUDA graphs and compiled decode steps keep reading the old addresses"],
+                         {"moved": moved[:10]})
+
+
+# ------------------------------------------------------------------------------------------------ capacity
+CAPACITY_WORDS = ("max_cache_len", "capacity", "full", "exceed", "maximum", "too many", "too long", "overflow")
+
+
+def run_capacity_case(ctx, cache=None, info=None):
+    """Build the subject with ``max_cache_len = params.max_cache_len`` (default 12), run the ops; at the first
+    forward that would hold more than that many tokens, snapshot the cache and record what happens
+    (``info["overflow"] = (label, held, exception or None, changed tensor names)``). A refusal ends the run. Returns
+    the steps."""
+    cap = int(ctx.case.params.get("max_cache_len", 12))
+    cache = ctx.subject.build(ctx.model, max_cache_len=cap, batch_size=ctx.case.batch,
+                              encoder_len=ctx.case.encoder_len)
+    runner = Runner(ctx, cache)
+    for i, op in enumerate(ctx.case.ops):
+        if op.name not in ("decode", "prefill", "chunk"):
+            runner.apply(op, i)
+            continue
+        count, size = (op.n, 1) if op.name == "decode" else (1, op.n)
+        for s in range(count):
+            label = f"decode {s + 1}" if op.name == "decode" else op.label
+            runner.op_index = i
+            if info is not None and "overflow" not in info and runner.length + size > cap:
+                before = snapshot(runner.cache)
+                try:
+                    runner.feed(size, label)
+                except SubjectRaised as exc:
+                    info["overflow"] = (label, runner.length, exc.cause, changed(before, snapshot(runner.cache)))
+                    return runner.steps
+                info["overflow"] = (label, runner.length - size, None, [])
+            else:
+                runner.feed(size, label)
+    return runner.steps
+
+
+@register("lifecycle", needs=("forward",))
+def check_capacity(ctx):
+    """Past the ``max_cache_len`` it was built with, a cache either keeps working exactly or raises a clear error
+    before any write — never a raw ``IndexError`` from a tensor op, never a partial write, never wrong logits."""
+    cap = int(ctx.case.params.get("max_cache_len", 12))
+    total = sum(op.new_tokens for op in ctx.case.ops)
+    if total <= cap:
+        raise ValueError(f"case {ctx.case.id}: the ops feed {total} tokens, not more than max_cache_len {cap}")
+    info = {}
+    try:
+        steps = run_capacity_case(ctx, None, info)
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, f"the cache fails before reaching its max_cache_len {cap}")
+    label, held, exc, diff = info["overflow"]
+    ctx.metrics.update(max_cache_len=cap, refused=exc is not None, get_max_length=_max_length(ctx))
+    where = f"the forward at {label} would hold {held + (1 if label.startswith('decode') else 0)}+ tokens"
+    if exc is not None:
+        text = f"{where} > max_cache_len {cap}; it raised {describe_exception(exc)}"
+        if not clear_error(exc, CAPACITY_WORDS + (str(cap),)) or isinstance(exc, RAW_ERRORS):
+            ctx.fail([text, "but should raise a clear error naming the capacity before writing anything",
+                      f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
+                      "likely cause: update() writes at index ≥ max_cache_len without checking the capacity first"
+                      + (f"; it also changed {', '.join(diff[:3])} before raising" if diff else "")],
+                     {"raised": type(exc).__name__, "changed": diff[:10]})
+        if diff:
+            ctx.fail([text, f"but it changed {', '.join(diff[:4])} before raising",
+                      f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
+                      "likely cause: the capacity check comes after a write (a length counter bumped, a layer "
+                      "updated) — the cache is now inconsistent"], {"changed": diff[:10]})
+        return
+    verdict = judge(ctx, steps, driver=run_capacity_case)
+    _, cmp = verdict.first_fail or verdict.worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps))
+    if not verdict.passed:
+        def cause(step, cmp, model_at_fault):
+            if model_at_fault:
+                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+            if step.start + step.length > cap:
+                return (f"past max_cache_len {cap} the cache accepted tokens but overwrote or dropped older ones "
+                        f"silently: a fixed-size cache must raise a clear error instead")
+            return "the cache is wrong before reaching its capacity (see the logits family)"
+
+        fail_verdict(ctx, verdict, cause, ops_text=f"{ctx.case.ops_label()} (max_cache_len={cap})",
+                     driver=run_capacity_case)
+
+
+def _max_length(ctx):
+    try:
+        from kvconform.compat import max_length
+
+        cap = int(ctx.case.params.get("max_cache_len", 12))
+        return max_length(ctx.subject.build(ctx.model, max_cache_len=cap, batch_size=ctx.case.batch,
+                                            encoder_len=ctx.case.encoder_len))
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+

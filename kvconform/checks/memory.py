@@ -1,0 +1,513 @@
+"""Family ``memory``: the bytes a cache holds, against the formula for what it must hold.
+
+How bytes are counted (``held_bytes``): every tensor reachable from a cache layer's attributes (through lists,
+tuples, dicts and plain objects, not through ``nn.Module``s or configs), counted once per **storage**, at the size
+of the storage: a view of a larger buffer keeps that whole buffer alive, so it costs what the buffer costs. A
+wrapper tensor subclass (optimum-quanto's ``QTensor``: ``WeightQBitsTensor`` → packed ``_data``, ``_scale``,
+``_shift``) is counted through its inner tensors (``__tensor_flatten__``), because its own ``nbytes`` is its
+*logical* size (``shared/FACTS.md``).
+
+The formula, per layer (``expected_layer``), with ``B`` batch, ``H_kv`` key/value heads, ``D`` head size and ``b``
+bytes per element of the K/V the model hands the cache, ``S`` tokens fed so far::
+
+    full attention     2·B·H_kv·D·b · S                      (2·L·B·H_kv·S·D·b summed over L layers)
+    sliding attention  2·B·H_kv·D·b · min(S, window)
+    static layer       2·B·H_kv·D·b · max_cache_len          (preallocated; sliding: min(window, max_cache_len))
+    linear attention   conv state + recurrent state bytes    (independent of S)
+    quantized          the band [S·q, S·q + residual·(1 − q)] · 2·B·H_kv·D·b, with q = nbits/(8b) + 2/group
+                       (a scale and a shift per group; fp8: q = 1/b), ±10 %
+
+``H_kv``, ``D``, ``b`` and the linear-state sizes are read from what the model actually hands a cache: the same ops
+are run on kvconform's ``ReferenceCache`` (which stores exactly what it is given) and its tensors' shapes are used —
+so the formula works for every architecture without a table of config attribute names, and a cache that stores K/V
+repeated across the query heads (``H`` instead of ``H_kv``) is measured against ``H_kv``. Which row applies comes
+from the subject layer's own declarations: ``get_max_length()`` (−1 = unbounded, else its capacity) and
+``is_compileable`` (a compileable layer preallocates its capacity; a dynamic one holds ``min(S, capacity)``);
+quantization parameters from ``nbits`` / ``q_group_size`` / ``residual_length`` (``QuantizedLayer``) or
+``fp8_dtype`` (``Fp8QuantizedLayer``).
+
+Verdict: an exact subject fails when a layer holds more than its formula plus ``slack_bytes`` (default 256 bytes
+per layer, for bookkeeping such as ``StaticLayer.cumulative_length``); holding less is reported in the metrics
+(the logits family judges whether the fewer bytes are still correct). A quantized layer fails outside its band
+(both sides: more bytes than declared, or fewer bits than declared). Bytes are measured after every op of the case
+(``prefill``/``decode``/``chunk``; ``reset`` sets ``S`` to 0), so a history that survives ``reset()`` is caught too.
+
+On CUDA, ``check_memory_cuda_allocated`` compares ``torch.cuda.memory_allocated()`` deltas with the counted bytes
+(memory held where attribute traversal cannot see it: closures, globals, class attributes).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+from kvconform.checks import register
+from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, describe_raise, fail_raised
+
+DEFAULT_SLACK_BYTES = 256
+QUANT_BAND = 0.10
+MEMORY_OPS = ("prefill", "decode", "chunk", "reset")
+
+
+# ------------------------------------------------------------------------------------------------ counting bytes
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+           types.CodeType, types.FrameType, types.GeneratorType)
+"""Objects ``held_tensors`` does not enter: what they refer to is not the cache's (closures are not followed)."""
+
+
+def _is_wrapper_subclass(t) -> bool:
+    import torch
+
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
+
+
+def held_tensors(obj, max_depth: int = 8) -> list:
+    """Every plain tensor reachable from ``obj``'s attributes (lists, tuples, sets, dicts, objects with
+    ``__dict__``/``__slots__``), wrapper tensor subclasses replaced by their inner tensors. ``nn.Module``s,
+    transformers configs, classes and functions are not entered (a cache may refer to its model or config; their
+    weights are not the cache's)."""
+    import torch
+
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # pragma: no cover
+        PretrainedConfig = ()
+    out, seen = [], set()
+
+    def visit(x, depth):
+        if x is None or isinstance(x, (int, float, str, bytes, bool, torch.dtype, torch.device)):
+            return
+        if id(x) in seen or depth > max_depth:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            if _is_wrapper_subclass(x):
+                names, _ = x.__tensor_flatten__()
+                for name in names:
+                    visit(getattr(x, name), depth + 1)
+            else:
+                out.append(x)
+            return
+        if isinstance(x, _OPAQUE) or isinstance(x, (torch.nn.Module, PretrainedConfig, torch.Generator)):
+            return
+        if isinstance(x, dict):
+            for v in x.values():
+                visit(v, depth + 1)
+            return
+        if isinstance(x, (list, tuple, set, frozenset)):
+            for v in x:
+                visit(v, depth + 1)
+            return
+        if hasattr(x, "__dict__"):
+            for v in vars(x).values():
+                visit(v, depth + 1)
+        for slot in getattr(type(x), "__slots__", ()) or ():
+            if isinstance(slot, str) and hasattr(x, slot):
+                visit(getattr(x, slot), depth + 1)
+
+    visit(obj, 0)
+    return out
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view costs its whole storage, once)."""
+    total, seen = 0, set()
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+            key, size = (t.device.type, storage.data_ptr(), storage.nbytes()), storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta, functional tensors
+            key, size = ("tensor", id(t)), t.numel() * t.element_size()
+        if size and key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
+def held_bytes(obj) -> int:
+    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object."""
+    return storage_bytes(held_tensors(obj))
+
+
+def cache_layers(cache) -> list[tuple[str, object]]:
+    """``[(label, layer)]``: ``"layer 0"``… for a decoder cache; ``"self 0"``/``"cross 0"`` for an
+    ``EncoderDecoderCache``. A cache without ``layers`` counts as one pseudo-layer ``"cache"``."""
+    inner = [("self", getattr(cache, "self_attention_cache", None)), ("cross", getattr(cache, "cross_attention_cache",
+                                                                                         None))]
+    if inner[0][1] is not None:
+        return [(f"{kind} {i}", layer) for kind, c in inner if c is not None for i, layer in enumerate(c.layers)]
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return [("cache", cache)]
+    return [(f"layer {i}", layer) for i, layer in enumerate(layers)]
+
+
+# ------------------------------------------------------------------------------------------------ the formula
+@dataclass
+class LayerShape:
+    """What one layer must hold, measured on the reference cache.
+
+    Attributes:
+        kind: ``"attention"``, ``"linear"`` or ``"hybrid"``.
+        token_bytes: bytes of one token's keys + values over the batch (``B·H_kv·(D_k + D_v)·b``), 0 if none.
+        dims: ``(B, H_kv, D, b)`` for the message (D of the keys).
+        state_bytes: conv + recurrent state bytes (linear / hybrid layers), 0 if none.
+    """
+
+    kind: str
+    token_bytes: int = 0
+    dims: tuple = ()
+    state_bytes: int = 0
+
+
+def reference_shapes(ref_cache) -> dict[str, LayerShape]:
+    """``{label: LayerShape}`` from a ``ReferenceCache`` (or ``EncoderDecoderCache`` of them) after a run."""
+    out = {}
+    for label, layer in cache_layers(ref_cache):
+        token_bytes, dims, kv_bytes = 0, (), 0
+        chunks = getattr(layer, "key_chunks", None)
+        if chunks:
+            k, v = chunks[0], layer.value_chunks[0]
+            token_bytes = k.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()
+            dims = (k.shape[0], k.shape[1], k.shape[-1], k.element_size())
+            kv_bytes = storage_bytes(list(layer.key_chunks) + list(layer.value_chunks))
+        state_bytes = held_bytes(layer) - kv_bytes
+        kind = "hybrid" if token_bytes and state_bytes else "attention" if token_bytes else "linear"
+        out[label] = LayerShape(kind, token_bytes, dims, state_bytes)
+    return out
+
+
+def quant_params(layer) -> tuple | None:
+    """``(nbits, group, residual)`` a quantized layer declares, or None for an exact layer.
+
+    ``Fp8QuantizedLayer`` → ``(8, None, 0)`` (one per-tensor scale, no residual); ``QuantizedLayer`` (quanto, hqq)
+    → ``(nbits, q_group_size, residual_length)``.
+    """
+    if hasattr(layer, "fp8_dtype"):
+        return (8, None, 0)
+    nbits = getattr(layer, "nbits", None)
+    if isinstance(nbits, int):
+        return (nbits, getattr(layer, "q_group_size", None), int(getattr(layer, "residual_length", 0) or 0))
+    return None
+
+
+def quant_ratio(nbits: int, group, elem_bytes: int) -> float:
+    """Bytes of a quantized element relative to the original: ``nbits/(8·b)`` plus a scale and a shift (each ``b``
+    bytes) per ``group`` elements. 4-bit g64 fp32: 0.156; 2-bit: 0.094; fp8 (no group): 0.25."""
+    return nbits / (8 * elem_bytes) + (2 / group if group else 0.0)
+
+
+@dataclass
+class Expectation:
+    """The expected bytes of one layer: ``[low, high]``, the formula's value ``exact`` (for a quantized layer: all
+    tokens quantized), ``full_precision`` (the same layer unquantized) and the derivation ``formula`` (messages)."""
+
+    low: int
+    high: int
+    formula: str
+    exact: int
+    lossy: bool = False
+    full_precision: int = 0
+
+    def __post_init__(self):
+        self.full_precision = self.full_precision or self.exact
+
+
+def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expectation:
+    """Expected bytes of subject ``layer`` holding ``tokens`` tokens (see the module docstring)."""
+    state = shape.state_bytes
+    if not shape.token_bytes:
+        return Expectation(state, state + slack, f"conv+recurrent states {state} B (independent of S)", state)
+    try:
+        capacity = int(layer.get_max_length())
+    except Exception:  # noqa: BLE001 - an incomplete layer: treat as unbounded
+        capacity = -1
+    note = ""
+    declared_len = getattr(layer, "max_cache_len", None)
+    if capacity < 0 and isinstance(declared_len, int) and declared_len > 0:
+        # transformers 5.24: LinearAttentionAndStaticFullAttentionLayer (StaticCache on FalconH1) preallocates
+        # max_cache_len but its get_max_length() resolves to the linear mixin's -1
+        capacity, note = declared_len, "; get_max_length() says -1"
+    preallocates = bool(getattr(layer, "is_compileable", False)) and capacity > 0
+    if capacity < 0:
+        held, rule = tokens, f"S={tokens}"
+    elif preallocates:
+        held, rule = capacity, f"max_cache_len={capacity} (preallocated{note})"
+    else:
+        held, rule = min(tokens, capacity), f"min(S={tokens}, window={capacity})"
+    B, H, D, b = shape.dims
+    kv = held * shape.token_bytes
+    text = f"2·B{B}·H_kv{H}·D{D}·{b}B · {rule} = {kv} B" + (f" + states {state} B" if state else "")
+    q = quant_params(layer)
+    if q is None:
+        return Expectation(kv + state, kv + state + slack, text, kv + state)
+    nbits, group, residual = q
+    ratio = quant_ratio(nbits, group, b)
+    low = kv * ratio
+    high = kv * ratio + min(residual, held) * shape.token_bytes * (1 - ratio)
+    qtext = f"{nbits}-bit" + (f" group {group}" if group else "") + (f", residual {residual}" if residual else "")
+    return Expectation(int(low * (1 - QUANT_BAND)) + state, int(high * (1 + QUANT_BAND)) + state + slack,
+                       f"{qtext}: {ratio:.3f} × ({text})", int(low) + state, lossy=True, full_precision=kv + state)
+
+
+# ------------------------------------------------------------------------------------------------ driving the ops
+def _feed(ctx, cache, tokens, start, encoder_ids):
+    import torch
+
+    from kvconform import compat
+
+    m = ctx.model.model
+    device = next(m.parameters()).device
+    kwargs = {compat.cache_kwarg(m): cache, "use_cache": True}
+    if ctx.model.is_encoder_decoder:
+        kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=tokens.to(device))
+    else:
+        kwargs["input_ids"] = tokens.to(device)
+        if compat.accepts_position_ids(m):
+            k = tokens.shape[1]
+            kwargs["position_ids"] = torch.arange(start, start + k, device=device).expand(tokens.shape[0], k)
+    with torch.no_grad():
+        out = m(**kwargs)
+    del out
+
+
+def run_memory_ops(ctx, cache, on_checkpoint):
+    """Run the case's ops on ``cache``; after each token-feeding op call ``on_checkpoint(label, tokens_held,
+    after_reset)``.
+
+    Raises:
+        SubjectRaised: the subject raised during an op (names the op).
+        ValueError: an op outside ``MEMORY_OPS``.
+    """
+    import torch
+
+    case, model = ctx.case, ctx.model
+    gen = case_generator(case, model.name)
+    encoder_ids = (torch.randint(FIRST_TOKEN, model.vocab_size, (case.batch, case.encoder_len), generator=gen)
+                   if model.is_encoder_decoder else None)
+    seq_len, after_reset = 0, False
+    for op in case.ops:
+        if op.name not in MEMORY_OPS:
+            raise ValueError(f"case {case.id}: op {op.name!r} is not supported by the memory checks "
+                             f"(allowed: {', '.join(MEMORY_OPS)})")
+        try:
+            if op.name == "reset":
+                cache.reset()
+                seq_len, after_reset = 0, True
+                continue
+            steps = op.n if op.name == "decode" else 1
+            width = 1 if op.name == "decode" else op.n
+            for _ in range(steps):
+                new = torch.randint(FIRST_TOKEN, model.vocab_size, (case.batch, width), generator=gen)
+                _feed(ctx, cache, new, seq_len, encoder_ids)
+                seq_len += width
+        except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on the item
+            raise SubjectRaised(op.label, exc) from exc
+        on_checkpoint(op.label, seq_len, after_reset)
+    return encoder_ids
+
+
+@dataclass
+class Checkpoint:
+    """Bytes after one op: per layer ``(label, held, Expectation)``."""
+
+    op: str
+    tokens: int
+    after_reset: bool = False
+    layers: list = field(default_factory=list)
+
+    @property
+    def held(self) -> int:
+        return sum(h for _, h, _ in self.layers)
+
+    @property
+    def formula(self) -> int:
+        return sum(e.exact for _, _, e in self.layers)
+
+    @property
+    def full_precision(self) -> int:
+        return sum(e.full_precision for _, _, e in self.layers)
+
+    def worst(self):
+        """The layer furthest outside its expectation, as ``(label, held, exp, excess)`` (excess > 0: too many
+        bytes; < 0: too few for a lossy band), or None when every layer is within."""
+        bad = []
+        for label, held, exp in self.layers:
+            if held > exp.high:
+                bad.append((label, held, exp, held - exp.high))
+            elif exp.lossy and held < exp.low:
+                bad.append((label, held, exp, held - exp.low))
+        return max(bad, key=lambda x: abs(x[3])) if bad else None
+
+
+def _ops_label(ctx, upto=None) -> str:
+    return ctx.case.ops_label() + (f"   [measured after {upto}]" if upto else "")
+
+
+def _mib(n) -> str:
+    return f"{n:,} B" if abs(n) < 1 << 20 else f"{n / (1 << 20):.2f} MiB"
+
+
+_SHAPES: dict = {}
+"""Reference shapes per (model, dtype, case): the same for every subject of a run, so measured once."""
+
+
+def _shapes_for(ctx) -> dict:
+    key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
+    if key not in _SHAPES:
+        ref = ctx.new_cache(ctx.reference)
+        try:
+            run_memory_ops(ctx, ref, lambda *_: None)
+        except SubjectRaised as exc:
+            ctx.fail([f"the reference cache raised {describe_raise(exc)} — cannot derive the formula",
+                      f"ops: {_ops_label(ctx)}", "likely cause: the model does not support these ops"],
+                     {"model_at_fault": True})
+        if len(_SHAPES) > 64:
+            _SHAPES.clear()
+        _SHAPES[key] = reference_shapes(ref)
+    return _SHAPES[key]
+
+
+@register("memory", needs=("forward",))
+def check_memory_bytes(ctx):
+    """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
+    (full: S tokens, sliding: min(S, window), static: max_cache_len, linear: its states, quantized: its band).
+
+    A subject that does not declare capability ``reset`` is measured up to the case's first ``reset`` op."""
+    slack = int(ctx.case.params.get("slack_bytes", DEFAULT_SLACK_BYTES))
+    if "reset" not in ctx.subject.capabilities and any(op.name == "reset" for op in ctx.case.ops):
+        import dataclasses
+
+        first = next(i for i, op in enumerate(ctx.case.ops) if op.name == "reset")
+        ctx.case = dataclasses.replace(ctx.case, ops=ctx.case.ops[:first])
+        ctx.metrics["note"] = f"{ctx.subject.name} does not declare 'reset': measured up to the first reset"
+    shapes = _shapes_for(ctx)
+    cache = ctx.new_cache()
+    checkpoints: list[Checkpoint] = []
+
+    def measure(label, tokens, after_reset):
+        cp = Checkpoint(label, tokens, after_reset)
+        layers = dict(cache_layers(cache))
+        for name, layer in layers.items():
+            shape = shapes.get(name)
+            if shape is None:
+                continue
+            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
+            cp.layers.append((name, held_bytes(layer), expected_layer(shape, layer, enc, slack)))
+        extra = set(layers) - set(shapes)
+        if extra:  # layers the reference does not have: everything they hold is unexplained
+            for name in sorted(extra):
+                cp.layers.append((name, held_bytes(layers[name]), Expectation(0, slack, "no such layer", 0)))
+        checkpoints.append(cp)
+
+    try:
+        run_memory_ops(ctx, cache, measure)
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    if not checkpoints:
+        raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
+    last = checkpoints[-1]
+    peak = max(checkpoints, key=lambda c: c.held)
+    ctx.metrics.update(bytes_held=last.held, bytes_formula=last.formula, tokens=last.tokens,
+                       ratio=round(last.held / last.formula, 4) if last.formula else None,
+                       bytes_full_precision=last.full_precision,
+                       ratio_to_full_precision=round(last.held / last.full_precision, 4) if last.full_precision
+                       else None, peak_bytes=peak.held, layers=len(last.layers),
+                       per_op=[[c.op, c.tokens, c.held, c.formula] for c in checkpoints])
+    failing = [(cp, cp.worst()) for cp in checkpoints if cp.worst() is not None]
+    if not failing:
+        return
+    cp, (label, held, exp, excess) = max(failing, key=lambda f: abs(f[1][3]) / max(f[1][2].exact, 1))
+    if excess > 0:
+        observed = f"{label} holds {_mib(held)}, but should hold ≤ {_mib(exp.high)}"
+    else:
+        observed = f"{label} holds {_mib(held)}, but should hold ≥ {_mib(exp.low)}"
+    ratio = held / exp.exact if exp.exact else float("inf")
+    per_op = ", ".join(f"{c.op} {h / e.exact:.2f}×" for c in checkpoints for name, h, e in c.layers
+                       if name == label and e.exact)
+    ctx.fail([
+        observed + f" ({ratio:.2f}× the formula)",
+        f"formula: {exp.formula}" + ("" if exp.lossy else f" (+ slack {slack} B)"),
+        f"whole cache: {_mib(cp.held)} held vs {_mib(cp.formula)} by the formula after S={cp.tokens} tokens",
+        f"{label} held/formula after each op: {per_op}",
+        f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
+        "likely cause: " + _memory_cause(exp, excess, shapes, label, checkpoints),
+    ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
+        "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low})
+
+
+def _memory_cause(exp, excess, shapes, label, checkpoints) -> str:
+    """The likeliest cause, from how ``label``'s bytes relate to its formula over all checkpoints."""
+    if excess < 0:
+        return ("the layer holds fewer bytes than its declared quantization can: keys/values are stored at fewer "
+                "bits (or fewer tokens) than declared")
+    if exp.lossy:
+        return "the quantized layer holds more than its declared bits and group size allow (a full-precision copy?)"
+    shape = shapes.get(label)
+    if shape is not None and not shape.token_bytes:
+        return "a linear-attention layer whose state bytes depend on the tokens fed: it keeps past states"
+    series = [(cp.op, held, e) for cp in checkpoints for name, held, e in cp.layers if name == label]
+    ratios = [held / e.exact for _, held, e in series if e.exact]
+    over = [held > e.high for _, held, e in series]
+    if ratios and all(over) and max(ratios) - min(ratios) < 0.05 and round(ratios[0]) >= 2:
+        heads = f" (H_kv = {shape.dims[1]})" if shape is not None and shape.dims else ""
+        return (f"a constant {round(ratios[0])}× the formula at every op: keys/values stored repeated across the "
+                f"query heads (repeat_kv) or kept twice{heads}")
+    multi = [not op.startswith("decode") for op, _, _ in series]
+    if any(over) and all(m for m, o in zip(multi, over) if o) and not all(over):
+        return ("over only right after a multi-token op, back within the formula after a decode step: the layer "
+                "keeps a slice (a view) of the whole prefill/chunk buffer instead of a copy of its window")
+    if any(cp.after_reset and held > e.high for cp in checkpoints for name, held, e in cp.layers if name == label):
+        return ("bytes survive reset(): superseded keys/values are kept somewhere reset() does not clear "
+                "(a history list, a second buffer)")
+    return ("the bytes grow faster than the tokens: superseded keys/values are kept (a history list, or views "
+            "that pin old buffers)")
+
+
+def _cuda_applies(subject, model, case, device="cpu"):
+    import torch
+
+    if not (str(device).startswith("cuda") and torch.cuda.is_available()):
+        return "requires CUDA (torch.cuda.memory_allocated; run with --kvconform-device cuda on a GPU)"
+    return None
+
+
+@register("memory", needs=("forward",))
+def check_memory_cuda_allocated(ctx):
+    """On CUDA: the allocator's view agrees with the counted bytes — ``memory_allocated`` after the ops minus before
+    (outputs dropped) is within ``slack`` of ``held_bytes(cache)``, so nothing is held where attribute traversal
+    cannot see it (closures, globals, class attributes); the peak (``max_memory_allocated``) is reported."""
+    import gc
+
+    import torch
+
+    device = next(ctx.model.model.parameters()).device
+    slack = int(ctx.case.params.get("cuda_slack_bytes", 1 << 20))
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = ctx.new_cache()
+    try:
+        run_memory_ops(ctx, cache, lambda *_: None)
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    gc.collect()
+    torch.cuda.synchronize(device)
+    delta = torch.cuda.memory_allocated(device) - base
+    peak = torch.cuda.max_memory_allocated(device) - base
+    counted = held_bytes(cache)
+    ctx.metrics.update(cuda_allocated_delta=delta, cuda_peak_delta=peak, bytes_held=counted)
+    if delta > counted + slack:
+        ctx.fail([
+            f"torch.cuda.memory_allocated grew by {_mib(delta)}, but the cache's tensors account for "
+            f"{_mib(counted)} (slack {_mib(slack)})",
+            f"peak during the ops: {_mib(peak)} above the start",
+            f"ops: {_ops_label(ctx)}",
+            "likely cause: the cache keeps tensors outside its attributes (a closure, a global or class-level list, "
+            "a hook) that are never released",
+        ], {"cuda_allocated_delta": delta, "bytes_held": counted})
+
+
+check_memory_cuda_allocated.kvconform_applies = _cuda_applies

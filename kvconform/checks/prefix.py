@@ -1,0 +1,276 @@
+"""Family ``prefix``: reusing a cache — forked with ``copy.deepcopy``, handed to ``generate`` already prefilled, or
+carried from one ``generate`` turn to the next — behaves like computing everything from scratch.
+
+* ``check_prefix_fork``: prefill a shared prefix, ``copy.deepcopy`` it, continue each copy with a different suffix
+  (the case's ops after ``fork``: single steps or a chunk); every step equals the oracle, the original's tensors are
+  bit-for-bit unchanged, and the original then continues correctly with a suffix of its own.
+* ``check_prefix_generate``: prefill the prefix with a forward, then ``generate`` with the full prompt
+  (``params.mode = "full_prompt"``: generate skips what the cache holds) or with the suffix only and the full
+  attention mask (``"suffix_only"``); tokens equal ``generate(use_cache=False)`` on the full prompt and the step
+  logits equal the oracle.
+* ``check_multi_turn``: the cache returned by one ``generate`` is reused for a longer next turn (the previous
+  output plus ``params.user`` new tokens); the second turn equals a fresh uncached run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from kvconform import compat
+from kvconform.checks import register
+from kvconform.checks._engine import (Runner, SubjectRaised, case_generator, describe_exception, fail_raised,
+                                      fail_verdict, generate, judge, lossy_generate_rule, random_tokens)
+from kvconform.checks.crop import changed, snapshot
+from kvconform.oracle import compare_logits
+
+
+# ------------------------------------------------------------------------------------------------ fork
+def _split_at_fork(case):
+    names = [op.name for op in case.ops]
+    if "fork" not in names or names.index("fork") == 0 or names.index("fork") == len(names) - 1:
+        raise ValueError(f"case {case.id}: check_prefix_fork needs ops 'prefix ops, fork, suffix ops'")
+    i = names.index("fork")
+    return case.ops[:i], case.ops[i + 1:]
+
+
+def run_fork_case(ctx, cache, info=None):
+    """Prefix ops, then ``params.forks`` (default 2) deep copies each continued with its own suffix, then the
+    original with another suffix. Returns the steps; ``info["changed"]`` lists the original's tensors that the copies
+    changed (names) and ``info["held"]`` its length at the fork."""
+    prefix_ops, suffix_ops = _split_at_fork(ctx.case)
+    forks = int(ctx.case.params.get("forks", 2))
+    runner = Runner(ctx, cache)
+    for i, op in enumerate(prefix_ops):
+        runner.apply(op, i)
+    before = snapshot(runner.cache)
+    for f in range(forks):
+        copied = runner._call(f"copy.deepcopy #{f + 1}", copy.deepcopy, runner.cache)
+        branch = runner.branch(copied, f"copy {f + 1}", gen=case_generator(ctx.case, ctx.model.name, f"/copy{f}"))
+        for op in suffix_ops:
+            branch.apply(op)
+    diff = changed(before, snapshot(runner.cache))
+    if info is not None:
+        info.update(changed=diff, held=runner.length, before=before["get_seq_length()"])
+    original = runner.branch(runner.cache, "original", gen=case_generator(ctx.case, ctx.model.name, "/original"))
+    for op in suffix_ops:
+        original.apply(op)
+    return runner.steps
+
+
+def _fork_ops_text(ctx):
+    prefix_ops, suffix_ops = _split_at_fork(ctx.case)
+    forks = int(ctx.case.params.get("forks", 2))
+    suffix = " → ".join(op.label for op in suffix_ops)
+    return (f"{' → '.join(op.label for op in prefix_ops)} → deepcopy ×{forks}, each: {suffix} → "
+            f"original: {suffix}")
+
+
+@register("prefix", needs=("forward", "deepcopy"))
+def check_prefix_fork(ctx):
+    """Prefill a shared prefix, deepcopy it, continue each copy with a different suffix (single steps or a chunk):
+    every step equals the oracle and the original is untouched (bit for bit, and it still continues correctly)."""
+    info = {}
+    try:
+        steps = run_fork_case(ctx, ctx.new_cache(), info)
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "copy.deepcopy of the cache, or a copy's update, fails (see the exception)",
+                    _fork_ops_text(ctx))
+    ctx.metrics.update(forks=int(ctx.case.params.get("forks", 2)))
+    if info["changed"]:
+        names = info["changed"]
+        ctx.fail([f"the original cache changed while its deep copies were extended: {', '.join(names[:4])}"
+                  + (f" (+{len(names) - 4} more)" if len(names) > 4 else ""),
+                  f"ops: {_fork_ops_text(ctx)}",
+                  "likely cause: __deepcopy__ shares tensors (key/value buffers, conv/recurrent states or a length "
+                  "counter) between the copy and the original; whatever is written in place then corrupts both"],
+                 {"changed": names[:10]})
+    verdict = judge(ctx, steps, driver=run_fork_case)
+    _, cmp = verdict.first_fail or verdict.worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps))
+    if not verdict.passed:
+        def cause(step, cmp, model_at_fault):
+            if model_at_fault:
+                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+            if step.label.startswith("original"):
+                return "the original no longer holds the prefix after its copies were extended (shared state)"
+            return ("the deep copy does not hold the same state as the original (a layer, a length counter or a "
+                    "conv/recurrent state was not copied)")
+
+        fail_verdict(ctx, verdict, cause, ops_text=_fork_ops_text(ctx), driver=run_fork_case)
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def judge_generated(ctx, prompt_len, seq, logits, ref_seq, ops_text, cause_text, rerun=None):
+    """Compare ``generate`` output with the uncached run (tokens) and the oracle (step logits).
+
+    Args:
+        prompt_len: length of the full prompt (decoder-only); ``seq`` ``[B, prompt_len + N]`` are the full
+            sequences, ``logits`` ``[B, N, V]`` float64, ``ref_seq`` the ``generate(use_cache=False)`` sequences.
+        rerun: ``fn(spec) -> (prompt_len, seq, logits)`` running the same procedure with another subject; used on
+            failure to run the reference cache and tell a fault of the subject from one of generate()/the model.
+
+    Raises:
+        ConformanceError: logits beyond tolerance or tokens that differ (a near tie is named as such).
+    """
+    cmp = _compare_generated(ctx, prompt_len, seq, logits)
+    n = logits.shape[1]
+    same = tuple(seq.shape) == tuple(ref_seq.shape) and bool((seq == ref_seq).all())
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, new_tokens=n,
+                       tokens_equal=same)
+    if cmp.passed and same:
+        return
+    lines = []
+    if not cmp.passed:
+        b, s = cmp.worst
+        observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
+        lines += [f"max|Δlogit| = {observed}, but should be ≤ {cmp.tol:.1e} ({ctx.tolerance().describe(cmp.floor)})",
+                  f"worst at batch={b} step={s} position={prompt_len - 1 + s}"]
+    if not same:
+        if tuple(seq.shape) == tuple(ref_seq.shape):
+            b, i = (seq != ref_seq).nonzero()[0].tolist()
+            lines.append(f"generated tokens differ from generate(use_cache=False) at batch={b} index={i}: "
+                         f"{seq[b, i].item()} vs {ref_seq[b, i].item()}")
+        else:
+            lines.append(f"generated shape {tuple(seq.shape)}, but generate(use_cache=False) gave "
+                         f"{tuple(ref_seq.shape)}")
+    lines.append(f"ops: {ops_text}")
+    model_at_fault = False
+    ref = ctx.reference
+    if rerun is not None and ref is not None and not cmp.passed:
+        if ref.name == ctx.subject.name:
+            lines.append(f"oracle: {ref.name} is kvconform's reference cache → the fault is in generate() or the "
+                         f"model, not the cache")
+            model_at_fault = True
+        else:
+            try:
+                r_len, r_seq, r_logits = rerun(ref)
+                r_cmp = _compare_generated(ctx, r_len, r_seq, r_logits)
+                model_at_fault = not r_cmp.passed
+                lines.append(f"oracle: {ref.name} on the same case: {r_cmp.max_abs:.1e} → the fault is in "
+                             + ("generate() or the model, not the cache" if model_at_fault else "the subject"))
+            except Exception as exc:  # noqa: BLE001
+                lines.append(f"oracle: {ref.name} on the same case raised {describe_exception(exc)}")
+    lines.append("likely cause: " + (
+        "a near tie flipped a greedy token although the logits are within tolerance" if cmp.passed else
+        "transformers' generate() or modeling code mishandles this case, whatever the cache (see the known faults)"
+        if model_at_fault else cause_text))
+    ctx.fail(lines, {"tokens_equal": same, "model_at_fault": model_at_fault})
+
+
+def _compare_generated(ctx, prompt_len, seq, logits):
+    n = logits.shape[1]
+    dec = seq[:, :-1]
+    sl = slice(prompt_len - 1, prompt_len - 1 + n)
+    return compare_logits(logits, ctx.oracle.logits(dec)[:, sl], ctx.oracle.uncached(dec)[:, sl], ctx.tolerance())
+
+
+def _new_cache(ctx, spec):
+    return spec.build(ctx.model, max_cache_len=ctx.max_cache_len, batch_size=ctx.case.batch,
+                      encoder_len=ctx.case.encoder_len)
+
+
+def _prefix_tokens(ctx):
+    import torch
+
+    case, model = ctx.case, ctx.model
+    gen = case_generator(case, model.name)
+    prefix = random_tokens(gen, case.batch, case.ops[0].n, model.vocab_size)
+    suffix = random_tokens(gen, case.batch, int(case.params.get("suffix", 4)), model.vocab_size)
+    return prefix, suffix, torch.cat([prefix, suffix], dim=1)
+
+
+def _run_prefix_generate(ctx, spec, ops_text):
+    """Prefill the prefix into a fresh ``spec`` cache, then generate; returns ``(prompt_len, seq, logits)``."""
+    import torch
+
+    mode = ctx.case.params.get("mode", "full_prompt")
+    prefix, suffix, full = _prefix_tokens(ctx)
+    cache = _new_cache(ctx, spec)
+    sctx = copy.copy(ctx)
+    sctx.subject = spec
+    runner = Runner(sctx, cache)
+    try:
+        runner.feed(prefix.shape[1], "forward(prefix)", tokens=prefix)
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "the cache cannot take the prefix (see the exception)", ops_text)
+    kwargs = compat.generate_cache_kwargs(cache)
+    n = ctx.case.max_new_tokens
+    if mode == "full_prompt":
+        seq, logits, _ = _generate_or_fail(ctx, ops_text, full, n, kwargs)
+    else:
+        seq, logits, _ = _generate_or_fail(ctx, ops_text, suffix, n, kwargs, attention_mask=torch.ones_like(full))
+        seq = torch.cat([prefix, seq], dim=1)
+    return full.shape[1], seq, logits
+
+
+def _generate_or_fail(ctx, ops_text, *args, **kwargs):
+    try:
+        return generate(ctx.model, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        ctx.fail([f"generate raised {describe_exception(exc)}", f"ops: {ops_text}",
+                  "likely cause: the cache lacks something generate() calls, or holds a state it cannot continue "
+                  "from (see the exception)"], {"raised": type(exc).__name__})
+
+
+@register("prefix", needs=("forward", "generate"))
+def check_prefix_generate(ctx):
+    """Prefill a prefix with a forward, then ``generate`` from that cache with the full prompt or the suffix only:
+    the same tokens as ``generate(use_cache=False)`` and step logits equal to the oracle."""
+    case = ctx.case
+    mode = case.params.get("mode", "full_prompt")
+    if mode not in ("full_prompt", "suffix_only") or not case.ops or case.ops[0].name != "prefill":
+        raise ValueError(f"case {case.id}: check_prefix_generate needs ops ['prefill N'] and params.mode "
+                         f"'full_prompt' or 'suffix_only'")
+    prefix, suffix, full = _prefix_tokens(ctx)
+    n = case.max_new_tokens
+    ops_text = (f"forward(prefix {prefix.shape[1]}) → generate({'full prompt' if mode == 'full_prompt' else 'suffix'}"
+                f" {full.shape[1] if mode == 'full_prompt' else suffix.shape[1]} tokens, cache=prefilled, "
+                f"max_new_tokens={n})")
+    prompt_len, seq, logits = _run_prefix_generate(ctx, ctx.subject, ops_text)
+    ref_seq, _, _ = generate(ctx.model, full, n, {"use_cache": False})
+    judge_generated(ctx, prompt_len, seq, logits, ref_seq, ops_text,
+                    "generate() fed the wrong tokens on top of the prefilled cache (it slices the prompt by "
+                    "get_seq_length(); a cache that cannot report its length is fed the whole prompt again) or "
+                    "the cache lost the prefix", rerun=lambda spec: _run_prefix_generate(ctx, spec, ops_text))
+
+
+check_prefix_generate.kvconform_applies = lossy_generate_rule
+
+
+def _turn_tokens(ctx):
+    gen = case_generator(ctx.case, ctx.model.name)
+    prompt = random_tokens(gen, ctx.case.batch, ctx.case.prompt, ctx.model.vocab_size)
+    user = random_tokens(gen, ctx.case.batch, int(ctx.case.params.get("user", 3)), ctx.model.vocab_size)
+    return prompt, user
+
+
+def _run_turns(ctx, spec, ops_text):
+    """Two generate() turns sharing one ``spec`` cache; returns ``(turn-2 prompt length, seq, logits)``."""
+    import torch
+
+    prompt, user = _turn_tokens(ctx)
+    n = ctx.case.max_new_tokens
+    kwargs = compat.generate_cache_kwargs(_new_cache(ctx, spec))
+    first, _, _ = _generate_or_fail(ctx, ops_text, prompt, n, kwargs)
+    turn2 = torch.cat([first, user], dim=1)
+    seq, logits, _ = _generate_or_fail(ctx, ops_text, turn2, n, kwargs)
+    return turn2.shape[1], seq, logits
+
+
+@register("prefix", needs=("forward", "generate"))
+def check_multi_turn(ctx):
+    """Turn 1: ``generate(prompt, cache=c)``; turn 2: ``generate(turn-1 output + new tokens, cache=c)`` equals a
+    fresh ``generate(use_cache=False)`` of the same turn-2 prompt (tokens) and the oracle (step logits)."""
+    prompt, user = _turn_tokens(ctx)
+    n = ctx.case.max_new_tokens
+    ops_text = (f"generate(prompt {prompt.shape[1]}, max_new_tokens={n}, cache=c) → generate(previous output + "
+                f"{user.shape[1]} new tokens, max_new_tokens={n}, cache=c)")
+    prompt_len, seq, logits = _run_turns(ctx, ctx.subject, ops_text)
+    ref_seq, _, _ = generate(ctx.model, seq[:, :prompt_len], n, {"use_cache": False})
+    judge_generated(ctx, prompt_len, seq, logits, ref_seq, ops_text,
+                    "the cache returned by the first generate() does not hold exactly the first turn (generate "
+                    "slices the next prompt by get_seq_length(); a cache that cannot report it is fed the whole "
+                    "conversation again)", rerun=lambda spec: _run_turns(ctx, spec, ops_text))
+
+
+check_multi_turn.kvconform_applies = lossy_generate_rule

@@ -1,0 +1,252 @@
+"""Family ``speed``: a cache must be fast where it says it is — budgets measured as ratios, side by side.
+
+Every check times *targets* in interleaved rounds (``kvconform.timing.measure_interleaved``: each round runs every
+target once, in rotated order; medians of ``repeats`` ≥ 5 rounds after ``warmup`` rounds; one torch thread on CPU;
+``torch.cuda.synchronize`` around each target on CUDA; through pytest-benchmark's ``pedantic`` when the suite has
+it). A target is "prefill ``context`` tokens (untimed setup), then ``steps`` single-token decode steps (timed)",
+reported per token. Budgets are ratios of targets measured in the same rounds, so the machine's speed and load
+cancel out; they are declared in the case files (``params``) and deliberately generous: a budget catches a cache
+doing O(context) work per token, not a 10 % regression (use ``--benchmark-autosave``/``--benchmark-compare-fail``
+for that).
+
+* ``check_speed_vs_uncached`` — at context ≥ 512, decoding with the cache is ≥ ``min_speedup`` × faster per token
+  than the uncached forward of the whole sequence (what a cache is for).
+* ``check_speed_flat_decode`` — per-token decode cost grows ≤ ``max_growth`` × from context ``short`` to ``long``
+  (128 → 1024); the uncached forward, timed in the same rounds, shows the linear growth a cache must avoid.
+* ``check_speed_compiled_static`` — a cache declaring ``is_compileable`` decoded through ``torch.compile`` is
+  ≥ ``min_speedup`` × the speed of ``DynamicCache`` decoding eagerly (what static shapes are for); on CUDA with
+  ``mode="reduce-overhead"``.
+
+Runtime skips (never passes): benchmarking disabled (``--benchmark-disable``); under xdist the plugin skips speed
+items before they run (parallel workers share the CPU, so timings would be meaningless). Decoder-only models (cases
+``requires = ["decoder_only"]``).
+"""
+
+from __future__ import annotations
+
+from kvconform import compat
+from kvconform.checks import register
+from kvconform.checks._engine import FIRST_TOKEN, case_generator
+from kvconform.timing import Target, measure_interleaved
+
+DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_steps": 1, "repeats": 5, "warmup": 1,
+            "threads": 1}
+"""Case ``params`` defaults. ``steps``: timed decode steps per round (cached targets); ``uncached_steps``: uncached
+forwards per round (each costs a whole prefill, and varies little); ``threads``: torch threads on CPU (0: keep)."""
+
+
+def _param(ctx, name):
+    value = ctx.case.params.get(name, DEFAULTS.get(name))
+    if value is None:
+        raise ValueError(f"case {ctx.case.id}: {ctx.check_name} needs params.{name}")
+    return value
+
+
+def _tokens(ctx, length):
+    import torch
+
+    gen = case_generator(ctx.case, ctx.model.name)
+    return torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, length), generator=gen)
+
+
+def _step_kwargs(m, tokens, start, cache=None):
+    import torch
+
+    device = next(m.parameters()).device
+    k = tokens.shape[1]
+    kwargs = {"input_ids": tokens.to(device)}
+    if cache is not None:
+        kwargs.update({compat.cache_kwarg(m): cache, "use_cache": True})
+    else:
+        kwargs["use_cache"] = False
+    if compat.accepts_position_ids(m):
+        kwargs["position_ids"] = torch.arange(start, start + k, device=device).expand(tokens.shape[0], k)
+    return kwargs
+
+
+def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Target:
+    """Setup: a fresh cache of ``spec`` sized ``context + steps``, prefilled with ``tokens[:, :context]``
+    (untimed). Run: ``steps`` single-token decode steps through ``forward`` (default: the eager model)."""
+    import torch
+
+    m = ctx.model.model
+    fwd = forward or m
+
+    def setup():
+        cache = spec.build(ctx.model, max_cache_len=context + steps, batch_size=ctx.case.batch)
+        with torch.no_grad():
+            m(**_step_kwargs(m, tokens[:, :context], 0, cache))
+        return cache
+
+    def run(cache):
+        with torch.no_grad():
+            for s in range(steps):
+                pos = context + s
+                fwd(**_step_kwargs(m, tokens[:, pos:pos + 1], pos, cache))
+
+    return Target(name, run, setup, units=steps)
+
+
+def uncached_target(ctx, name, tokens, context, steps) -> Target:
+    """Run: ``steps`` uncached forwards of the whole sequence ``tokens[:, :context + s + 1]`` (what decoding without
+    a cache costs per token)."""
+    import torch
+
+    m = ctx.model.model
+
+    def run(_):
+        with torch.no_grad():
+            for s in range(steps):
+                m(**_step_kwargs(m, tokens[:, :context + s + 1], 0))
+
+    return Target(name, run, units=steps)
+
+
+def _measure(ctx, targets, extra):
+    device = next(ctx.model.model.parameters()).device
+    threads = int(_param(ctx, "threads")) if device.type == "cpu" else None
+    timings = measure_interleaved(targets, repeats=int(_param(ctx, "repeats")), warmup=int(_param(ctx, "warmup")),
+                                  device=device, benchmark=ctx.benchmark, threads=threads,
+                                  extra_info={"subject": ctx.subject.name, "model": ctx.model.name,
+                                              "case": ctx.case.id, **extra})
+    repeats = int(_param(ctx, "repeats"))
+    timer = (f"timer: perf_counter{' + cuda.synchronize' if device.type == 'cuda' else ''} on {device.type}"
+             f"{f', {threads} thread' if threads else ''}; medians of {repeats} interleaved rounds"
+             f"{' (pytest-benchmark pedantic)' if ctx.benchmark is not None else ''}")
+    return timings, timer
+
+
+def _ms(t) -> str:
+    return f"{t.median * 1e3:.2f}"
+
+
+@register("speed", needs=("forward",))
+def check_speed_vs_uncached(ctx):
+    """At context ≥ 512, cached decode beats the uncached forward per token by ``params.min_speedup``."""
+    context, steps = int(_param(ctx, "context")), int(_param(ctx, "steps"))
+    floor = float(_param(ctx, "min_speedup"))
+    if context < 512:
+        raise ValueError(f"case {ctx.case.id}: check_speed_vs_uncached needs context ≥ 512, got {context}")
+    usteps = int(_param(ctx, "uncached_steps"))
+    tokens = _tokens(ctx, context + steps)
+    subject = ctx.subject.name
+    timings, timer = _measure(ctx, [cached_target(ctx, subject, ctx.subject, tokens, context, steps),
+                                    uncached_target(ctx, "uncached", tokens, context, usteps)],
+                              {"context": context, "min_speedup": floor})
+    cached, uncached = timings[subject], timings["uncached"]
+    speedup = uncached.median / cached.median
+    ctx.metrics.update(speedup=round(speedup, 2), min_speedup=floor, context=context,
+                       ms_per_token=round(cached.median * 1e3, 3), uncached_ms_per_token=round(uncached.median * 1e3, 3))
+    if speedup < floor:
+        ctx.fail([
+            f"cached decode is {speedup:.2f}× as fast as the uncached forward at context {context}, but should be "
+            f"≥ {floor:g}×",
+            f"{subject}: {cached.describe()}; uncached: {uncached.describe()}",
+            timer,
+            f"ops: prefill({context}, untimed) → decode×{steps} timed, batch {ctx.case.batch}",
+            "likely cause: each decode step costs as much as re-running the context: the cache rebuilds or copies "
+            "its keys/values token by token (O(context) work per step), or recomputes what it should keep",
+        ], {"speedup": speedup})
+
+
+@register("speed", needs=("forward",))
+def check_speed_flat_decode(ctx):
+    """Per-token decode cost grows ≤ ``params.max_growth`` × from context ``short`` to ``long``; the uncached
+    forward, in the same rounds, grows ~linearly."""
+    short, long, steps = int(_param(ctx, "short")), int(_param(ctx, "long")), int(_param(ctx, "steps"))
+    ceiling = float(_param(ctx, "max_growth"))
+    usteps = int(_param(ctx, "uncached_steps"))
+    if long < 4 * short:
+        raise ValueError(f"case {ctx.case.id}: long ({long}) should be ≥ 4 × short ({short}) to see growth")
+    tokens = _tokens(ctx, long + steps)
+    subject = ctx.subject.name
+    targets = [cached_target(ctx, f"{subject}@{short}", ctx.subject, tokens, short, steps),
+               cached_target(ctx, f"{subject}@{long}", ctx.subject, tokens, long, steps),
+               uncached_target(ctx, f"uncached@{short}", tokens, short, usteps),
+               uncached_target(ctx, f"uncached@{long}", tokens, long, usteps)]
+    timings, timer = _measure(ctx, targets, {"short": short, "long": long, "max_growth": ceiling})
+    a, b = timings[f"{subject}@{short}"], timings[f"{subject}@{long}"]
+    ua, ub = timings[f"uncached@{short}"], timings[f"uncached@{long}"]
+    growth, ugrowth = b.median / a.median, ub.median / ua.median
+    ctx.metrics.update(growth=round(growth, 2), max_growth=ceiling, uncached_growth=round(ugrowth, 2),
+                       ms_per_token_short=round(a.median * 1e3, 3), ms_per_token_long=round(b.median * 1e3, 3),
+                       short=short, long=long)
+    if growth > ceiling:
+        ctx.fail([
+            f"per-token decode cost grew {growth:.2f}× from context {short} to {long}, but should grow "
+            f"≤ {ceiling:g}×",
+            f"{subject}: {_ms(a)} → {_ms(b)} ms/token; uncached forward in the same rounds: {_ms(ua)} → "
+            f"{_ms(ub)} ms/token ({ugrowth:.2f}×)",
+            timer,
+            f"ops: prefill({short} | {long}, untimed) → decode×{steps} timed, batch {ctx.case.batch}",
+            "likely cause: every decode step does work proportional to the context in Python — a loop over "
+            "tokens or chunks, a rebuild from a list — instead of one append (or one in-place write)",
+        ], {"growth": growth, "uncached_growth": ugrowth})
+
+
+def _compiled_applies(subject, model, case, device="cpu"):
+    from kvconform.checks.compile import _applies
+
+    return _applies(True)(subject, model, case, device=device)
+
+
+@register("speed", needs=("compile",))
+def check_speed_compiled_static(ctx):
+    """A cache declaring ``is_compileable``, decoded through ``torch.compile`` (``params.mode``), is
+    ≥ ``params.min_speedup`` × as fast per token as ``DynamicCache`` decoding eagerly, side by side."""
+    import torch
+
+    from kvconform.subjects import CacheSpec, _dynamic
+
+    context, steps = int(_param(ctx, "context")), int(_param(ctx, "steps"))
+    floor = float(_param(ctx, "min_speedup"))
+    mode = ctx.case.params.get("mode")
+    tokens = _tokens(ctx, context + steps)
+    m = ctx.model.model
+    subject = ctx.subject.name
+    torch.compiler.reset()
+    compiled = torch.compile(m.forward, fullgraph=True, dynamic=False, mode=mode)
+    cudagraphs = mode in ("reduce-overhead", "max-autotune")
+
+    def forward(**kwargs):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(**kwargs)
+
+    name = f"{subject}+compile"
+    dynamic = CacheSpec("DynamicCache", _dynamic)
+    try:
+        # the warm-up round compiles (untimed); afterwards a miss runs eagerly instead of recompiling
+        warm = cached_target(ctx, name, ctx.subject, tokens, context, steps, forward)
+        state = {"rounds": 0}
+        base_setup = warm.setup
+
+        def setup():
+            if state["rounds"] == int(_param(ctx, "warmup")):
+                torch.compiler.set_stance("eager_on_recompile")
+            state["rounds"] += 1
+            return base_setup()
+
+        warm.setup = setup
+        timings, timer = _measure(ctx, [warm, cached_target(ctx, "DynamicCache", dynamic, tokens, context, steps)],
+                                  {"context": context, "min_speedup": floor, "mode": mode})
+    finally:
+        torch.compiler.set_stance("default")
+        torch.compiler.reset()
+    fast, base = timings[name], timings["DynamicCache"]
+    speedup = base.median / fast.median
+    ctx.metrics.update(speedup=round(speedup, 2), min_speedup=floor, context=context, mode=mode,
+                       ms_per_token=round(fast.median * 1e3, 3), dynamic_ms_per_token=round(base.median * 1e3, 3))
+    if speedup < floor:
+        ctx.fail([
+            f"{subject} + torch.compile decodes {speedup:.2f}× as fast as DynamicCache eager at context {context}, "
+            f"but should be ≥ {floor:g}×",
+            f"{name}: {fast.describe()}; DynamicCache eager: {base.describe()}",
+            timer + f"; compile mode={mode!r}, fullgraph=True, dynamic=False",
+            f"ops: prefill({context}, eager, untimed) → decode×{steps} timed, batch {ctx.case.batch}",
+            "likely cause: the compiled decode misses its graph (recompiles run eagerly here: see the compile "
+            "family) or the static cache does work proportional to max_cache_len per step",
+        ], {"speedup": speedup})
+
+
+check_speed_compiled_static.kvconform_applies = _compiled_applies

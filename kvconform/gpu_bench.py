@@ -1,0 +1,301 @@
+"""GPU benchmark of transformers' caches on a ~1B-parameter model: the GPU-only part of the speed, memory and compile
+families, as one script a person runs on a CUDA machine (the zoo's tiny models are launch-bound on a GPU).
+
+    python -m kvconform.gpu_bench --out gpu_bench.json            # CUDA: ~1.1B Llama-shaped model, bf16
+    python -m kvconform.gpu_bench --size tiny --device cpu        # smoke test of the script itself (no budgets)
+
+Without CUDA (and without ``--device cpu``) it prints ``SKIP: requires CUDA ...`` and exits 0: a hardware-bound
+measurement is skipped with its reason, never passed.
+
+The model: TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 heads, 4 KV heads, head_dim 64, vocab 32000) with
+seeded random weights in bfloat16 — nothing is downloaded. Decode speed does not depend on the weights' values.
+
+Measured (``kvconform.timing.measure_interleaved``: interleaved rounds, medians, ``torch.cuda.synchronize`` around
+every target), batch 1:
+
+* per-token decode at each context (default 512 and 2048): ``DynamicCache`` eager, ``StaticCache`` eager,
+  ``StaticCache`` + ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs), and the uncached forward;
+* budgets: cached vs uncached at the longest context ≥ ``--min-speedup-uncached``; per-token growth from the
+  shortest to the longest context ≤ ``--max-growth`` for every cache; static+compile vs dynamic eager
+  ≥ ``--min-speedup-compiled``; zero recompiles after warm-up (``set_stance("fail_on_recompile")``) and zero
+  cudagraph skips (``counters["inductor"]["cudagraph_skips"]``);
+* memory: ``torch.cuda.memory_allocated`` growth over a prefill + decode vs ``2·L·B·H_kv·S·D·2`` bytes (bf16; a
+  StaticCache holds ``max_cache_len``), and the counted tensor bytes (``kvconform.checks.memory.held_bytes``); peak
+  from ``max_memory_allocated``.
+
+Writes a JSON report (``--out``) and prints a summary; exits 1 when a budget is violated, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+SIZES = {
+    # TinyLlama-1.1B's shape: ~1.1e9 parameters
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096),
+    # for a smoke test of this script on any machine
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096),
+}
+
+
+def build_model(size: str, device: str, dtype):
+    """A Llama-shaped model of ``SIZES[size]`` with seeded random weights, in ``dtype`` on ``device`` (eval)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SIZES[size], initializer_range=0.02, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _kwargs(model, tokens, start, cache=None):
+    import torch
+
+    k = tokens.shape[1]
+    kw = {"input_ids": tokens, "position_ids": torch.arange(start, start + k, device=tokens.device)[None]}
+    if cache is None:
+        kw["use_cache"] = False
+    else:
+        kw.update(cache=cache, use_cache=True)
+    return kw
+
+
+def _decode_target(name, model, make_cache, tokens, context, steps, forward=None, cudagraphs=False):
+    import torch
+
+    from kvconform.timing import Target
+
+    fwd = forward or model
+
+    def setup():
+        cache = make_cache(context + steps)
+        with torch.no_grad():
+            model(**_kwargs(model, tokens[:, :context], 0, cache))
+        return cache
+
+    def run(cache):
+        with torch.no_grad():
+            for s in range(steps):
+                pos = context + s
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                fwd(**_kwargs(model, tokens[:, pos:pos + 1], pos, cache))
+
+    return Target(name, run, setup, units=steps)
+
+
+def _uncached_target(name, model, tokens, context, steps):
+    import torch
+
+    from kvconform.timing import Target
+
+    def run(_):
+        with torch.no_grad():
+            for s in range(steps):
+                model(**_kwargs(model, tokens[:, :context + s + 1], 0))
+
+    return Target(name, run, units=steps)
+
+
+def _count_recompiles(model, compiled, make_cache, tokens, context, steps, cudagraphs):
+    """Decode ``steps`` tokens twice (two fresh caches) under ``fail_on_recompile`` after one warm-up call; return
+    ``(recompiles, first guard reason or None)``."""
+    import torch
+
+    misses, reason = 0, None
+    for attempt in range(2):
+        cache = make_cache(context + steps)
+        with torch.no_grad():
+            model(**_kwargs(model, tokens[:, :context], 0, cache))
+            for s in range(steps):
+                pos = context + s
+                kw = _kwargs(model, tokens[:, pos:pos + 1], pos, cache)
+                if cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                try:
+                    compiled(**kw)
+                except RuntimeError as exc:
+                    if "Detected recompile" not in str(exc):
+                        raise
+                    misses += 1
+                    if reason is None:
+                        from kvconform.checks.compile import _first_guard
+
+                        reason = " ".join(_first_guard(str(exc))).strip()
+                    model(**kw)
+                if attempt == 0 and s == 0:
+                    torch.compiler.set_stance("fail_on_recompile")
+    torch.compiler.set_stance("default")
+    return misses, reason
+
+
+def _memory(model, make_cache, tokens, context, steps, device):
+    """``(allocated delta, peak delta, counted bytes)`` of prefilling ``context`` tokens and decoding ``steps``."""
+    import gc
+
+    import torch
+
+    from kvconform.checks.memory import held_bytes
+
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = make_cache(context + steps)
+    with torch.no_grad():
+        out = model(**_kwargs(model, tokens[:, :context], 0, cache))
+        del out
+        for s in range(steps):
+            pos = context + s
+            out = model(**_kwargs(model, tokens[:, pos:pos + 1], pos, cache))
+            del out
+    gc.collect()
+    torch.cuda.synchronize(device)
+    delta = torch.cuda.memory_allocated(device) - base
+    peak = torch.cuda.max_memory_allocated(device) - base
+    return delta, peak, held_bytes(cache)
+
+
+def run_gpu_bench(size="1b", device="cuda", contexts=(512, 2048), steps=32, repeats=7, warmup=2,
+                  mode="reduce-overhead", min_speedup_uncached=3.0, max_growth=1.5, min_speedup_compiled=1.5,
+                  memory_tolerance=0.05) -> dict:
+    """Run the benchmark; return the JSON-serialisable report (see the module docstring).
+
+    Raises:
+        RuntimeError: ``device`` is CUDA but CUDA is unavailable (``main`` turns that into a skip).
+    """
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import DynamicCache, StaticCache
+
+    from kvconform.timing import measure_interleaved
+
+    on_cuda = str(device).startswith("cuda")
+    if on_cuda and not torch.cuda.is_available():
+        raise RuntimeError("requires CUDA (torch.cuda.is_available() is False)")
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    start = time.time()
+    model = build_model(size, device, dtype)
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    contexts = sorted(contexts)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, cfg.vocab_size, (1, contexts[-1] + steps), generator=gen).to(device)
+    subjects = {
+        "DynamicCache": lambda n: DynamicCache(config=cfg),
+        # one max_cache_len for every context, as a static cache is used: one compiled graph serves them all
+        "StaticCache": lambda n: StaticCache(config=cfg, max_cache_len=contexts[-1] + steps),
+    }
+    mode = mode if on_cuda else None
+    cudagraphs = mode in ("reduce-overhead", "max-autotune")
+    torch.compiler.reset()
+    counters.clear()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)
+    compile_start = time.time()
+    recompiles, reason = _count_recompiles(model, compiled, subjects["StaticCache"], tokens, contexts[0],
+                                           min(steps, 8), cudagraphs)
+    compile_s = time.time() - compile_start
+    report = {"size": size, "parameters": n_params, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+              "torch": torch.__version__, "mode": mode, "contexts": contexts, "steps": steps, "repeats": repeats,
+              "compile": {"seconds_incl_first_decode": round(compile_s, 1), "recompiles": recompiles,
+                          "first_guard": reason}, "ms_per_token": {}, "budgets": {}, "memory": {}}
+    if on_cuda:
+        report["gpu"] = torch.cuda.get_device_name(device)
+    for context in contexts:
+        targets = [_decode_target(f"{name}@{context}", model, make, tokens, context, steps)
+                   for name, make in subjects.items()]
+        targets.append(_decode_target(f"StaticCache+compile@{context}", model, subjects["StaticCache"], tokens,
+                                      context, steps, forward=compiled, cudagraphs=cudagraphs))
+        targets.append(_uncached_target(f"uncached@{context}", model, tokens, context, max(1, steps // 8)))
+        torch.compiler.set_stance("eager_on_recompile")  # a miss runs eagerly (and shows in the times)
+        try:
+            timings = measure_interleaved(targets, repeats=repeats, warmup=warmup, device=device,
+                                          threads=None if on_cuda else 1)
+        finally:
+            torch.compiler.set_stance("default")
+        for name, t in timings.items():
+            report["ms_per_token"][name] = round(t.median * 1e3, 4)
+    report["compile"]["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0) or 0)
+    ms = report["ms_per_token"]
+    lo, hi = contexts[0], contexts[-1]
+    budgets = report["budgets"]
+    for name in [*subjects, "StaticCache+compile"]:
+        budgets[f"{name} vs uncached @{hi}"] = _budget(ms[f"uncached@{hi}"] / ms[f"{name}@{hi}"], ">=",
+                                                       min_speedup_uncached)
+        budgets[f"{name} growth {lo}->{hi}"] = _budget(ms[f"{name}@{hi}"] / ms[f"{name}@{lo}"], "<=", max_growth)
+    budgets["uncached growth (for contrast)"] = {"value": round(ms[f"uncached@{hi}"] / ms[f"uncached@{lo}"], 2)}
+    for context in contexts:
+        budgets[f"StaticCache+compile vs DynamicCache eager @{context}"] = _budget(
+            ms[f"DynamicCache@{context}"] / ms[f"StaticCache+compile@{context}"], ">=", min_speedup_compiled)
+    budgets["recompiles after warm-up"] = _budget(recompiles, "<=", 0)
+    budgets["cudagraph skips"] = _budget(report["compile"]["cudagraph_skips"], "<=", 0)
+    if on_cuda:
+        text = cfg.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        per_token = 2 * text.num_hidden_layers * 1 * text.num_key_value_heads * head_dim * dtype.itemsize
+        for name, make in subjects.items():
+            delta, peak, counted = _memory(model, make, tokens, hi, steps, device)
+            formula = per_token * (hi + steps)  # dynamic: S = hi + steps; static: max_cache_len = hi + steps
+            report["memory"][name] = {"allocated_delta": delta, "peak_delta": peak, "counted_bytes": counted,
+                                      "formula_bytes": formula, "ratio_counted_formula": round(counted / formula, 4),
+                                      "ratio_allocated_formula": round(delta / formula, 4)}
+            budgets[f"{name} counted bytes == formula"] = _budget(abs(counted / formula - 1), "<=", memory_tolerance)
+            budgets[f"{name} allocated delta ~ counted"] = _budget(abs(delta / max(counted, 1) - 1), "<=",
+                                                                   memory_tolerance)
+    report["ok"] = all(b.get("ok", True) for b in budgets.values())
+    report["seconds"] = round(time.time() - start, 1)
+    return report
+
+
+def _budget(value, op, bound) -> dict:
+    ok = value >= bound if op == ">=" else value <= bound
+    return {"value": round(float(value), 3), "budget": f"{op} {bound}", "ok": bool(ok)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvconform.gpu_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test only)")
+    parser.add_argument("--contexts", default="512,2048", help="comma-separated context lengths")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per round")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--mode", default="reduce-overhead", help="torch.compile mode on CUDA")
+    parser.add_argument("--min-speedup-uncached", type=float, default=3.0)
+    parser.add_argument("--max-growth", type=float, default=1.5)
+    parser.add_argument("--min-speedup-compiled", type=float, default=1.5)
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    args = parser.parse_args(argv)
+    try:
+        report = run_gpu_bench(size=args.size, device=args.device,
+                               contexts=tuple(int(c) for c in args.contexts.split(",")), steps=args.steps,
+                               repeats=args.repeats, warmup=args.warmup, mode=args.mode,
+                               min_speedup_uncached=args.min_speedup_uncached, max_growth=args.max_growth,
+                               min_speedup_compiled=args.min_speedup_compiled)
+    except RuntimeError as exc:
+        if "requires CUDA" in str(exc):
+            print(f"SKIP: kvconform.gpu_bench {exc}")
+            return 0
+        raise
+    text = json.dumps(report, indent=2)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    print(text)
+    bad = [name for name, b in report["budgets"].items() if not b.get("ok", True)]
+    smoke = not str(args.device).startswith("cuda")
+    print(("smoke run (no budgets on CPU): " if smoke else "") +
+          ("all budgets met" if not bad else "budgets violated: " + "; ".join(bad)))
+    return 0 if smoke or not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

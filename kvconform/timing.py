@@ -1,0 +1,157 @@
+"""Timing for the ``speed`` family: medians of interleaved repeats, a CUDA-synchronised timer, and the
+pytest-benchmark adapter.
+
+Why interleaved medians: on a shared machine a single run can stall for tens of milliseconds (``shared/FACTS.md``
+measured 40× outliers), and the load drifts over seconds. Every *round* therefore runs every target once, in an
+order rotated from round to round, and each target is summarised by the median of its rounds. Budgets are
+**ratios of targets measured side by side in the same rounds** (the subject against the uncached forward, or the
+same subject at two context lengths), so the machine's speed cancels out.
+
+With pytest-benchmark in the suite, the rounds run through ``benchmark.pedantic(...)`` (one pedantic call per
+item: the fixture may be used once), so ``--benchmark-*`` options, its table and its JSON see them; the
+per-target times are still taken by this module's timer and put in ``benchmark.extra_info``. When benchmarking is
+disabled (``--benchmark-disable``, or pytest-benchmark's automatic disabling under xdist) ``measure_interleaved``
+raises ``CheckSkipped``: a budget that was not measured must never pass.
+
+Without pytest-benchmark the same rounds run in a plain loop.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvconform.checks import CheckSkipped
+
+
+@dataclass
+class Target:
+    """One thing to time.
+
+    Attributes:
+        name: key of the result (``"subject@1024"``).
+        run: ``run(state)``: the timed work; ``state`` is what ``setup`` returned.
+        setup: ``setup() -> state``: untimed preparation, run before every round (e.g. build and prefill a cache).
+        units: how many units (tokens) one ``run`` processes; reported times are seconds per unit.
+    """
+
+    name: str
+    run: Callable[[Any], Any]
+    setup: Callable[[], Any] = lambda: None
+    units: int = 1
+
+
+@dataclass
+class Timing:
+    """Per-unit times of one target over the measured rounds (seconds; warm-up rounds excluded)."""
+
+    name: str
+    seconds: list = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def minimum(self) -> float:
+        return min(self.seconds)
+
+    def describe(self) -> str:
+        """``"1.52 ms/token (median of 7; min 1.31)"``."""
+        return f"{self.median * 1e3:.2f} ms/token (median of {len(self.seconds)}; min {self.minimum * 1e3:.2f})"
+
+
+def synchronizer(device) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued kernels (``torch.cuda.synchronize``), or does nothing on CPU.
+
+    A CUDA launch returns before the kernel ends, so a timer that does not synchronise measures the launch only.
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return lambda: torch.cuda.synchronize(dev)
+    return lambda: None
+
+
+def benchmark_disabled_reason(benchmark) -> str | None:
+    """Why ``benchmark`` (a pytest-benchmark fixture) will not time anything, or None when it will."""
+    if benchmark is None or not getattr(benchmark, "disabled", False):
+        return None
+    return ("benchmarking is disabled (pytest-benchmark: --benchmark-disable, or disabled automatically under "
+            "xdist), so this budget was not measured")
+
+
+def measure_interleaved(targets, repeats: int = 5, warmup: int = 1, device="cpu", benchmark=None,
+                        extra_info: dict | None = None, threads: int | None = 1) -> dict[str, Timing]:
+    """Time ``targets`` in ``warmup + repeats`` rounds, each round running every target once in rotated order.
+
+    Args:
+        targets: list of ``Target``.
+        repeats: measured rounds (≥ 5 for a budget: one stall then moves no median).
+        warmup: rounds run first and discarded (first-call allocations, lazy initialisation).
+        device: the device the targets run on; CUDA work is synchronised before the clock is read.
+        benchmark: the pytest-benchmark fixture, or None (plain loop).
+        extra_info: added to ``benchmark.extra_info`` (JSON-serialisable).
+        threads: ``torch.set_num_threads`` during the measurement (restored afterwards); ``None`` keeps the current
+            setting. One thread by default: tiny models on a shared CPU oversubscribe with more and stall.
+
+    Returns:
+        ``{target.name: Timing}`` with seconds per unit.
+
+    Raises:
+        CheckSkipped: ``benchmark`` is disabled.
+        ValueError: ``repeats < 1`` or duplicate target names.
+    """
+    import torch
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be ≥ 1, got {repeats}")
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate target names: {names}")
+    reason = benchmark_disabled_reason(benchmark)
+    if reason:
+        raise CheckSkipped(reason)
+    sync = synchronizer(device)
+    results = {t.name: Timing(t.name) for t in targets}
+    state = {"round": 0}
+
+    def prepare():
+        """Untimed: build every target's state for one round (pytest-benchmark's ``setup``)."""
+        return (tuple(t.setup() for t in targets),), {}
+
+    def one_round(states):
+        r = state["round"]
+        state["round"] += 1
+        order = list(range(len(targets)))
+        shift = r % len(order)
+        order = order[shift:] + order[:shift]
+        for i in order:
+            target = targets[i]
+            sync()
+            start = time.perf_counter()
+            target.run(states[i])
+            sync()
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                results[target.name].seconds.append(elapsed / target.units)
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        if benchmark is not None:
+            benchmark.extra_info.update(extra_info or {})
+            benchmark.pedantic(one_round, setup=prepare, rounds=repeats, warmup_rounds=warmup, iterations=1)
+        else:
+            for _ in range(warmup + repeats):
+                args, _ = prepare()
+                one_round(*args)
+    finally:
+        torch.set_num_threads(before)
+    if benchmark is not None:
+        benchmark.extra_info.update({f"{name} median s/unit": t.median for name, t in results.items()})
+    return results

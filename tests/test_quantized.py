@@ -1,0 +1,178 @@
+"""Lossy subjects: the fake-quant twin against the real backends, the quality metrics, and the plugin end to end
+(quantized subjects within budget, offloaded subjects skipped on CPU, faulty quantized caches caught)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvconform import compat, known_faults
+from kvconform.quant import (QUANTIZED, FakeQuantCache, QuantConfig, affine_roundtrip, group_size_for,
+                             quality_metrics, quantized_factory, twin_factory)
+from kvconform.testing import faulty_quant
+from kvconform.zoo import build_zoo_model
+
+quanto = pytest.importorskip("optimum.quanto")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("nbits", [2, 4])
+@pytest.mark.parametrize("axis,group", [(0, 32), (-1, 16)])
+def test_affine_roundtrip_is_bitwise_quanto(nbits, axis, group):
+    x = torch.randn(2, 2, 12, 16, generator=torch.Generator().manual_seed(nbits))
+    qtype = quanto.qint4 if nbits == 4 else quanto.qint2
+    scale, shift = quanto.MaxOptimizer()(x, qtype, axis, group)
+    expected = quanto.quantize_weight(x, qtype, axis, scale, shift, group).dequantize()
+    got = affine_roundtrip(x, nbits, axis, group)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert torch.equal(got, expected)
+    assert (got - x).abs().max() > 0  # it does quantize
+
+
+def test_affine_roundtrip_refuses_groups_that_do_not_divide():
+    with pytest.raises(ValueError, match="must be a divisor"):
+        affine_roundtrip(torch.randn(1, 2, 3, 16), 4, 0, 64)  # 2 · 3 · 16 = 96 per row
+
+
+def test_group_size_divides_every_length():
+    assert group_size_for(build_zoo_model("llama").config) == 32  # 2 kv heads · head_dim 16
+    assert group_size_for(build_zoo_model("gpt2").config) == 64  # 4 heads · 16
+
+
+@pytest.mark.parametrize("name,qc", [q for q in QUANTIZED if q[1].backend != "hqq"],
+                         ids=[name for name, qc in QUANTIZED if qc.backend != "hqq"])
+def test_twin_equals_quantized_cache_bit_for_bit(name, qc):
+    """Same ops (prefill, decodes across flushes, a chunk, a beam reorder) → identical logits, fp32, CPU."""
+    zm = build_zoo_model("llama")
+    subject, twin = quantized_factory(qc)(zm.config), twin_factory(qc)(zm.config)
+    gen = torch.Generator().manual_seed(0)
+    for i, n in enumerate([12, 1, 1, 1, 1, 1, 3, 1, 1]):
+        ids = torch.randint(3, 128, (2, n), generator=gen)
+        with torch.no_grad():
+            a = zm.model(ids, cache=subject, use_cache=True).logits
+            b = zm.model(ids, cache=twin, use_cache=True).logits
+        assert torch.equal(a, b), f"{name}: step {i} differs by {(a - b).abs().max():.2e}"
+        if i == 5:
+            subject.reorder_cache(torch.tensor([1, 0]))
+            twin.reorder_cache(torch.tensor([1, 0]))
+    assert subject.get_seq_length() == twin.get_seq_length() == 22
+
+
+def test_twin_runs_in_float64_and_refuses_crop_and_non_full_attention():
+    zm = build_zoo_model("llama")
+    twin = FakeQuantCache(zm.config, QuantConfig("quanto", nbits=4))
+    with torch.no_grad():
+        out = zm.oracle_model()(torch.randint(3, 128, (2, 6)), cache=twin, use_cache=True).logits
+    assert out.dtype == torch.float64 and twin.layers[0].q_keys.dtype == torch.float64
+    with pytest.raises(NotImplementedError, match="not croppable"):
+        twin.crop(-1)
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        FakeQuantCache(build_zoo_model("mistral").config, QuantConfig("quanto", nbits=4))
+
+
+def test_quality_metrics():
+    ref = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    same = quality_metrics(ref, ref)
+    assert same["kl_mean"] == pytest.approx(0, abs=1e-12) and same["top1"] == 1.0 and same["positions"] == 10
+    flipped = quality_metrics(-ref, ref)
+    assert flipped["kl_mean"] > 1 and flipped["top1"] == 0.0 and flipped["kl_worst"] >= flipped["kl_mean"]
+    assert quality_metrics(ref * float("nan"), ref)["kl_mean"] == float("inf")
+
+
+def test_reorder_fault_versions():
+    """The replayed 5.5–5.18 reorder fault: the known-fault entry matches 5.16.1, not 5.19 or 5.24."""
+    from packaging.version import Version
+
+    faults = known_faults.load_known_faults()
+    args = ("QuantizedCache_quanto4", "llama", "check_reorder_after_flush", "flush_then_reorder")
+    assert "5.5-5.18" in known_faults.match(faults, Version("5.16.1"), *args)
+    assert known_faults.match(faults, Version("5.19.0"), *args) is None
+    assert known_faults.match(faults, Version("5.24.0"), *args) is None
+    assert compat.quantized_reorder_fixed() == (compat.transformers_version().release >= (5, 19))
+
+
+def _results(pytester, name="report.json"):
+    return json.loads((pytester.path / name).read_text())["results"]
+
+
+def test_quantized_subjects_within_budget_offloaded_skipped(run_kvconform, pytester, monkeypatch):
+    """Default subjects on llama and gpt2: quantized ones pass the twin comparison and their quality budgets, the
+    crop fault of transformers is an xfail naming it, HQQ and offloading skip with their reasons on CPU."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models: one thread each, no oversubscription
+    keep = ("(QuantizedCache and (decode_explicit_positions or quality_decode or generate_twin or flush_then_reorder"
+            " or crop_after_flush)) or (offloaded and decode_explicit_positions)")
+    result = run_kvconform("--kvconform-model", "llama", "--kvconform-model", "gpt2", "-k", keep,
+                           "--kvconform-json", "report.json")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    results = _results(pytester)
+    by = {(r["subject"], r["model"], r["case"]): r for r in results}
+    for subject in ("QuantizedCache_quanto4", "QuantizedCache_quanto2", "QuantizedCache_fp8"):
+        for model in ("llama", "gpt2"):
+            quality = by[(subject, model, "quality_decode")]
+            assert quality["outcome"] == "passed", quality["message"]
+            m = quality["metrics"]
+            assert m["kl_mean"] <= m["kl_max"] and m["top1"] >= m["top1_min"]
+            assert 0 < m["kl_mean"] and m["kl_mean"] == pytest.approx(m["twin_kl_mean"])
+            for case in ("decode_explicit_positions", "generate_twin", "flush_then_reorder"):
+                assert by[(subject, model, case)]["outcome"] == "passed", (subject, model, case)
+            crop = by[(subject, model, "crop_after_flush")]
+            assert crop["outcome"] == "xfailed" and "IndexError" in crop["message"]
+    assert by[("QuantizedCache_quanto4", "llama", "decode_explicit_positions")]["metrics"]["max_abs"] < 1e-4
+    for r in results:
+        if r["subject"].endswith("_offloaded"):
+            assert r["outcome"] == "skipped" and r["message"] == "offloading needs CUDA"
+        if r["subject"].startswith("QuantizedCache_hqq") and not _has("hqq"):
+            assert r["outcome"] == "skipped" and r["message"] == "requires hqq (pip install kvconform[hqq])"
+
+
+def _has(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_faulty_quantized_caches_are_caught():
+    """Each faulty cache of kvconform.testing.faulty_quant fails its target check with the pinned message; the
+    2-bit-keys cache is also over its 4-bit quality budget, while the one-late flush stays within it (only the twin
+    sees it). Run in-process through ``kvconform.check_cache`` (the plugin runs the same items)."""
+    from kvconform import check_cache
+
+    faulty = faulty_quant.FAULTY
+    results = check_cache([f.spec for f in faulty],
+                          models=sorted({f.model for f in faulty}),
+                          checks=sorted({f.check for f in faulty} | {"check_quality_budget"}),
+                          cases=sorted({f.case for f in faulty} | {"quality_decode"}))
+    by = {(r.subject, r.check, r.case, r.model): r for r in results}
+    for f in faulty:
+        r = by[(f.attr, f.check, f.case, f.model)]
+        assert r.outcome == "failed", (f.name, r.outcome, r.message)
+        for line in f.message:
+            assert line in r.message, (f.name, line, r.message)
+    assert by[("KeysAt2BitsCache", "check_quality_budget", "quality_decode", "llama")].outcome == "failed"
+    late = by[("FlushOneLateCache", "check_quality_budget", "quality_decode", "llama")]
+    assert late.outcome == "passed" and late.metrics["kl_mean"] <= late.metrics["kl_max"]
+
+
+def test_crop_fault_is_known_and_fails_under_strict():
+    """transformers' QuantizedCache crop fault: an xfail naming it by default, a failure naming it under strict."""
+    from kvconform import check_cache
+    from kvconform.quant import quantized_subjects
+
+    fp8 = next(s for s in quantized_subjects() if s.name == "QuantizedCache_fp8")
+    for strict, outcome in ((False, "xfailed"), (True, "failed")):
+        (r,) = check_cache(fp8, models=["llama"], checks=["check_crop_refused"], cases=["crop_after_flush"],
+                           strict=strict)
+        assert r.outcome == outcome
+        text = r.message
+        assert "QuantizedCache layers declare is_croppable = False" in text
+        if strict:
+            assert "crop(-3) raised IndexError" in text and "known upstream fault: transformers>=5.5" in text
