@@ -263,6 +263,17 @@ def _reference_spec():
     return builtin_subjects()[0]
 
 
+def _limit_threads():
+    """One intra-op thread per process: the zoo models are tiny (hidden 64), so more threads only add
+    synchronisation, and under pytest-xdist or a busy CI machine OpenMP threads oversubscribe the cores and
+    spin (measured here: several times slower). ``KVCONFORM_THREADS`` overrides it."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KVCONFORM_THREADS", "1")))
+
+
 def _quiet_transformers():
     """transformers logs a warning per kernel fallback ("causal_conv1d is not installed ...") in every Mamba item;
     keep its logger at ERROR during a kvconform run so failures stay readable."""
@@ -292,6 +303,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     from kvconform.subjects import as_cache_spec, builtin_subjects, check_factory_builds_cache
 
     _quiet_transformers()
+    _limit_threads()
     registry = load_checks()
     subjects = builtin_subjects() if builtin else []
     for obj in caches or ():

@@ -115,7 +115,8 @@ def test_quantized_subjects_within_budget_offloaded_skipped(run_kvconform, pytes
     assert result.ret == 0, result.stdout.str()[-3000:]
     results = _results(pytester)
     by = {(r["subject"], r["model"], r["case"]): r for r in results}
-    for subject in ("QuantizedCache_quanto4", "QuantizedCache_quanto2", "QuantizedCache_fp8"):
+    assert not any(r["subject"] == "QuantizedCache_quanto2" for r in results)  # 2-bit: full tier only
+    for subject in ("QuantizedCache_quanto4", "QuantizedCache_fp8"):
         for model in ("llama", "gpt2"):
             quality = by[(subject, model, "quality_decode")]
             assert quality["outcome"] == "passed", quality["message"]
@@ -132,6 +133,22 @@ def test_quantized_subjects_within_budget_offloaded_skipped(run_kvconform, pytes
             assert r["outcome"] == "skipped" and r["message"] == "offloading needs CUDA"
         if r["subject"].startswith("QuantizedCache_hqq") and not _has("hqq"):
             assert r["outcome"] == "skipped" and r["message"] == "requires hqq (pip install kvconform[hqq])"
+
+
+def test_two_bit_subject_within_budget_in_the_full_tier():
+    from kvconform import check_cache
+    from kvconform.quant import quantized_subjects
+
+    quanto2 = next(s for s in quantized_subjects() if s.name == "QuantizedCache_quanto2")
+    assert check_cache(quanto2, models=["llama"], cases=["quality_decode"]) == []  # not in the default tier
+    results = check_cache(quanto2, models=["llama", "gpt2"], cases=["quality_decode", "decode_explicit_positions"],
+                          full=True)
+    assert len(results) == 4 and all(r.outcome == "passed" for r in results), [(r.id, r.message) for r in results]
+    for r in results:
+        if r.case == "quality_decode":
+            assert r.metrics["kl_mean"] <= r.metrics["kl_max"] and r.metrics["top1"] >= r.metrics["top1_min"]
+        else:
+            assert r.metrics["max_abs"] == 0.0  # bit for bit its fake-quant twin
 
 
 def _has(module):

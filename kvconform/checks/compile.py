@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from kvconform import compat
 from kvconform.checks import register
-from kvconform.checks._engine import FIRST_TOKEN, case_generator
+from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, fail_raised
 
 _RECOMPILE = "Detected recompile"
 _GUARD = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(?P<guard>.+?)\s*(?:#\s*(?P<src>.*))?$")
@@ -178,7 +178,7 @@ def _logits(out):
 
 
 def _drive(ctx, seqs, step_fn):
-    """A, reset, B, fresh C: prefill eagerly, then ``step_fn(where, kwargs)`` per decode step (returns logits)."""
+    """A, reset, B, fresh C: prefill eagerly, then ``step_fn(sequence, step, kwargs)`` per decode step."""
     import torch
 
     prefill, steps = _protocol_shape(ctx.case)
@@ -217,8 +217,13 @@ def _user_frame(message: str) -> str:
 
 
 def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
-    """Run A / reset B / fresh C eagerly and compiled (see the module docstring); never raises for the subject's
-    faults (they are recorded), only for a malformed case (``ValueError``)."""
+    """Run A / reset B / fresh C eagerly and compiled (see the module docstring). Graph breaks, compile errors and
+    recompiles are recorded, not raised.
+
+    Raises:
+        SubjectRaised: the subject raised outside torch.compile (eager decode, prefill, reset).
+        ValueError: a malformed case.
+    """
     import torch
     from torch._dynamo.utils import counters
 
@@ -229,7 +234,10 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
     def eager_step(name, s, kwargs):
         run.eager[(name, s)] = _logits(ctx.model.model(**kwargs))
 
-    _drive(ctx, seqs, eager_step)
+    try:
+        _drive(ctx, seqs, eager_step)
+    except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on the item
+        raise SubjectRaised("eager decode", exc) from exc
 
     mode = params.get("mode")
     cudagraphs = mode in ("reduce-overhead", "max-autotune")
@@ -284,6 +292,8 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
 
     try:
         _drive(ctx, seqs, compiled_step)
+    except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on the item
+        raise SubjectRaised("compiled decode (eager prefill / reset / a recompile's eager fallback)", exc) from exc
     finally:
         torch.compiler.set_stance("default")
         run.graph_breaks_counted = sum(counters["graph_break"].values())
@@ -350,6 +360,13 @@ def _recompile_lines(run: ProtocolRun, total: int) -> list[str]:
     ]
 
 
+def _run_or_fail(ctx, fullgraph):
+    try:
+        return run_protocol(ctx, fullgraph=fullgraph)
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "the cache fails outside torch.compile too (see the logits and lifecycle families)")
+
+
 def _post_warmup_calls(ctx) -> int:
     _, steps = _protocol_shape(ctx.case)
     return 3 * steps - 1
@@ -360,7 +377,7 @@ def check_compile_static_decode(ctx):
     """A cache declaring ``is_compileable`` decodes under ``torch.compile(fullgraph=True)``: no graph break, zero
     recompiles after the warm-up (steps, ``reset()``, a fresh cache), compiled logits equal eager (and, with CUDA
     graphs, no cudagraph skips)."""
-    run = run_protocol(ctx, fullgraph=True)
+    run = _run_or_fail(ctx, fullgraph=True)
     worst, tol, floor, where = compare_compiled(ctx, run)
     total = _post_warmup_calls(ctx)
     ctx.metrics.update(compile_s=round(run.compile_seconds, 2), recompiles=len(run.recompiles),
@@ -414,7 +431,7 @@ def check_compile_claim(ctx):
     model would): compiled logits equal eager and nothing crashes. The claim itself is reported: *confirmed* (the
     decode loop graph-breaks or needs recompiles; the first reason is kept) or *conservative* (it compiled into one
     graph with no recompile on this model — not a fault: CUDA-graph static addresses are not tested here)."""
-    run = run_protocol(ctx, fullgraph=False)
+    run = _run_or_fail(ctx, fullgraph=False)
     worst, tol, floor, where = compare_compiled(ctx, run)
     total = _post_warmup_calls(ctx)
     breaks = run.graph_breaks_counted + (1 if run.graph_break else 0)

@@ -92,7 +92,7 @@ def run_crop_case(ctx, cache, records=None):
     """
     params = ctx.case.params
     runner = Runner(ctx, cache)
-    if params.get("record"):
+    if params.get("record") and hasattr(cache, "activate_past_recording"):
         runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
         runner.trail.append("activate_past_recording()")
     records = [] if records is None else records

@@ -53,8 +53,8 @@ def program_case_syntax(program) -> str:
 def run_program(ctx, cache, program, info=None):
     """Run ``program`` (a list of ``(op, n)``) on ``cache`` as a careful caller; return the steps.
 
-    ``info["done"]`` lists the ops actually executed (others were skipped: a crop the flag forbids, a repeat past
-    ``MAX_BATCH`` rows, a feed past the capacity).
+    ``info["done"]`` lists the ops actually started, in order (others were skipped: a crop the flag forbids, a
+    repeat past ``MAX_BATCH`` rows, a feed past the capacity, a batch op on an empty cache).
 
     Raises:
         SubjectRaised: the subject raised (names the op).
@@ -67,35 +67,32 @@ def run_program(ctx, cache, program, info=None):
     for i, (name, n) in enumerate(program):
         op = Op(name, n)
         if name in ("prefill", "decode", "chunk"):
-            if runner.length + (n if name != "decode" else n) > limit:
-                continue
-            if name == "decode":
-                for s in range(n):
-                    runner.op_index = i
-                    runner.feed(1, f"decode {s + 1}")
-            else:
-                runner.op_index = i
-                runner.feed(n, f"prefill({n})" if runner.length == 0 else op.label)
+            skip = runner.length + n > limit
         elif name == "crop":
-            if runner.length == 0 or not bool(getattr(runner.cache, "is_croppable", False)):
-                continue
+            skip = runner.length == 0 or not bool(getattr(runner.cache, "is_croppable", False))
             op = Op("crop", min(n, runner.length))
-            runner.apply(op, i)
         elif name == "repeat":
-            if runner.batch * n > MAX_BATCH or runner.length == 0:
-                continue
-            runner.apply(op, i)
-        elif name in ("reorder", "select", "fork") and runner.length == 0:
+            skip = runner.batch * n > MAX_BATCH or runner.length == 0
+        else:
+            skip = name in ("reorder", "select", "fork") and runner.length == 0
+        if skip:
             continue
+        done.append((op.name, op.n))
+        runner.op_index = i
+        if name == "decode":
+            for s in range(n):
+                runner.feed(1, f"decode {s + 1}")
+        elif name in ("prefill", "chunk"):
+            runner.feed(n, f"prefill({n})" if runner.length == 0 else op.label)
         else:
             runner.apply(op, i)
-        done.append((op.name, op.n))
     runner.check_parked()
     return runner.steps
 
 
 def _outcome(ctx, spec, program):
-    """None if ``spec`` passes ``program``, else ``(lines, metrics)`` describing the failure."""
+    """None if ``spec`` passes ``program``, else ``(lines, metrics, info)`` describing the failure (``info["done"]``:
+    the ops executed, the failing one last)."""
     sctx = copy.copy(ctx)
     sctx.subject, sctx.metrics = spec, {}
     info = {}
