@@ -36,9 +36,15 @@ def _cache_with(layer_cls):
     return build
 
 
+# Faults these caches inherit from transformers' QuantizedLayer (kvconform/known_faults.toml), not their own bug.
+INHERITED = {
+    "check_crop_refused": "inherited from transformers' QuantizedLayer: crop() raises IndexError / drops the residual",
+}
+
+
 def _spec(name, layer_cls, capabilities=("forward", "generate", "reorder", "reset")):
     return CacheSpec(name, _cache_with(layer_cls), capabilities=frozenset(capabilities), twin=twin_factory(DECLARED),
-                     applies_to=full_attention_only, source=f"{__name__}:{name}",
+                     applies_to=full_attention_only, source=f"{__name__}:{name}", expected_failures=INHERITED,
                      requires={"optimum.quanto": "pip install kvconform[quanto]"})
 
 
@@ -104,7 +110,7 @@ FAULTY = [
         check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
         message=("check_prefill_then_decode failed: KeysAt2BitsCache on llama", "vs its fake-quant twin",
                  "[failed at decode 1]", "→ the fault is in the subject"),
-        also_caught_by=("logits", "generate", "quality", "batch"),
+        also_caught_by=("generate", "quality", "batch", "lifecycle", "memory"),
     ),
     FaultyCache(
         name="reorder_forgets_quantized", attr="ReorderForgetsQuantizedCache", module=__name__, family="batch",
@@ -125,7 +131,7 @@ FAULTY = [
         check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
         message=("check_prefill_then_decode failed: FlushOneLateCache on llama", "vs its fake-quant twin",
                  "[failed at decode 5]", "→ the fault is in the subject"),
-        also_caught_by=("logits", "generate", "quality", "batch"),
+        also_caught_by=("generate", "batch", "lifecycle"),
     ),
 ]
 
@@ -151,5 +157,5 @@ FAULTY.append(FaultyCache(
     check="check_encoder_decoder_subcaches", model="t5", case="encdec_subcaches",
     message=("check_encoder_decoder_subcaches failed: LengthIsCapacityCache on t5",
              "self-attention sub-cache holds", "but should hold the 5 decoder tokens fed"),
-    also_caught_by=("logits", "generate", "contract"),
+    also_caught_by=("logits", "generate", "lifecycle"),
 ))
