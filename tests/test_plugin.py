@@ -64,7 +64,7 @@ def test_strict_turns_known_faults_into_failures(run_kvconform):
 
 
 def test_k_selection_and_nomatch(run_kvconform):
-    result = run_kvconform("--kvconform-model", "llama", "-k", "DynamicCache and decode_explicit")
+    result = run_kvconform("--kvconform-model", "llama", "-k", "DynamicCache and not offloaded and decode_explicit")
     result.assert_outcomes(passed=1)
     result = run_kvconform("--kvconform-model", "llama", "-k", "no_such_item_anywhere")
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
@@ -142,5 +142,5 @@ def test_collected_ids_are_safe(run_kvconform):
 
 def test_ini_twins_activate_and_select(pytester):
     pytester.makeini("[pytest]\nkvconform = true\nkvconform_model = gpt2\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "decode_explicit")
-    result.assert_outcomes(passed=3)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "ReferenceCache and decode_explicit")
+    result.assert_outcomes(passed=1)

@@ -12,8 +12,9 @@ program does not (otherwise the model's code is at fault: such programs are coun
 reference subject itself every failure is reported, naming the model as the culprit). Hypothesis then
 shrinks it, and the message prints the shrunk program as the reproducer, in case-file syntax.
 
-Profiles (``params``): ``max_examples`` (default 8), ``max_ops`` (default 6); the default tier is derandomized (the
-same programs every run); under ``--kvconform-full`` (``ctx.full``) ``full_examples`` (default 60) are drawn.
+Profiles (``params``): a default-tier case draws ``max_examples`` (default 8) programs of at most ``max_ops``
+(default 6) ops, derandomized (the same programs every run, a few seconds per subject); a full-tier case (run only
+under ``--kvconform-full``, i.e. ``ctx.full``; CI) draws ``full_examples`` (default 60) fresh random programs.
 """
 
 from __future__ import annotations
@@ -185,11 +186,12 @@ def check_op_sequences(ctx):
     params = ctx.case.params
     ops, left_out = _available_ops(ctx)
     max_ops = int(params.get("max_ops", 6))
-    examples = int(params.get("full_examples", 60)) if ctx.full else int(params.get("max_examples", 8))
+    long_profile = ctx.case.tier == "full"  # full-tier cases run only under --kvconform-full (ctx.full)
+    examples = int(params.get("full_examples", 60)) if long_profile else int(params.get("max_examples", 8))
     reference = ctx.reference
     stats = {"programs": 0, "model_faults": 0}
 
-    @settings(max_examples=examples, derandomize=not ctx.full, deadline=None, database=None, print_blob=False,
+    @settings(max_examples=examples, derandomize=not long_profile, deadline=None, database=None, print_blob=False,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(_strategy(ctx, ops, max_ops))
     def programs_conform(program):
