@@ -58,12 +58,13 @@ FAULTY = [
         message=("check_prefill_then_decode failed: HiddenWindowCache on llama",
                  "max|Δlogit| = ", "but should be ≤ ", "noise floor", "[failed at decode 6]",
                  "→ the fault is in the subject", "older tokens are being evicted"),
-        also_caught_by=("generate",),
+        also_caught_by=("generate", "prefix"),  # any long enough sequence shows a hidden window
     ),
     FaultyCache(
         name="chunk_tail_only", attr="ChunkTailOnlyCache", module=__name__, family="logits",
         check="check_chunked_continuation", model="llama",
         message=("check_chunked_continuation failed: ChunkTailOnlyCache on llama",
                  "→ the fault is in the subject", "tokens at once into a warm cache"),
+        also_caught_by=("contract", "prefix", "fuzz"),  # every family that feeds chunks sees it
     ),
 ]
