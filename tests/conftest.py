@@ -1,7 +1,7 @@
 """kvconform's meta-tests drive the plugin in subprocesses (pytester), so torch/dynamo state never leaks."""
 
 import os
-
+import sys
 
 import pytest
 
@@ -22,3 +22,17 @@ def pytest_configure(config):
     # Subprocess runs inherit this interpreter; make sure they find the same kvconform.
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """In-process tests with tiny models: several torch threads on a shared 2-core machine oversubscribe and run
+    many times slower (the plugin does the same for its own runs, see kvconform.session._limit_threads)."""
+    if "torch" not in sys.modules:  # tests that never import torch stay torch-free
+        yield
+        return
+    torch = sys.modules["torch"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,16 +11,6 @@ import pytest
 from kvconform.checks.coverage import covered_implementations
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _results(pytester, name="report.json"):
     return json.loads((pytester.path / name).read_text())["results"]
 

@@ -17,14 +17,6 @@ from kvconform.zoo import build_zoo_model
 quanto = pytest.importorskip("optimum.quanto")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("nbits", [2, 4])
 @pytest.mark.parametrize("axis,group", [(0, 32), (-1, 16)])
 def test_affine_roundtrip_is_bitwise_quanto(nbits, axis, group):

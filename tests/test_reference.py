@@ -29,15 +29,6 @@ TOL_DYNAMIC = 5e-6  # measured: 0 (identical ops) … 1.1e-6 (sliding layers, wh
 CHUNKED_UNSAFE = ("mamba", "jamba")  # lose the recurrent state on k>1 tokens into a warm cache (transformers)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: several torch threads on a shared 2-core machine oversubscribe and run ~100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.lru_cache(maxsize=None)
 def zoo(name):
     """(ZooModel in fp32, the same weights in float64 for the oracle)."""
