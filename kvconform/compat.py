@@ -6,9 +6,21 @@ Facts it encodes (``shared/FACTS.md``, measured; transformers changelogs):
   ``cache_params=`` for Mamba-style models. Detected from the forward signature, not the version, so models with
   their own modeling code (checkpoints with custom code) work too.
 * the cache on the output: ``.cache`` since 5.24, ``.past_key_values`` / ``.cache_params`` before.
+* ``generate``: takes the cache under the forward's keyword (``generate_cache_kwargs``); on 5.5.4 Mamba2's
+  ``generate(past_key_values=...)`` is refused ("model_kwargs are not used by the model"), it wants ``cache_params``.
+* static layers have ``crop`` since 5.24 (absent in 5.5.4 and 5.16.1: ``static_layers_crop``).
 * ``crop``: since 5.14 ``crop(-n)`` removes n tokens (positive raises since 5.20, warned 5.16–5.18); before 5.14 the
   argument was the absolute length to keep (and ``crop(0)`` emptied the cache).
-* ``get_max_length`` replaced ``get_max_cache_shape`` in 5.x; both are tried.
+* ``get_max_length`` replaced ``get_max_cache_shape`` (read in the installed sources: on 5.5.4
+  ``CacheLayerMixin.get_max_cache_shape`` is the abstract method and ``get_max_length`` does not exist; 5.16.1 has
+  ``get_max_length`` abstract and ``get_max_cache_shape`` as a deprecated alias; 5.24.0 only ``get_max_length``); both
+  are tried (``max_length``), and kvconform's own layers define both (``LAYER_MAX_LENGTH_METHODS``).
+* linear-attention (SSM) layers: two protocols, see ``linear_attention_protocol`` (5.5.4 "single", 5.16.1 / 5.24.0
+  "slots"); on 5.5.4 ``Cache`` has no ``activate_past_recording`` / ``is_croppable`` / ``get_conv_state``, and
+  ``LinearAttentionCacheLayerMixin.crop`` is a silent no-op.
+* the table of cache layer types (``DYNAMIC_LAYER_TYPE_MAPPING`` / ``STATIC_LAYER_TYPE_MAPPING``) and
+  ``get_layer_types_and_kwargs`` exist in 5.16.1 and 5.24.0, not in 5.5.4 (there ``DynamicCache.__init__`` maps the
+  types with an if/elif chain), see ``layer_type_mappings`` and ``layer_types_and_kwargs``.
 * ``QuantizedCache`` (read from the released sources, replayed on 5.16.1): until 5.18 ``QuantizedLayer`` inherited
   ``DynamicLayer.reorder_cache``, which reorders only the exact residual, so after a residual flush the quantized part
   kept the old row order; 5.19 defers the reorder to the dequantized states. Until 5.17 ``reset()`` kept the
@@ -63,21 +75,55 @@ def output_cache(outputs):
     return None
 
 
-def generate_cache_kwargs(cache) -> dict:
-    """Keyword arguments that hand ``cache`` to ``model.generate`` on the installed version."""
+def generate_cache_kwargs(cache, model=None) -> dict:
+    """Keyword arguments that hand ``cache`` to ``model.generate`` on the installed version.
+
+    ``generate`` passes its model kwargs on to ``forward`` and refuses the ones forward does not take
+    (``_validate_model_kwargs``), so the name is the forward's (``cache_kwarg``): ``cache=`` since 5.24; before,
+    ``past_key_values=`` for attention models and ``cache_params=`` for Mamba / Mamba2 (read in 5.5.4, where
+    ``generate(past_key_values=...)`` on Mamba2 raises "model_kwargs are not used by the model"). Without ``model``
+    the attention models' name of the installed version is used.
+    """
+    if model is not None:
+        return {cache_kwarg(model): cache}
     return {"cache": cache} if transformers_version().release >= (5, 24) else {"past_key_values": cache}
 
 
-def crop(cache, tokens_to_remove: int) -> None:
-    """Remove the last ``tokens_to_remove`` (≥ 0) tokens from ``cache`` with the installed version's contract."""
+def crop(cache, tokens_to_remove: int, held: int | None = None) -> None:
+    """Remove the last ``tokens_to_remove`` (≥ 0) tokens from ``cache`` with the installed version's contract.
+
+    Before 5.14 the argument is the length to keep (what 5.5.4's own callers pass: ``generate`` and assisted decoding
+    call ``crop(new_length)``); it is ``held - tokens_to_remove`` with ``held`` the tokens the caller knows the cache
+    holds (as those callers do), else ``cache.get_seq_length()`` (which raises on an all-linear cache).
+    """
     if transformers_version().release >= (5, 14):
         cache.crop(-int(tokens_to_remove))
     else:  # legacy contract: the argument is the length to keep
-        cache.crop(max(cache.get_seq_length() - int(tokens_to_remove), 0))
+        length = int(cache.get_seq_length()) if held is None else int(held)
+        cache.crop(max(length - int(tokens_to_remove), 0))
+
+
+LAYER_MAX_LENGTH_METHODS = ("get_max_length", "get_max_cache_shape")
+"""The names under which a cache *layer* reports its capacity: ``get_max_length`` (abstract in
+``CacheLayerMixin`` since 5.16.1 at the latest; 5.24.0) and ``get_max_cache_shape`` (abstract on 5.5.4). A layer
+class of kvconform defines both, so it can be instantiated on every supported release."""
+
+
+def max_length_name() -> str:
+    """The name callers of the installed release use for a cache's capacity: ``"get_max_length"`` (5.16.1, 5.24.0)
+    or ``"get_max_cache_shape"`` (5.5.4, where ``Cache`` has no ``get_max_length``)."""
+    from transformers import Cache
+
+    return "get_max_length" if hasattr(Cache, "get_max_length") else "get_max_cache_shape"
 
 
 def max_length(cache) -> int:
-    """``cache.get_max_length()`` (``get_max_cache_shape()`` on older releases); −1 means unbounded."""
+    """``cache.get_max_length()`` (``get_max_cache_shape()`` on older releases) of a cache or a cache layer; −1
+    means unbounded.
+
+    Raises:
+        AttributeError: the object has neither method.
+    """
     fn = getattr(cache, "get_max_length", None) or getattr(cache, "get_max_cache_shape")
     value = fn()
     return -1 if value is None else int(value)
@@ -93,6 +139,87 @@ def prepare_float64(model):
         except (ValueError, AttributeError):  # the model has no experts
             pass
     return model
+
+
+def crop_tokens_to_remove(argument: int, held) -> int:
+    """How many tokens ``cache.crop(argument)`` must remove under the installed release's contract (≥ 0).
+
+    * since 5.20: ``argument`` must be ≤ 0 and ``-argument`` tokens are removed; a positive one raises.
+    * 5.14–5.19: negative as above; a positive one is still the legacy length to keep (warned 5.16–5.18).
+    * before 5.14 (read in 5.5.4 ``DynamicLayer.crop(max_length)``): ``argument ≥ 0`` is the length to keep (so
+      ``crop(0)`` empties the cache, and a length ≥ the held one is a no-op); a negative one removes ``-argument``.
+
+    Args:
+        argument: what the caller passed to ``crop``.
+        held: a zero-argument callable returning the tokens held; only called for a length-to-keep argument.
+
+    Raises:
+        ValueError: a positive argument where the installed release refuses it (≥ 5.20).
+    """
+    argument, contract = int(argument), positive_crop_contract()
+    if argument < 0 or (argument == 0 and contract != "keep-zero-empties"):
+        return -argument
+    if contract == "raise":
+        raise ValueError(
+            f"crop({argument}): pass a negative count of tokens to remove, e.g. crop(-3); "
+            "positive values (the legacy 'final length' meaning) are not accepted since transformers 5.20"
+        )
+    return max(int(held()) - argument, 0)
+
+
+def positive_crop_contract() -> str:
+    """What ``crop(n)`` with ``n ≥ 0`` means on the installed transformers: ``"raise"`` for ``n > 0`` (≥ 5.20: only
+    negative counts; ``crop(0)`` is a no-op), ``"keep"`` (5.14–5.19: ``n > 0`` is the length to keep, ``crop(0)`` a
+    no-op) or ``"keep-zero-empties"`` (before 5.14, read in 5.5.4: ``n ≥ 0`` is the length to keep, so ``crop(0)``
+    empties the cache). Source: transformers changelogs 5.14–5.20, ``shared/FACTS.md``, the 5.5.4 / 5.16.1 sources."""
+    release = transformers_version().release
+    if release >= (5, 20):
+        return "raise"
+    return "keep" if release >= (5, 14) else "keep-zero-empties"
+
+
+def static_layers_crop() -> bool:
+    """Whether the installed static layers (``StaticLayer``, ``StaticSlidingWindowLayer``) implement ``crop``. They do
+    since 5.24 (FACTS.md); on 5.5.4 and 5.16.1 (read in the sources) they have no ``crop``, so ``StaticCache.crop``,
+    inherited from ``Cache``, can only raise ``AttributeError``: static caches cannot be cropped there."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    return hasattr(StaticLayer, "crop") and hasattr(StaticSlidingWindowLayer, "crop")
+
+
+@functools.lru_cache(maxsize=None)
+def linear_attention_protocol() -> str:
+    """How the installed models talk to a linear-attention (SSM) cache layer: ``"slots"`` or ``"single"``.
+
+    * ``"slots"`` (5.16.1, 5.24.0): a layer holds ``number_of_states`` (conv, recurrent) pairs, its attributes
+      ``conv_states`` / ``recurrent_states`` / ``has_previous_state`` are dicts keyed by ``state_idx``; the prefill
+      hands the raw conv input to ``update_conv_state(x, state_idx, conv_kernel_size=K)``, which returns it with its
+      left context prepended; single-token decode reads ``Cache.get_conv_state`` / ``get_recurrent_state`` and
+      updates those tensors in place; ``activate_past_recording`` makes crop possible.
+    * ``"single"`` (5.5.4): one pair per layer; ``conv_states`` / ``recurrent_states`` are tensors read directly
+      (``cache.layers[i].recurrent_states``, ``cache.layers[i].device``) and ``has_previous_state`` is a bool; the
+      prefill pads or truncates the conv input to exactly ``K`` columns itself before ``update_conv_state(x)``; later
+      steps pass only the new inputs, and ``update_conv_state`` must return the last ``K``; no ``state_idx``, no
+      past recording.
+
+    Detected from the installed ``LinearAttentionCacheLayerMixin.update_conv_state`` signature (``state_idx``), not
+    from the version number.
+    """
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    params = inspect.signature(LinearAttentionCacheLayerMixin.update_conv_state).parameters
+    return "slots" if "state_idx" in params else "single"
+
+
+def layer_type_mappings():
+    """``(DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING)`` of the installed transformers (layer type name →
+    layer class), or None where the release has no such table (5.5.4: the types are mapped by an if/elif chain inside
+    ``DynamicCache.__init__`` / ``StaticCache.__init__``, so there is no list of supported types to cover)."""
+    import transformers.cache_utils as cu
+
+    dyn = getattr(cu, "DYNAMIC_LAYER_TYPE_MAPPING", None)
+    sta = getattr(cu, "STATIC_LAYER_TYPE_MAPPING", None)
+    return None if dyn is None or sta is None else (dyn, sta)
 
 
 def quantized_reorder_fixed() -> bool:

@@ -245,6 +245,8 @@ class FakeQuantLayer(BatchOpsMixin, CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    get_max_cache_shape = get_max_length  # its name on transformers 5.5 (compat.LAYER_MAX_LENGTH_METHODS)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Refused: like ``QuantizedCache``, the twin is not croppable (``is_croppable`` is False).
 
@@ -402,12 +404,13 @@ OFFLOAD_REASON = "offloading needs CUDA"
 def offloaded_subjects() -> list:
     """``DynamicCache(offloading=True)`` and ``StaticCache(offloading=True)``: CUDA only (skipped elsewhere), each
     declaring the non-offloaded subject it must equal (``same_as``)."""
-    from kvconform.subjects import CAPABILITIES, CacheSpec
+    from kvconform.subjects import CAPABILITIES, CacheSpec, static_crop_note
 
+    notes = static_crop_note()
     return [
         CacheSpec("DynamicCache_offloaded", _offloaded_dynamic, needs_cuda=OFFLOAD_REASON, same_as="DynamicCache"),
         CacheSpec("StaticCache_offloaded", _offloaded_static, needs_cuda=OFFLOAD_REASON, same_as="StaticCache",
-                  capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"}),
+                  capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"} - set(notes), notes=notes),
     ]
 
 

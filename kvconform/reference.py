@@ -8,7 +8,9 @@ protocols, and this module implements each of them in the plainest way that is s
   built from absolute positions (``masking_utils``) hides the tokens outside the window, so nothing needs evicting.
 * linear-attention layers (Mamba-style SSMs: ``get_conv_state`` / ``update_conv_state`` / ``get_recurrent_state`` /
   ``update_recurrent_state``): keep the last ``conv_kernel_size`` conv inputs and the recurrent state, exactly as the
-  models expect, because the models mutate those tensors in place during single-token decode.
+  models expect, because the models mutate those tensors in place during single-token decode. Older releases
+  (transformers 5.5) speak another protocol to these layers (``compat.linear_attention_protocol``); their layers are
+  ``ReferenceSingleStateLinearLayer`` / ``ReferenceSingleStateHybridLayer``.
 
 Nothing here is fast or compileable; everything is easy to check by reading.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from kvconform.compat import layer_types_and_kwargs
+from kvconform.compat import crop_tokens_to_remove, layer_types_and_kwargs, linear_attention_protocol
 
 try:  # not in every supported release (absent from 5.16)
     from transformers.cache_utils import DummyLayer
@@ -125,6 +127,8 @@ class ReferenceAttentionLayer(BatchOpsMixin, CacheLayerMixin):
         """-1: no maximum, the layer grows without bound."""
         return -1
 
+    get_max_cache_shape = get_max_length  # its name on transformers 5.5 (compat.LAYER_MAX_LENGTH_METHODS)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (all of them if more than held; 0 is a no-op).
 
@@ -227,6 +231,12 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
         """True once a conv state is held and no recurrent state is: a recurrent state cannot be rewound."""
         return any(self.is_conv_states_initialized.values()) and not any(self.is_recurrent_states_initialized.values())
 
+    def get_max_length(self) -> int:
+        """-1: a linear-attention layer has no sequence dimension, so no maximum length."""
+        return -1
+
+    get_max_cache_shape = get_max_length  # its name on transformers 5.5 (compat.LAYER_MAX_LENGTH_METHODS)
+
     def _crop_problem(self, tokens_to_remove: int) -> str | None:
         if tokens_to_remove == 0 or not any(self.is_conv_states_initialized.values()):
             return None
@@ -278,21 +288,129 @@ class ReferenceHybridLayer(ReferenceLinearAttentionLayer, ReferenceAttentionLaye
     ``get_conv_state`` calls. Every method that both parents define is spelled out to call both.
     """
 
+    _linear_base = ReferenceLinearAttentionLayer  # the linear half (ReferenceSingleStateHybridLayer swaps it)
+
     def __init__(self, number_of_states: int = 1, sliding_window: int | None = None, **ignored_kwargs):
         ReferenceAttentionLayer.__init__(self, sliding_window=sliding_window)
-        ReferenceLinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        self._linear_base.__init__(self, number_of_states=number_of_states)
 
     def crop(self, tokens_to_remove: int) -> None:
-        ReferenceLinearAttentionLayer.crop(self, tokens_to_remove)  # raises before anything changed
+        self._linear_base.crop(self, tokens_to_remove)  # raises before anything changed
         ReferenceAttentionLayer.crop(self, tokens_to_remove)
 
     def reset(self) -> None:
-        ReferenceLinearAttentionLayer.reset(self)
+        self._linear_base.reset(self)
         ReferenceAttentionLayer.reset(self)
 
     def _map_batch(self, fn) -> None:  # used by reorder_cache / batch_repeat_interleave / batch_select_indices
-        ReferenceLinearAttentionLayer._map_batch(self, fn)
+        self._linear_base._map_batch(self, fn)
         ReferenceAttentionLayer._map_batch(self, fn)
+
+
+class ReferenceSingleStateLinearLayer(ReferenceLinearAttentionLayer):
+    """``ReferenceLinearAttentionLayer`` for the *single-state* protocol of older releases (transformers 5.5;
+    ``compat.linear_attention_protocol() == "single"``), as the 5.5 Mamba / Mamba2 / Jamba / Bamba / FalconH1 mixers
+    use it:
+
+    1. Prefill (``has_previous_state`` False): the model pads or truncates its conv input to exactly ``K`` columns
+       itself and calls ``update_conv_state(x)`` with ``x`` ``[batch, channels, K]`` (the last ``K`` inputs, zeros
+       before the first token); it runs its own causal conv over the raw input, so the return value is unused.
+    2. Later steps: ``update_conv_state(x)`` with the new inputs ``x`` ``[batch, channels, n]`` returns the last
+       ``K`` conv inputs ``[batch, channels, K]`` (which the model multiplies with its conv kernel); the model reads
+       ``layers[i].recurrent_states`` (a tensor, batch first) and ``layers[i].device`` directly and hands the next
+       state to ``update_recurrent_state``. Nothing is mutated in place.
+    3. ``Cache.has_previous_state(i)`` reads the layer's ``has_previous_state`` (a bool).
+
+    One (conv, recurrent) pair per layer. While recording (``activate_past_recording``) the conv history is kept
+    whole, so ``crop`` can rewind a conv-only layer; a recurrent state is never rewound (``crop`` refuses).
+
+    Raises:
+        ValueError: ``number_of_states != 1`` (the single-state protocol has no ``state_idx``).
+    """
+
+    def __init__(self, number_of_states: int = 1, **ignored_kwargs):
+        if number_of_states != 1:
+            raise ValueError(f"the single-state linear-attention protocol holds one state, not {number_of_states}")
+        self.number_of_states = 1
+        self.conv_states = None  # [batch, channels, K] (the whole history while recording)
+        self.recurrent_states = None  # model-defined shape, batch first
+        self.conv_kernel_size = None  # K, from the width of the prefill's conv input
+        self.has_previous_state = False
+        self.is_conv_states_initialized = False
+        self.is_recurrent_states_initialized = False
+        self.device = self.dtype = None
+        self.record_past = False
+
+    def update_conv_state(self, conv_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Store conv inputs; return the last ``K`` ``[batch, channels, K]`` (step 1: ``conv_states`` is that)."""
+        if not self.has_previous_state:
+            self.conv_kernel_size = conv_states.shape[-1]
+            self.device, self.dtype = conv_states.device, conv_states.dtype
+            full = conv_states
+        else:
+            full = torch.cat([self.conv_states, conv_states], dim=-1)
+        kernel = self.conv_kernel_size
+        self.conv_states = (full if self.record_past else full[..., -kernel:]).clone()  # our own tensor
+        self.is_conv_states_initialized = self.has_previous_state = True
+        return self.conv_states[..., -kernel:]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Store the recurrent state after the last token (shape, dtype as the model gives); return the stored copy."""
+        self.recurrent_states = recurrent_states.clone()
+        self.device = self.device if self.device is not None else recurrent_states.device
+        self.is_recurrent_states_initialized = True
+        return self.recurrent_states
+
+    @property
+    def is_croppable(self) -> bool:
+        """True once a conv state is held and no recurrent state is: a recurrent state cannot be rewound."""
+        return self.is_conv_states_initialized and not self.is_recurrent_states_initialized
+
+    def _crop_problem(self, tokens_to_remove: int) -> str | None:
+        if tokens_to_remove == 0 or not self.is_conv_states_initialized:
+            return None
+        if self.is_recurrent_states_initialized:
+            return "it holds a recurrent (SSM) state, which cannot be rewound"
+        if self.conv_states.shape[-1] + tokens_to_remove < self.conv_kernel_size - 1:
+            removable = self.conv_states.shape[-1] - self.conv_kernel_size + 1
+            return (f"at most {removable} conv inputs can be removed (the next token needs the K - 1 before them); "
+                    "call activate_past_recording() before the tokens to remove arrive")
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` conv inputs (0 is a no-op); see ``ReferenceLinearAttentionLayer.crop``.
+
+        Raises:
+            ValueError: ``tokens_to_remove > 0``.
+            RuntimeError: a recurrent state is held, or the inputs to remove plus ``K - 1`` are not all held.
+        """
+        _check_crop_sign(tokens_to_remove)
+        problem = self._crop_problem(tokens_to_remove)
+        if problem:
+            raise RuntimeError(f"{type(self).__name__} cannot crop({tokens_to_remove}): {problem}")
+        if tokens_to_remove and self.conv_states is not None:
+            self.conv_states = self.conv_states[..., : self.conv_states.shape[-1] + tokens_to_remove]
+
+    def reset(self) -> None:
+        """Forget all states (``record_past`` and the kernel size stay)."""
+        self.conv_states = self.recurrent_states = None
+        self.has_previous_state = self.is_conv_states_initialized = self.is_recurrent_states_initialized = False
+
+    def _map_batch(self, fn) -> None:
+        for name in ("conv_states", "recurrent_states"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+
+class ReferenceSingleStateHybridLayer(ReferenceSingleStateLinearLayer, ReferenceHybridLayer):
+    """``ReferenceHybridLayer`` with the single-state linear half (transformers 5.5, see
+    ``ReferenceSingleStateLinearLayer``)."""
+
+    _linear_base = ReferenceSingleStateLinearLayer
+    __init__ = ReferenceHybridLayer.__init__
+    crop = ReferenceHybridLayer.crop
+    reset = ReferenceHybridLayer.reset
+    _map_batch = ReferenceHybridLayer._map_batch
 
 
 def make_reference_layer(layer_type: str, layer_kwargs: dict):
@@ -303,12 +421,14 @@ def make_reference_layer(layer_type: str, layer_kwargs: dict):
     """
     window = layer_kwargs.get("sliding_window")
     states = layer_kwargs.get("number_of_states", 1)
+    single = linear_attention_protocol() == "single"
     if layer_type in ATTENTION_LAYER_TYPES:
         return ReferenceAttentionLayer(sliding_window=window if layer_type != "full_attention" else None)
     if layer_type in LINEAR_LAYER_TYPES:
-        return ReferenceLinearAttentionLayer(number_of_states=states)
+        return (ReferenceSingleStateLinearLayer if single else ReferenceLinearAttentionLayer)(number_of_states=states)
     if layer_type in HYBRID_LAYER_TYPES:
-        return ReferenceHybridLayer(number_of_states=states, sliding_window=window)
+        cls = ReferenceSingleStateHybridLayer if single else ReferenceHybridLayer
+        return cls(number_of_states=states, sliding_window=window)
     if layer_type == "dummy" and DummyLayer is not None:
         return DummyLayer()
     raise ValueError(f"ReferenceCache has no layer for layer type {layer_type!r}")
@@ -345,15 +465,20 @@ class ReferenceCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens in every layer; all-or-nothing.
 
+        The argument follows the installed release's contract (``compat.crop_tokens_to_remove``): a negative count
+        of tokens to remove; before 5.20 a positive one is the legacy length to keep (and before 5.14 ``crop(0)``
+        empties the cache).
+
         Raises:
-            ValueError: ``tokens_to_remove > 0``.
+            ValueError: ``tokens_to_remove > 0`` on transformers ≥ 5.20.
             RuntimeError: a linear-attention layer cannot rewind (see ``ReferenceLinearAttentionLayer.crop``);
                 no layer is changed then.
         """
-        _check_crop_sign(tokens_to_remove)
+        count = -crop_tokens_to_remove(tokens_to_remove, self.get_seq_length)
         for idx, layer in enumerate(self.layers):
             linear = isinstance(layer, ReferenceLinearAttentionLayer)
-            problem = layer._crop_problem(tokens_to_remove) if linear else None
+            problem = layer._crop_problem(count) if linear else None
             if problem:
                 raise RuntimeError(f"ReferenceCache cannot crop({tokens_to_remove}): layer {idx} {problem}")
-        super().crop(tokens_to_remove)
+        for layer in self.layers:
+            layer.crop(count)

@@ -132,7 +132,8 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
         return f"case {case.id} is in the full tier (opt-in: --kvconform-full)"
     missing = sorted(check.needs - subject.capabilities)
     if missing:
-        return f"{subject.name} does not declare capability '{missing[0]}'"
+        note = getattr(subject, "notes", {}).get(missing[0])
+        return f"{subject.name} does not declare capability '{missing[0]}'" + (f": {note}" if note else "")
     own_rule = getattr(check.fn, "kvconform_applies", None)
     reason = own_rule(subject, model, case, device=device) if own_rule is not None else None
     if reason:

@@ -53,6 +53,8 @@ class CacheSpec:
             not importable (optional backends such as hqq).
         needs_cuda: the skip reason when the run's device is not CUDA (e.g. "offloading needs CUDA"); None: any.
         same_as: name of the subject whose logits this one must equal exactly (offloaded → non-offloaded).
+        notes: ``{capability: why it is not declared}`` — appended to the skip reason of items needing it (e.g. a
+            method the installed transformers does not implement for this cache).
     """
 
     name: str
@@ -67,6 +69,7 @@ class CacheSpec:
     requires: Mapping[str, str] = field(default_factory=dict)
     needs_cuda: str | None = None
     same_as: str | None = None
+    notes: Mapping[str, str] = field(default_factory=dict)
 
     def build_one(self, **available):
         """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``)."""
@@ -118,17 +121,29 @@ def _static(config, max_cache_len):
     return StaticCache(config=config, max_cache_len=max_cache_len)
 
 
+def static_crop_note() -> dict:
+    """``CacheSpec.notes`` for static subjects: ``{"crop": reason}`` where the installed static layers cannot crop
+    (``compat.static_layers_crop``), else ``{}``."""
+    from kvconform import compat
+
+    if compat.static_layers_crop():
+        return {}
+    return {"crop": f"StaticLayer has no crop() on transformers {compat.transformers_version()} (added in 5.24)"}
+
+
 def builtin_subjects() -> list[CacheSpec]:
     """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…), the QuantizedCache
     subjects and the offloaded caches (``kvconform.quant``)."""
     from kvconform.quant import offloaded_subjects, quantized_subjects
 
+    notes = static_crop_note()
     return [
         CacheSpec("ReferenceCache", _reference),
         CacheSpec("DynamicCache", _dynamic),
         # StaticCache inherits Cache.batch_repeat_interleave / batch_select_indices, so it claims them; its layers
-        # lack them on transformers 5.24 (known_faults.toml), which the contract and batch families report.
-        CacheSpec("StaticCache", _static),
+        # lack them on transformers 5.24 (known_faults.toml), which the contract and batch families report. It
+        # does not claim crop where its layers have none at all (before 5.24).
+        CacheSpec("StaticCache", _static, capabilities=frozenset(CAPABILITIES) - set(notes), notes=notes),
         *quantized_subjects(),
         *offloaded_subjects(),
     ]

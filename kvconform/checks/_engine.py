@@ -271,7 +271,7 @@ class Runner:
     def crop(self, n: int, label: str | None = None) -> None:
         """``crop(-n)`` through ``compat.crop``; the sequence loses its last ``n`` tokens (all, if fewer)."""
         label = label or f"crop(-{n})"
-        self._call(label, compat.crop, self.cache, n)
+        self._call(label, compat.crop, self.cache, n, self.length)
         keep = max(self.length - n, 0)
         self.seq = self.seq[:, :keep]
         self.mask = None if self.mask is None or keep == 0 else self.mask[:, :keep]

@@ -114,7 +114,7 @@ def check_beam_search(ctx):
     cache = ctx.subject.build(model, max_cache_len=ctx.max_cache_len, batch_size=case.batch * beams,
                               encoder_len=case.encoder_len)
     try:
-        seq, scores = _beam(model.model, prompt, mask, n, beams, compat.generate_cache_kwargs(cache))
+        seq, scores = _beam(model.model, prompt, mask, n, beams, compat.generate_cache_kwargs(cache, model.model))
     except Exception as exc:  # noqa: BLE001
         missing = isinstance(exc, (AttributeError, NotImplementedError))
         ctx.fail([f"beam search raised {describe_exception(exc)}", f"ops: {ops_text}",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 
+from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, fail_raised
 from kvconform.checks.crop import CROP_WORDS, clear_error
@@ -64,7 +65,7 @@ def _contract_items(ctx, held, step):
             int(kv_len), int(kv_off)
 
     def max_len(c):
-        value = c.get_max_length()
+        value = getattr(c, compat.max_length_name())()
         if not isinstance(value, int) and not (isinstance(value, torch.Tensor) and value.dim() == 0):
             raise TypeError(f"returned {type(value).__name__}, not an int")
 
@@ -74,7 +75,7 @@ def _contract_items(ctx, held, step):
         ("forward", "get_seq_length() returns a snapshot", "callers keeping the length across a forward "
          "(start = cache.get_seq_length(); model(...); positions from start)", seq_len_snapshot),
         ("forward", "get_mask_sizes(query_length, layer_idx)", "masking_utils (every attention mask)", mask_sizes),
-        ("forward", "get_max_length()", "generate() and the masks of fixed-size caches", max_len),
+        ("forward", f"{compat.max_length_name()}()", "generate() and the masks of fixed-size caches", max_len),
         ("forward", "is_compileable", "generate() (4D masks, automatic compilation)",
          lambda c: bool(c.is_compileable)),
         ("reorder", "reorder_cache(beam_idx)", "beam search: generate(num_beams > 1)",
@@ -84,7 +85,7 @@ def _contract_items(ctx, held, step):
         ("crop", "activate_past_recording()", "assisted decoding, generate's deferred stop check",
          lambda c: c.activate_past_recording()),
         ("crop", "crop(-n)", "assisted decoding, prompt lookup, generate's deferred stop check (rollback)",
-         lambda c: _crop_allowing_refusal(c)),
+         lambda c: _crop_allowing_refusal(c, held)),
         ("batch_repeat", "batch_repeat_interleave(repeats)", "contrastive search (Hub custom_generate), expanding "
          "a prefilled prompt cache for parallel sampling", lambda c: c.batch_repeat_interleave(2)),
         ("batch_select", "batch_select_indices(indices)", "contrastive search (Hub custom_generate)",
@@ -104,13 +105,11 @@ def _in_installed_api(item: str) -> bool:
     return name.startswith("copy.") or hasattr(Cache, name)
 
 
-def _crop_allowing_refusal(cache):
+def _crop_allowing_refusal(cache, held=None):
     """Call ``crop(-1)``; a refusal raised as ``ValueError``/``RuntimeError`` (a state the cache cannot roll back)
     counts as present — the crop family judges it."""
-    from kvconform import compat
-
     try:
-        compat.crop(cache, 1)
+        compat.crop(cache, 1, held)
     except (ValueError, RuntimeError):
         pass
 
@@ -283,7 +282,7 @@ def check_length_bookkeeping(ctx):
                 problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache holds "
                                 f"{runner.length} tokens")
         try:
-            value = int(cache.get_max_length())
+            value = compat.max_length(cache)
         except Exception as exc:  # noqa: BLE001
             problems.append(f"after {' → '.join(trail)}: get_max_length() raised {describe_exception(exc)}")
             break

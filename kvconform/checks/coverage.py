@@ -35,6 +35,11 @@ def _implementation_row(subject, model, case, device="cpu"):
     if subject.name != expected:
         return (f"cache_implementation={case.params['implementation']!r} builds {expected}: "
                 f"this item runs on that subject's row")
+    from transformers.generation import configuration_utils
+
+    if case.params["implementation"] not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
+        return (f"transformers {compat.transformers_version()} has no cache_implementation="
+                f"{case.params['implementation']!r}")
     return None
 
 
@@ -114,7 +119,7 @@ def check_cache_implementation(ctx):
         import dataclasses
 
         twin = dataclasses.replace(ctx.subject, name=f"{ctx.subject.name}.twin", factory=ctx.subject.twin, twin=None)
-        _, ref_seq, ref_logits, _ = _generate(ctx, **compat.generate_cache_kwargs(ctx.new_cache(twin)))
+        _, ref_seq, ref_logits, _ = _generate(ctx, **compat.generate_cache_kwargs(ctx.new_cache(twin), ctx.model.model))
         reference = "generate(cache=fake-quant twin)"
     else:
         _, ref_seq, ref_logits, _ = _generate(ctx, use_cache=False)
@@ -198,12 +203,10 @@ def check_layer_types_covered(ctx):
     a zoo model has it, or another type mapped to the same dynamic and static layer classes, and ReferenceCache
     implements it. Gaps kvconform knows of are listed with their reason in the case's ``params.gaps``; any other
     uncovered type fails here, named."""
-    from transformers import cache_utils
-
     from kvconform.reference import make_reference_layer
 
     gaps = ctx.case.params.get("gaps", {})
-    dyn, sta = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, cache_utils.STATIC_LAYER_TYPE_MAPPING
+    dyn, sta = compat.layer_type_mappings()
     listed = sorted(set(dyn) | set(sta))
     zoo_types = _zoo_layer_types()
     covered, missing, via = [], [], {}
@@ -229,7 +232,15 @@ def check_layer_types_covered(ctx):
                   "coverage.toml with the reason"])
 
 
-check_layer_types_covered.kvconform_applies = _reference_row
+def _layer_table_row(subject, model, case, device="cpu"):
+    if compat.layer_type_mappings() is None:
+        return (f"transformers {compat.transformers_version()} has no table of cache layer types "
+                "(DYNAMIC_LAYER_TYPE_MAPPING): DynamicCache/StaticCache map the types inline, so there is no list "
+                "to cover")
+    return _reference_row(subject, model, case, device=device)
+
+
+check_layer_types_covered.kvconform_applies = _layer_table_row
 
 
 # ------------------------------------------------------------------------------------------ encoder-decoder

@@ -37,11 +37,7 @@ def clear_error(exc: BaseException, words) -> bool:
     return any(w.lower() in text for w in words)
 
 
-def positive_crop_contract() -> str:
-    """What ``crop(+n)`` means on the installed transformers: ``"raise"`` (≥ 5.20: only negative counts) or
-    ``"keep"`` (older: the length to keep). Source: transformers changelogs 5.14–5.20, ``shared/FACTS.md``.
-    (Version knowledge; candidate for ``kvconform.compat``.)"""
-    return "raise" if compat.transformers_version().release >= (5, 20) else "keep"
+positive_crop_contract = compat.positive_crop_contract  # "raise" (≥ 5.20) or a length to keep (older releases)
 
 
 def snapshot(cache) -> dict:
@@ -109,7 +105,7 @@ def run_crop_case(ctx, cache, records=None):
             if positive:
                 runner.cache.crop(op.n)
             else:
-                compat.crop(runner.cache, op.n)
+                compat.crop(runner.cache, op.n, runner.length)
         except Exception as exc:  # noqa: BLE001 - judged below
             rec.refused = exc
         runner.trail.append(label + (" (refused)" if rec.refused is not None else ""))

@@ -36,7 +36,7 @@ def check_generate_greedy(ctx):
     equal the oracle's."""
     model, case = ctx.model, ctx.case
     try:
-        prompt, seq, logits = _generate(ctx, compat.generate_cache_kwargs(ctx.new_cache()))
+        prompt, seq, logits = _generate(ctx, compat.generate_cache_kwargs(ctx.new_cache(), ctx.model.model))
     except Exception as exc:  # noqa: BLE001
         err = SubjectRaised("generate", exc)
         ctx.fail([f"generate(cache=subject) raised {describe_raise(err)}",

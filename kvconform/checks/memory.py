@@ -41,6 +41,7 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass, field
 
+from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, describe_raise, fail_raised
 
@@ -219,7 +220,7 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expecta
     if not shape.token_bytes:
         return Expectation(state, state + slack, f"conv+recurrent states {state} B (independent of S)", state)
     try:
-        capacity = int(layer.get_max_length())
+        capacity = compat.max_length(layer)
     except Exception:  # noqa: BLE001 - an incomplete layer: treat as unbounded
         capacity = -1
     note = ""

@@ -193,7 +193,7 @@ def _run_prefix_generate(ctx, spec, ops_text):
         runner.feed(prefix.shape[1], "forward(prefix)", tokens=prefix)
     except SubjectRaised as exc:
         fail_raised(ctx, exc, "the cache cannot take the prefix (see the exception)", ops_text)
-    kwargs = compat.generate_cache_kwargs(cache)
+    kwargs = compat.generate_cache_kwargs(cache, ctx.model.model)
     n = ctx.case.max_new_tokens
     if mode == "full_prompt":
         seq, logits, _ = _generate_or_fail(ctx, ops_text, full, n, kwargs)
@@ -250,7 +250,7 @@ def _run_turns(ctx, spec, ops_text):
 
     prompt, user = _turn_tokens(ctx)
     n = ctx.case.max_new_tokens
-    kwargs = compat.generate_cache_kwargs(_new_cache(ctx, spec))
+    kwargs = compat.generate_cache_kwargs(_new_cache(ctx, spec), ctx.model.model)
     first, _, _ = _generate_or_fail(ctx, ops_text, prompt, n, kwargs)
     turn2 = torch.cat([first, user], dim=1)
     seq, logits, _ = _generate_or_fail(ctx, ops_text, turn2, n, kwargs)

@@ -95,7 +95,7 @@ def drive(ctx, cache, position_mode=None, stop_before=None) -> list:
             seq = seq[idx]
         elif op.name == "crop":
             try:
-                compat.crop(cache, op.n)
+                compat.crop(cache, op.n, seq.shape[1])
             except Exception as exc:  # noqa: BLE001
                 raise SubjectRaised(op.label, exc) from exc
             seq = seq[:, : seq.shape[1] - op.n]
@@ -254,7 +254,7 @@ def _generate(ctx, cache):
         out = model.model.generate(
             prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
             max_new_tokens=case.max_new_tokens, min_new_tokens=case.max_new_tokens, do_sample=False,
-            return_dict_in_generate=True, output_logits=True, **compat.generate_cache_kwargs(cache))
+            return_dict_in_generate=True, output_logits=True, **compat.generate_cache_kwargs(cache, model.model))
     logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)  # [B, N, V]
     return prompt, out.sequences.cpu(), logits
 
@@ -372,7 +372,7 @@ def check_crop_refused(ctx):
     croppable = getattr(cache, "is_croppable", None)
     ctx.metrics.update(is_croppable=croppable, length_before=before, steps=len(steps))
     try:
-        compat.crop(cache, n)
+        compat.crop(cache, n, steps[-1].start + steps[-1].length if steps else 0)
     except CLEAR_ERRORS as exc:
         ctx.metrics.update(raised=type(exc).__name__)
         return

@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache,
                                       StaticLayer)
 
+from kvconform.compat import crop_tokens_to_remove
 from kvconform.testing import FaultyCache
 
 # Faulty caches built on transformers' layers would inherit their known faults (known_faults.toml): static layers
@@ -47,9 +48,10 @@ class CropFirstLayerOnlyCache(DynamicCache):
 
 class _SlidingCropAnywayLayer(DynamicSlidingWindowLayer):
     def crop(self, tokens_to_remove: int) -> None:
-        if self.get_seq_length() >= self.sliding_window and not self.record_past:
+        # record_past does not exist on transformers 5.5 (no past recording there)
+        if self.get_seq_length() >= self.sliding_window and not getattr(self, "record_past", False):
             # BUG: "fixes" the RuntimeError by trimming what is left, though the evicted states cannot come back
-            k = abs(tokens_to_remove)
+            k = crop_tokens_to_remove(tokens_to_remove, self.get_seq_length)  # the installed release's contract
             self.keys, self.values = self.keys[..., :-k, :], self.values[..., :-k, :]
             self.cumulative_length -= k
             return
