@@ -18,7 +18,6 @@ the case id, the key and what is allowed; the plugin turns it into a pytest usag
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from dataclasses import dataclass, field

@@ -119,6 +119,26 @@ def wants_mask_after_prefill(model) -> bool:
     return _MASK_ON_WARM_STEPS[key]
 
 
+def forward_kwargs(m, cache, new_tokens, start: int, encoder_ids=None, positions: bool = True) -> dict:
+    """Keyword arguments of one forward of the transformers model ``m`` over ``new_tokens`` ``[B, k]`` (int64) at
+    sequence offsets ``start..start+k-1``: the cache under the installed forward's keyword (``compat.cache_kwarg``;
+    ``cache=None`` → ``use_cache=False``, the uncached forward), ``input_ids`` (encoder-decoder models:
+    ``encoder_ids`` ``[B, S_enc]`` as ``input_ids`` and the tokens as ``decoder_input_ids``) and, where the forward
+    takes them and ``positions`` is true, explicit ``position_ids`` ``[B, k]``. Tensors are moved to ``m``'s device."""
+    import torch
+
+    device = next(m.parameters()).device
+    kwargs = {"use_cache": False} if cache is None else {compat.cache_kwarg(m): cache, "use_cache": True}
+    if encoder_ids is not None:
+        kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=new_tokens.to(device))
+    else:
+        kwargs["input_ids"] = new_tokens.to(device)
+    if positions and compat.accepts_position_ids(m):
+        k = new_tokens.shape[1]
+        kwargs["position_ids"] = torch.arange(start, start + k, device=device).expand(new_tokens.shape[0], k)
+    return kwargs
+
+
 def forward(model, cache, new_tokens, start: int, position_mode: str, encoder_ids=None, mask=None, first=True):
     """One cached forward of ``new_tokens`` ``[B, k]`` at sequence offsets ``start..start+k-1``.
 
@@ -134,19 +154,14 @@ def forward(model, cache, new_tokens, start: int, position_mode: str, encoder_id
 
     m = model.model
     device = next(m.parameters()).device
-    kwargs = {compat.cache_kwarg(m): cache, "use_cache": True}
-    if model.is_encoder_decoder:
-        kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=new_tokens.to(device))
-    else:
-        kwargs["input_ids"] = new_tokens.to(device)
-    k = new_tokens.shape[1]
+    kwargs = forward_kwargs(m, cache, new_tokens, start, encoder_ids if model.is_encoder_decoder else None,
+                            positions=mask is None and position_mode in ("explicit", "auto"))
     if mask is not None:
+        k = new_tokens.shape[1]
         if first or wants_mask_after_prefill(m):
             kwargs["attention_mask"] = mask.to(device)
         if compat.accepts_position_ids(m):
             kwargs["position_ids"] = padded_position_ids(mask)[:, start:start + k].to(device)
-    elif position_mode in ("explicit", "auto") and compat.accepts_position_ids(m):
-        kwargs["position_ids"] = torch.arange(start, start + k, device=device).expand(new_tokens.shape[0], k)
     with torch.no_grad():
         out = m(**kwargs)
     return out.logits.detach().to("cpu", torch.float64)
@@ -522,13 +537,24 @@ def judge(ctx, steps, spec=None, driver=None) -> Verdict:
     return Verdict(first_fail, worst)
 
 
-def verdict_metrics(verdict: Verdict) -> dict:
-    step, cmp = verdict.first_fail or verdict.worst
-    return {"max_abs": cmp.max_abs, "tolerance": cmp.tol, "noise_floor": cmp.floor, "steps": len_or_none(step)}
+def record_verdict(ctx, verdict: Verdict, steps: int, **extra) -> None:
+    """Put a verdict's numbers in the item's metrics (JSON report): ``max_abs``, ``tolerance`` and ``noise_floor``
+    (logit units) of the first failing step, else of the worst one, ``steps`` judged, plus ``extra``."""
+    _, cmp = verdict.first_fail or verdict.worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=steps, **extra)
 
 
-def len_or_none(step):
-    return None if step is None else step.index + 1
+MODEL_AT_FAULT = "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+"""The likely cause when kvconform's ReferenceCache fails the same case too: the fault is in the model."""
+
+
+def token_mismatch(seq, ref_seq, what: str, reference: str) -> str:
+    """One message line saying where two token sequences (``(batch, length)`` int64) first differ, or that their
+    shapes differ. ``what`` names the subject's output, ``reference`` the uncached run it should equal."""
+    if tuple(seq.shape) != tuple(ref_seq.shape):
+        return f"{what} of shape {tuple(seq.shape)}, but {reference} gave {tuple(ref_seq.shape)}"
+    b, i = (seq != ref_seq).nonzero()[0].tolist()
+    return f"{what} differ from {reference} at batch={b} index={i}: {seq[b, i].item()} vs {ref_seq[b, i].item()}"
 
 
 def run_and_judge(ctx, spec=None, position_mode=None, driver=None) -> Verdict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import (SubjectRaised, case_generator, describe_exception, fail_raised, fail_verdict,
-                                      judge, lossy_generate_rule, random_tokens, run_ops)
+                                      judge, MODEL_AT_FAULT, record_verdict, token_mismatch, lossy_generate_rule, random_tokens, run_ops)
 
 _OP_CAUSE = {
     "reorder": ("reorder_cache", "reorder_cache() did not move every tensor of every layer with its row (keys "
@@ -40,14 +40,13 @@ def _run_batch_case(ctx, op_name):
                                if not exc.where.startswith(op_name) else
                                f"{method}() fails on this cache (see the exception)"))
     verdict = judge(ctx, steps)
-    _, cmp = verdict.first_fail or verdict.worst
-    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps))
+    record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
         op_index = next(i for i, op in enumerate(ctx.case.ops) if op.name == op_name)
 
         def cause(step, cmp, model_at_fault):
             if model_at_fault:
-                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+                return MODEL_AT_FAULT
             if step.op_index < op_index:
                 return "the batch is wrong before the op: rows or padding are not kept apart (see the logits family)"
             return cause_text
@@ -136,13 +135,7 @@ def check_beam_search(ctx):
         return
     lines = []
     if not same:
-        if tuple(seq.shape) == tuple(ref_seq.shape):
-            b, i = (seq != ref_seq).nonzero()[0].tolist()
-            lines.append(f"beam search picked different tokens than uncached beam search at batch={b} index={i}: "
-                         f"{seq[b, i].item()} vs {ref_seq[b, i].item()}")
-        else:
-            lines.append(f"sequences of shape {tuple(seq.shape)}, but uncached beam search gave "
-                         f"{tuple(ref_seq.shape)}")
+        lines.append(token_mismatch(seq, ref_seq, "beam-search sequences", "uncached beam search"))
     else:
         lines.append(f"max|Δ sequence score| = {delta:.1e}, but should be ≤ {bound:.1e} ({tol.describe(floor)})")
     lines += [f"ops: {ops_text}",

@@ -41,9 +41,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from kvconform import compat
 from kvconform.checks import register
-from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, fail_raised
+from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, fail_raised, forward_kwargs
 
 _RECOMPILE = "Detected recompile"
 _GUARD = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(?P<guard>.+?)\s*(?:#\s*(?P<src>.*))?$")
@@ -155,20 +154,7 @@ def _sequences(ctx):
 
 
 def _kwargs(ctx, cache, tokens, start, enc):
-    import torch
-
-    m = ctx.model.model
-    device = next(m.parameters()).device
-    kwargs = {compat.cache_kwarg(m): cache, "use_cache": True}
-    if ctx.model.is_encoder_decoder:
-        kwargs.update(input_ids=enc.to(device), decoder_input_ids=tokens.to(device))
-    elif compat.accepts_position_ids(m):
-        k = tokens.shape[1]
-        kwargs.update(input_ids=tokens.to(device),
-                      position_ids=torch.arange(start, start + k, device=device).expand(tokens.shape[0], k))
-    else:
-        kwargs["input_ids"] = tokens.to(device)
-    return kwargs
+    return forward_kwargs(ctx.model.model, cache, tokens, start, enc if ctx.model.is_encoder_decoder else None)
 
 
 def _logits(out):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_verdict, judge,
-                                      seq_length, tensors_of)
+                                      seq_length, tensors_of, MODEL_AT_FAULT, record_verdict)
 
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
 CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",
@@ -173,7 +173,7 @@ def _judge_refusal(ctx, runner, rec, before):
 def _cause(ctx, records):
     def cause(step, cmp, model_at_fault):
         if model_at_fault:
-            return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+            return MODEL_AT_FAULT
         rec = next((r for r in records if r.refused is None), None)
         if rec is None:
             return "the cache changed after a refused crop, or a later op corrupted it"
@@ -210,8 +210,7 @@ def _crop_check(ctx):
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})
     ctx.metrics.update(is_croppable=[r.flag for r in records], crop_accepted=[r.refused is None for r in records])
     verdict = judge(ctx, runner.steps, driver=_driver)
-    _, cmp = verdict.first_fail or verdict.worst
-    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(runner.steps))
+    record_verdict(ctx, verdict, len(runner.steps))
     if not verdict.passed:
         fail_verdict(ctx, verdict, _cause(ctx, records), ops_text=" → ".join(runner.trail), driver=_driver)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import register
-from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens
+from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens, token_mismatch
 from kvconform.oracle import compare_logits
 
 
@@ -64,9 +64,7 @@ def check_generate_greedy(ctx):
                   f"({ctx.tolerance().describe(cmp.floor)})",
                   f"worst at batch={b} step={s} position={first + s}"]
     if not same:
-        diff = (seq != ref_seq).nonzero()[0].tolist() if seq.shape == ref_seq.shape else [0, 0]
-        lines.append(f"generated tokens differ from generate(use_cache=False) at batch={diff[0]} "
-                     f"index={diff[1]}: {seq[diff[0], diff[1]].item()} vs {ref_seq[diff[0], diff[1]].item()}")
+        lines.append(token_mismatch(seq, ref_seq, "generated tokens", "generate(use_cache=False)"))
     lines.append(f"ops: generate(prompt {prompt.shape[1]}, greedy, max_new_tokens={n})")
     lines.append("likely cause: " + ("the cache corrupts what generate() feeds it between steps"
                                      if not cmp.passed else

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvconform.checks import register
 from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_raised, fail_verdict, judge,
-                                      tensors_of)
+                                      tensors_of, MODEL_AT_FAULT, record_verdict)
 from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
 
 
@@ -50,15 +50,13 @@ def check_reset_then_reuse(ctx):
         fail_raised(ctx, exc, "reset() leaves the cache in a state its next update cannot handle"
                     if after_reset else "the cache does not support this sequence of calls (see the exception)")
     verdict = judge(ctx, steps, driver=run_reset_case)
-    _, cmp = verdict.first_fail or verdict.worst
-    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps),
-                       compileable=info["compileable"])
+    record_verdict(ctx, verdict, len(steps), compileable=info["compileable"])
     if not verdict.passed:
         reset_at = next(i for i, op in enumerate(ctx.case.ops) if op.name == "reset")
 
         def cause(step, cmp, model_at_fault):
             if model_at_fault:
-                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+                return MODEL_AT_FAULT
             if step.op_index > reset_at:
                 return ("reset() did not clear everything: tokens, a length counter or a conv/recurrent state of "
                         "the previous sequence survive into the next one")
@@ -142,12 +140,11 @@ def check_capacity(ctx):
                       "updated) — the cache is now inconsistent"], {"changed": diff[:10]})
         return
     verdict = judge(ctx, steps, driver=run_capacity_case)
-    _, cmp = verdict.first_fail or verdict.worst
-    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps))
+    record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
         def cause(step, cmp, model_at_fault):
             if model_at_fault:
-                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+                return MODEL_AT_FAULT
             if step.start + step.length > cap:
                 return (f"past max_cache_len {cap} the cache accepted tokens but overwrote or dropped older ones "
                         f"silently: a fixed-size cache must raise a clear error instead")

@@ -7,7 +7,8 @@ explicit ``position_ids`` or without them (then the model derives positions from
 from __future__ import annotations
 
 from kvconform.checks import register
-from kvconform.checks._engine import SubjectRaised, fail_raised, fail_verdict, judge, positions_label, run_ops
+from kvconform.checks._engine import (SubjectRaised, fail_raised, fail_verdict, judge, positions_label, run_ops,
+                                      MODEL_AT_FAULT, record_verdict)
 
 
 def _length_note(steps, upto) -> str | None:
@@ -22,7 +23,7 @@ def _length_note(steps, upto) -> str | None:
 def _decode_cause(ctx, steps):
     def cause(step, cmp, model_at_fault):
         if model_at_fault:
-            return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+            return MODEL_AT_FAULT
         note = _length_note(steps, step)
         if note and not positions_label(ctx).startswith("explicit"):
             return note
@@ -48,8 +49,7 @@ def _run(ctx, cause_for):
     except SubjectRaised as exc:
         fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
     verdict = judge(ctx, steps)
-    _, cmp = verdict.first_fail or verdict.worst
-    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps))
+    record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
         fail_verdict(ctx, verdict, cause_for(ctx, steps))
 

@@ -255,21 +255,11 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expecta
 def _feed(ctx, cache, tokens, start, encoder_ids):
     import torch
 
-    from kvconform import compat
+    from kvconform.checks._engine import forward_kwargs
 
     m = ctx.model.model
-    device = next(m.parameters()).device
-    kwargs = {compat.cache_kwarg(m): cache, "use_cache": True}
-    if ctx.model.is_encoder_decoder:
-        kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=tokens.to(device))
-    else:
-        kwargs["input_ids"] = tokens.to(device)
-        if compat.accepts_position_ids(m):
-            k = tokens.shape[1]
-            kwargs["position_ids"] = torch.arange(start, start + k, device=device).expand(tokens.shape[0], k)
     with torch.no_grad():
-        out = m(**kwargs)
-    del out
+        m(**forward_kwargs(m, cache, tokens, start, encoder_ids if ctx.model.is_encoder_decoder else None))
 
 
 def run_memory_ops(ctx, cache, on_checkpoint):

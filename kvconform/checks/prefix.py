@@ -19,7 +19,8 @@ import copy
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import (Runner, SubjectRaised, case_generator, describe_exception, fail_raised,
-                                      fail_verdict, generate, judge, lossy_generate_rule, random_tokens)
+                                      fail_verdict, generate, judge, lossy_generate_rule, random_tokens,
+                                      MODEL_AT_FAULT, record_verdict, token_mismatch)
 from kvconform.checks.crop import changed, snapshot
 from kvconform.oracle import compare_logits
 
@@ -85,12 +86,11 @@ def check_prefix_fork(ctx):
                   "counter) between the copy and the original; whatever is written in place then corrupts both"],
                  {"changed": names[:10]})
     verdict = judge(ctx, steps, driver=run_fork_case)
-    _, cmp = verdict.first_fail or verdict.worst
-    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps))
+    record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
         def cause(step, cmp, model_at_fault):
             if model_at_fault:
-                return "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+                return MODEL_AT_FAULT
             if step.label.startswith("original"):
                 return "the original no longer holds the prefix after its copies were extended (shared state)"
             return ("the deep copy does not hold the same state as the original (a layer, a length counter or a "
@@ -126,13 +126,7 @@ def judge_generated(ctx, prompt_len, seq, logits, ref_seq, ops_text, cause_text,
         lines += [f"max|Δlogit| = {observed}, but should be ≤ {cmp.tol:.1e} ({ctx.tolerance().describe(cmp.floor)})",
                   f"worst at batch={b} step={s} position={prompt_len - 1 + s}"]
     if not same:
-        if tuple(seq.shape) == tuple(ref_seq.shape):
-            b, i = (seq != ref_seq).nonzero()[0].tolist()
-            lines.append(f"generated tokens differ from generate(use_cache=False) at batch={b} index={i}: "
-                         f"{seq[b, i].item()} vs {ref_seq[b, i].item()}")
-        else:
-            lines.append(f"generated shape {tuple(seq.shape)}, but generate(use_cache=False) gave "
-                         f"{tuple(ref_seq.shape)}")
+        lines.append(token_mismatch(seq, ref_seq, "generated tokens", "generate(use_cache=False)"))
     lines.append(f"ops: {ops_text}")
     model_at_fault = False
     ref = ctx.reference

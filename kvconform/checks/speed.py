@@ -25,9 +25,8 @@ items before they run (parallel workers share the CPU, so timings would be meani
 
 from __future__ import annotations
 
-from kvconform import compat
 from kvconform.checks import register
-from kvconform.checks._engine import FIRST_TOKEN, case_generator
+from kvconform.checks._engine import FIRST_TOKEN, case_generator, forward_kwargs
 from kvconform.timing import Target, measure_interleaved
 
 DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_steps": 1, "repeats": 5, "warmup": 1,
@@ -50,21 +49,6 @@ def _tokens(ctx, length):
     return torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, length), generator=gen)
 
 
-def _step_kwargs(m, tokens, start, cache=None):
-    import torch
-
-    device = next(m.parameters()).device
-    k = tokens.shape[1]
-    kwargs = {"input_ids": tokens.to(device)}
-    if cache is not None:
-        kwargs.update({compat.cache_kwarg(m): cache, "use_cache": True})
-    else:
-        kwargs["use_cache"] = False
-    if compat.accepts_position_ids(m):
-        kwargs["position_ids"] = torch.arange(start, start + k, device=device).expand(tokens.shape[0], k)
-    return kwargs
-
-
 def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Target:
     """Setup: a fresh cache of ``spec`` sized ``context + steps``, prefilled with ``tokens[:, :context]``
     (untimed). Run: ``steps`` single-token decode steps through ``forward`` (default: the eager model)."""
@@ -76,14 +60,14 @@ def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Targ
     def setup():
         cache = spec.build(ctx.model, max_cache_len=context + steps, batch_size=ctx.case.batch)
         with torch.no_grad():
-            m(**_step_kwargs(m, tokens[:, :context], 0, cache))
+            m(**forward_kwargs(m, cache, tokens[:, :context], 0))
         return cache
 
     def run(cache):
         with torch.no_grad():
             for s in range(steps):
                 pos = context + s
-                fwd(**_step_kwargs(m, tokens[:, pos:pos + 1], pos, cache))
+                fwd(**forward_kwargs(m, cache, tokens[:, pos:pos + 1], pos))
 
     return Target(name, run, setup, units=steps)
 
@@ -98,7 +82,7 @@ def uncached_target(ctx, name, tokens, context, steps) -> Target:
     def run(_):
         with torch.no_grad():
             for s in range(steps):
-                m(**_step_kwargs(m, tokens[:, :context + s + 1], 0))
+                m(**forward_kwargs(m, None, tokens[:, :context + s + 1], 0))
 
     return Target(name, run, units=steps)
 
