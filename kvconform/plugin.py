@@ -97,6 +97,7 @@ def pytest_configure(config):
         return
     from kvconform.session import build_session
 
+    _check_usage(config)
     hooked = [spec for specs in config.hook.pytest_kvconform_caches(config=config) for spec in specs or ()]
     try:
         config.stash[SESSION_KEY] = build_session(
@@ -187,6 +188,38 @@ def kv_session(request):
 def _timeout(config) -> float:
     value = config.getoption(OPT_TIMEOUT)
     return float(config.getini(OPT_TIMEOUT) if value is None else value)
+
+
+def _check_usage(config) -> None:
+    """Usage errors (exit 4, one line) for the option values that would otherwise fail every item or the end of
+    the run: the JSON report path, the per-item timeout, the torch device.
+
+    Raises:
+        pytest.UsageError: naming the option, the value and the cause.
+    """
+    from kvconform.report import json_path_problem
+
+    path = _opt(config, OPT_JSON)
+    if path and (problem := json_path_problem(path)):
+        raise pytest.UsageError(f"kvconform: --kvconform-json {path!r}: {problem}")
+    try:
+        timeout = _timeout(config)
+    except ValueError:
+        raise pytest.UsageError(f"kvconform: kvconform_timeout {config.getini(OPT_TIMEOUT)!r}: not a number") from None
+    if timeout < 0:
+        raise pytest.UsageError(f"kvconform: --kvconform-timeout {timeout:g}: must be ≥ 0 (0 disables the timeout)")
+    device = _opt(config, OPT_DEVICE) or "cpu"
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise pytest.UsageError(f"kvconform: --kvconform-device {device!r}: not a torch device ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"kvconform: --kvconform-device {device!r}: CUDA is not available in this torch "
+                                f"({torch.__version__})")
+    if dev.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"kvconform: --kvconform-device {device!r}: kvconform runs on cpu or cuda")
 
 
 @pytest.fixture

@@ -147,11 +147,32 @@ def write_json(path: str, results: dict, session) -> None:
     payload = {"schema": SCHEMA, "environment": session.environment(),
                "results": sorted(results.values(), key=lambda r: r["nodeid"])}
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvconform-", suffix=".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=1, ensure_ascii=False)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=1, ensure_ascii=False)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def json_path_problem(path: str) -> str | None:
+    """Why the JSON report cannot be written to ``path`` (checked before the run, so that a bad path does not cost
+    the whole run): its folder does not exist or is not writable, or ``path`` is a folder. None when it can."""
+    target = os.path.abspath(path)
+    directory = os.path.dirname(target)
+    if os.path.isdir(target):
+        return "is a folder; give a file name"
+    if not os.path.isdir(directory):
+        return f"folder {directory!r} does not exist"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"folder {directory!r} is not writable"
+    return None
 
 
 def write_selftest_summary(tr) -> None:

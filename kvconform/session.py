@@ -47,19 +47,24 @@ def model_info(spec: str) -> ModelInfo:
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    if spec in zoo.ZOO_NAMES:
+    if not zoo.is_checkpoint_spec(spec):
+        if os.path.isfile(os.path.join(spec, "config.json")):
+            raise ValueError(f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; "
+                             f"write ./{spec} for the folder")
         config, name = zoo.zoo_config(spec), spec
-    elif os.path.isdir(spec):
-        if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise ValueError(f"--kvconform-model {spec!r}: folder has no config.json (not a checkpoint)")
-        try:
-            config = AutoConfig.from_pretrained(spec, local_files_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"--kvconform-model {spec!r}: cannot read its config: {exc}") from None
-        name = zoo.checkpoint_name(spec)
     else:
-        raise ValueError(f"--kvconform-model {spec!r}: not a zoo name ({', '.join(zoo.ZOO_NAMES)}) "
-                         f"and not a checkpoint folder")
+        path = os.path.expanduser(spec)
+        problem = zoo.checkpoint_problem(path)
+        if problem == "no such folder" and os.sep not in spec and "/" not in spec:
+            problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
+        if problem:
+            raise ValueError(f"--kvconform-model {spec!r}: {problem}")
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
+        name = zoo.checkpoint_name(path)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     try:
         cls = auto._model_mapping[type(config)]
@@ -358,14 +363,14 @@ def item_timeout(seconds: float, item: PlanItem):
         try:
             yield
         except ItemTimeout:
-            from kvconform.checks import ConformanceError
+            from kvconform.checks import ConformanceError, reproduce_line
 
             d = item.describe()
             raise ConformanceError(
                 f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}\n"
                 f"  no result after {seconds:g} s (per-item timeout, --kvconform-timeout)\n"
                 f"  likely cause: the subject hangs (an endless loop, a lock) or is pathologically slow\n"
-                f'  reproduce: pytest --kvconform -k "{item.id}"', {"timeout_s": seconds}) from None
+                f"  {reproduce_line(item.subject, item.model.spec, item.id)}", {"timeout_s": seconds}) from None
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)

@@ -72,8 +72,16 @@ class CacheSpec:
     notes: Mapping[str, str] = field(default_factory=dict)
 
     def build_one(self, **available):
-        """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``)."""
-        return self.factory(**accepted_kwargs(self.factory, available))
+        """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``).
+
+        Raises:
+            SubjectBuildError: the factory raised (the item fails with that cause; the session goes on).
+        """
+        kwargs = accepted_kwargs(self.factory, available)
+        try:
+            return self.factory(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - any error of the user's constructor is reported on its items
+            raise SubjectBuildError(self.name, sorted(kwargs), exc) from exc
 
     def build(self, model, max_cache_len: int, batch_size: int, encoder_len: int = 0):
         """A fresh cache for ``model`` (a ``ZooModel``); wrapped in ``EncoderDecoderCache`` for encoder-decoders."""
@@ -89,6 +97,15 @@ class CacheSpec:
         cross_attention = self.build_one(max_cache_len=max(encoder_len, 1), **common)
         del torch
         return EncoderDecoderCache(self_attention, cross_attention)
+
+
+class SubjectBuildError(Exception):
+    """Building a fresh cache of a subject raised. ``name``: the subject; ``kwargs``: the keyword names it was
+    called with; ``cause``: the exception."""
+
+    def __init__(self, name: str, kwargs: list, cause: BaseException):
+        super().__init__(f"{name}({', '.join(f'{k}=...' for k in kwargs)}) raised {type(cause).__name__}: {cause}")
+        self.name, self.kwargs, self.cause = name, kwargs, cause
 
 
 def accepted_kwargs(factory, available: Mapping) -> dict:

@@ -201,14 +201,37 @@ def load_checkpoint(path: str, dtype=None, device: str = "cpu") -> ZooModel:
 
 def checkpoint_name(path: str) -> str:
     """The name of a checkpoint folder in ids and reports: its base name with every character outside
-    ``[A-Za-z0-9_.]`` replaced by ``_`` (``-`` separates the parts of an item id)."""
-    base = os.path.basename(os.path.normpath(path))
-    return "".join(c if c.isalnum() or c in "_." else "_" for c in base) or "checkpoint"
+    ``[A-Za-z0-9_.]`` replaced by ``_`` (``-`` separates the parts of an item id), prefixed ``ckpt_`` when it would
+    read as a zoo family (a folder ``./llama`` is ``ckpt_llama``, never the zoo's ``llama``)."""
+    base = os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(path))))
+    name = "".join(c if c.isalnum() or c in "_." else "_" for c in base) or "checkpoint"
+    return f"ckpt_{name}" if name in ZOO_NAMES else name
 
 
 def is_checkpoint_spec(spec: str) -> bool:
-    """True when ``spec`` names a local folder rather than a zoo family."""
-    return spec not in ZOO_NAMES and (os.sep in spec or os.path.isdir(spec))
+    """True when ``spec`` names a local folder rather than a zoo family: anything written as a path (``./llama``,
+    ``/abs/llama``, ``~/m``, ``ckpt/llama``) is a folder, even if its last part is a zoo name; a bare word is a zoo
+    family when it is one (``llama``), else a folder."""
+    if os.sep in spec or "/" in spec or spec.startswith(("~", ".")):
+        return True
+    return spec not in ZOO_NAMES
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+"""The weight files ``from_pretrained`` loads from a local folder (safetensors first, then PyTorch pickles)."""
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why ``path`` is not a loadable checkpoint folder (no folder, no ``config.json``, no weight file), or None."""
+    import glob
+
+    if not os.path.isdir(path):
+        return "no such folder" if not os.path.exists(path) else "not a folder"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "folder has no config.json (not a checkpoint)"
+    if not any(glob.glob(os.path.join(path, pattern)) for pattern in WEIGHT_PATTERNS):
+        return f"folder has a config.json but no weights ({' or '.join(WEIGHT_PATTERNS)})"
+    return None
 
 
 def load_model(spec: str, dtype=None, device: str = "cpu") -> ZooModel:
@@ -217,6 +240,6 @@ def load_model(spec: str, dtype=None, device: str = "cpu") -> ZooModel:
     Raises:
         KeyError / FileNotFoundError: neither a zoo name nor a checkpoint folder.
     """
-    if spec in ZOO_NAMES:
+    if not is_checkpoint_spec(spec):
         return build_zoo_model(spec, dtype=dtype, device=device)
-    return load_checkpoint(spec, dtype=dtype, device=device)
+    return load_checkpoint(os.path.expanduser(spec), dtype=dtype, device=device)

@@ -2,11 +2,13 @@
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch  # before pytester snapshots sys.modules: a torch imported inside a test is dropped after it
 
 from kvconform.plugin import FAMILY_MARKERS
 
@@ -131,7 +133,64 @@ def test_faulty_cache_fails_with_design_message(run_kvconform):
     assert message[3].startswith("  ops: prefill(12) → decode×10   [failed at decode 6]")
     assert "→ the fault is in the subject" in message[4]
     assert message[5].startswith("  likely cause: ") and "evicted" in message[5]
-    assert message[6].startswith('  reproduce: pytest --kvconform -k "prefill_then_decode and')
+    assert message[6] == ('  reproduce: pytest --kvconform --kvconform-cache kvconform.testing.faulty_logits:'
+                          'HiddenWindowCache --kvconform-model llama -k "prefill_then_decode and '
+                          'decode_explicit_positions and HiddenWindowCache"')
+    again = run_kvconform(*shlex.split(message[6].split("reproduce: pytest ", 1)[1]))
+    again.assert_outcomes(failed=1)  # the reproduce line runs exactly this item again
+
+
+def test_bad_option_values_are_usage_errors(run_kvconform, pytester):
+    pytester.mkdir("a_folder")
+    for args, text in [
+        (("--kvconform-json", "no_such_folder/r.json"), "--kvconform-json 'no_such_folder/r.json': folder"),
+        (("--kvconform-json", "a_folder"), "--kvconform-json 'a_folder': is a folder"),
+        (("--kvconform-timeout", "-1"), "--kvconform-timeout -1: must be ≥ 0"),
+        (("--kvconform-device", "banana"), "--kvconform-device 'banana': not a torch device"),
+        (("--kvconform-device", "cuda"), "--kvconform-device 'cuda': CUDA is not available"),
+    ]:
+        if args[1] == "cuda" and torch.cuda.is_available():
+            continue
+        result = run_kvconform(*args)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, (args, result.stdout.str())
+        err = result.stderr.str()
+        assert text in err and "Traceback" not in err, (args, err)
+    assert not (pytester.path / "no_such_folder").exists()  # nothing created on the user's behalf
+
+
+def test_checkpoint_specs_are_never_confused_with_zoo_names(run_kvconform, pytester):
+    from kvconform.zoo import build_zoo_model
+
+    build_zoo_model("llama").model.save_pretrained(pytester.path / "llama")
+    (pytester.path / "config_only").mkdir()
+    (pytester.path / "config_only" / "config.json").write_text((pytester.path / "llama" / "config.json").read_text())
+    for spec, text in [("llama", "both a zoo family and a checkpoint folder here; write ./llama"),
+                       ("config_only", "config.json but no weights"), ("./nowhere", "no such folder")]:
+        result = run_kvconform("--kvconform-model", spec)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR and text in result.stderr.str(), result.stderr.str()
+    result = run_kvconform("--kvconform-model", "./llama", "-k", "ReferenceCache and decode_explicit",
+                           "--kvconform-json", "r.json")
+    assert result.ret == 0, result.stdout.str()
+    records = json.loads((pytester.path / "r.json").read_text())["results"]
+    assert {r["model"] for r in records} == {"ckpt_llama"}  # the folder, not the zoo's llama
+
+
+def test_subject_whose_constructor_raises_fails_its_items_with_a_short_message(run_kvconform, pytester):
+    pytester.makepyfile(brokencaches="""
+        from transformers import DynamicCache
+
+        class BrokenInit(DynamicCache):
+            def __init__(self, config, **kwargs):
+                raise RuntimeError("cannot allocate the pool")
+    """)
+    result = run_kvconform("--kvconform-cache", "brokencaches.py:BrokenInit", "--kvconform-model", "llama",
+                           "-k", "decode_explicit")
+    assert result.ret == 1
+    out = result.stdout.str()
+    assert "building the subject raised RuntimeError: cannot allocate the pool (at brokencaches.py:" in out
+    assert "ReferenceCache" in out and re.search(r"BrokenInit\s+0/1 F1", out)
+    counts = result.parseoutcomes()
+    assert counts["failed"] == 1 and counts["passed"] >= 3  # the other subjects are unaffected
 
 
 def test_collected_ids_are_safe(run_kvconform):

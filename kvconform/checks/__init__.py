@@ -114,8 +114,8 @@ class CheckContext:
 
     def reproduce(self) -> str:
         name = self.check_name.removeprefix("check_")
-        return (f'reproduce: pytest --kvconform -k "{name} and {self.case.id} and {self.subject.name} '
-                f'and {self.model.name}"')
+        model = self.model.name if self.model.source == "zoo" else self.model.source
+        return reproduce_line(self.subject, model, f"{name} and {self.case.id} and {self.subject.name}")
 
     def fail(self, lines, metrics=None):
         """Raise ``ConformanceError`` with the headline, ``lines`` (indented) and the reproduce line."""
@@ -128,9 +128,36 @@ class CheckContext:
         raise ConformanceError("\n".join(body), dict(self.metrics))
 
 
+def reproduce_line(subject, model_spec: str, selection: str) -> str:
+    """The ``reproduce:`` line of a failure message: a command that runs just this item again —
+    ``pytest --kvconform [--kvconform-cache SPEC] --kvconform-model MODEL -k "SELECTION"``. A subject given as a
+    ``module:attr`` / ``file.py:attr`` spec is named with ``--kvconform-cache``; one declared in Python (conftest
+    hook, ``parametrize_with_checks``, ``check_cache``) is said to need that code."""
+    import shlex
+
+    args = ["pytest", "--kvconform"]
+    source = getattr(subject, "source", "builtin")
+    if ":" in source:
+        args += ["--kvconform-cache", shlex.quote(source)]
+    args += ["--kvconform-model", shlex.quote(model_spec), "-k", f'"{selection}"']
+    where = "" if source == "builtin" or ":" in source else f"   (where your code declares {subject.name})"
+    return "reproduce: " + " ".join(args) + where
+
+
 def run_check(name: str, ctx: CheckContext) -> dict:
     """Run check ``name`` on ``ctx``; return its metrics. Raises ``ConformanceError`` on non-conformance."""
+    from kvconform.subjects import SubjectBuildError
+
     info = load_checks()[name]
     ctx.check_name = name
-    info.fn(ctx)
+    try:
+        info.fn(ctx)
+    except SubjectBuildError as exc:
+        from kvconform.checks._engine import describe_exception
+
+        ctx.fail([f"building the subject raised {describe_exception(exc.cause)}",
+                  f"called: {exc.name}({', '.join(f'{k}=...' for k in exc.kwargs)}) for {ctx.model.name}",
+                  "likely cause: the cache's constructor (or factory) cannot build a cache for this model from the "
+                  "keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; only those "
+                  "its signature accepts)"], {"raised": type(exc.cause).__name__, "failed_at": "construction"})
     return ctx.metrics
