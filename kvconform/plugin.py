@@ -66,9 +66,33 @@ def pytest_addoption(parser):
 
 
 def _opt(config, name):
-    """Command-line value if given, else the ini twin."""
+    """Command-line value if given, else the ini twin (paths in it relative to the ini file's folder)."""
     value = config.getoption(name)
-    return config.getini(name) if value is None else value
+    if value is not None:
+        return value
+    value = config.getini(name)
+    if name in _INI_PATHS and value and config.inipath is not None:
+        base = config.inipath.parent
+        value = [_from_ini(base, name, v) for v in value] if isinstance(value, list) else _from_ini(base, name, value)
+    return value
+
+
+_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON)
+
+
+def _from_ini(base, name: str, value: str) -> str:
+    """A path given in an ini file is relative to that file's folder (pytest's convention for ini paths), so the
+    run does not depend on the folder pytest is started from. Module specs (``pkg.mod:Attr``) and zoo names stay."""
+    if name == OPT_CACHE:
+        path, sep, attr = value.rpartition(":")
+        if sep and path.endswith(".py") and not os.path.isabs(os.path.expanduser(path)):
+            return f"{base / path}:{attr}"
+        return value
+    if os.path.isabs(os.path.expanduser(value)):
+        return value
+    if name == OPT_MODEL and "/" not in value and not value.startswith(".") and not (base / value).is_dir():
+        return value  # a zoo family
+    return str(base / value)
 
 
 def is_active(config) -> bool:

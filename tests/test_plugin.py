@@ -207,3 +207,27 @@ def test_ini_twins_activate_and_select(pytester):
     pytester.makeini("[pytest]\nkvconform = true\nkvconform_model = gpt2\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "ReferenceCache and decode_explicit")
     result.assert_outcomes(passed=1)
+
+
+def test_ini_paths_are_relative_to_the_ini_file(pytester):
+    pytester.makepyfile(mycaches="""
+        from transformers import DynamicCache
+
+        class GoodCache(DynamicCache):
+            pass
+    """)
+    pytester.makeini("""
+        [pytest]
+        kvconform = true
+        kvconform_cache = mycaches.py:GoodCache
+        kvconform_model = llama
+        kvconform_json = reports/r.json
+    """)
+    (pytester.path / "reports").mkdir()
+    sub = pytester.mkdir("sub")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-k",
+                           "GoodCache and decode_explicit"], cwd=sub, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    records = json.loads((pytester.path / "reports" / "r.json").read_text())["results"]
+    assert [r["outcome"] for r in records if r["subject"] == "GoodCache"] == ["passed"]
+
