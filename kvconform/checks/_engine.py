@@ -606,7 +606,9 @@ def oracle_line(ctx, position_mode=None, driver=None) -> tuple[str, bool]:
 
 
 def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=None, driver=None):
-    """Raise the DESIGN §7 message for a failed verdict. ``cause_fn(step, cmp, model_at_fault) -> str``."""
+    """Raise the DESIGN §7 message for a failed verdict. ``cause_fn(step, cmp) -> str`` gives the likely cause in the
+    subject; it is consulted only when kvconform's ReferenceCache passes the same case (else the cause is
+    ``MODEL_AT_FAULT``)."""
     step, cmp = verdict.first_fail
     b, offset = cmp.worst
     position = step.start + offset
@@ -620,7 +622,7 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
         f"ops: {ops_text or ctx.case.ops_label()}   [failed at {step.label}]"
         + f"; {positions_label(ctx)}",
         ref_line,
-        "likely cause: " + cause_fn(step, cmp, model_at_fault),
+        "likely cause: " + (MODEL_AT_FAULT if model_at_fault else cause_fn(step, cmp)),
     ], {"max_abs": cmp.max_abs, "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label,
         "position": position, "model_at_fault": model_at_fault})
 

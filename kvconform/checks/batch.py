@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import (SubjectRaised, case_generator, describe_exception, fail_raised, fail_verdict,
-                                      judge, MODEL_AT_FAULT, record_verdict, token_mismatch, lossy_generate_rule, random_tokens, run_ops)
+                                      judge, record_verdict, token_mismatch, lossy_generate_rule, random_tokens, run_ops)
 
 _OP_CAUSE = {
     "reorder": ("reorder_cache", "reorder_cache() did not move every tensor of every layer with its row (keys "
@@ -44,9 +44,7 @@ def _run_batch_case(ctx, op_name):
     if not verdict.passed:
         op_index = next(i for i, op in enumerate(ctx.case.ops) if op.name == op_name)
 
-        def cause(step, cmp, model_at_fault):
-            if model_at_fault:
-                return MODEL_AT_FAULT
+        def cause(step, cmp):
             if step.op_index < op_index:
                 return "the batch is wrong before the op: rows or padding are not kept apart (see the logits family)"
             return cause_text

@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_verdict, judge,
-                                      seq_length, tensors_of, MODEL_AT_FAULT, record_verdict)
+                                      seq_length, tensors_of, record_verdict)
 
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
 CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",
@@ -171,9 +171,7 @@ def _judge_refusal(ctx, runner, rec, before):
 
 
 def _cause(ctx, records):
-    def cause(step, cmp, model_at_fault):
-        if model_at_fault:
-            return MODEL_AT_FAULT
+    def cause(step, cmp):
         rec = next((r for r in records if r.refused is None), None)
         if rec is None:
             return "the cache changed after a refused crop, or a later op corrupted it"

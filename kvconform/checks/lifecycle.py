@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvconform.checks import register
 from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_raised, fail_verdict, judge,
-                                      tensors_of, MODEL_AT_FAULT, record_verdict)
+                                      tensors_of, record_verdict)
 from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
 
 
@@ -54,9 +54,7 @@ def check_reset_then_reuse(ctx):
     if not verdict.passed:
         reset_at = next(i for i, op in enumerate(ctx.case.ops) if op.name == "reset")
 
-        def cause(step, cmp, model_at_fault):
-            if model_at_fault:
-                return MODEL_AT_FAULT
+        def cause(step, cmp):
             if step.op_index > reset_at:
                 return ("reset() did not clear everything: tokens, a length counter or a conv/recurrent state of "
                         "the previous sequence survive into the next one")
@@ -142,9 +140,7 @@ def check_capacity(ctx):
     verdict = judge(ctx, steps, driver=run_capacity_case)
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
-        def cause(step, cmp, model_at_fault):
-            if model_at_fault:
-                return MODEL_AT_FAULT
+        def cause(step, cmp):
             if step.start + step.length > cap:
                 return (f"past max_cache_len {cap} the cache accepted tokens but overwrote or dropped older ones "
                         f"silently: a fixed-size cache must raise a clear error instead")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvconform.checks import register
 from kvconform.checks._engine import (SubjectRaised, fail_raised, fail_verdict, judge, positions_label, run_ops,
-                                      MODEL_AT_FAULT, record_verdict)
+                                      record_verdict)
 
 
 def _length_note(steps, upto) -> str | None:
@@ -21,9 +21,7 @@ def _length_note(steps, upto) -> str | None:
 
 
 def _decode_cause(ctx, steps):
-    def cause(step, cmp, model_at_fault):
-        if model_at_fault:
-            return MODEL_AT_FAULT
+    def cause(step, cmp):
         note = _length_note(steps, step)
         if note and not positions_label(ctx).startswith("explicit"):
             return note
@@ -65,11 +63,11 @@ def check_prefill_then_decode(ctx):
 def _chunk_cause(ctx, steps):
     base = _decode_cause(ctx, steps)
 
-    def cause(step, cmp, model_at_fault):
-        if step.label.startswith("chunk") and not model_at_fault and step.index > 0:
+    def cause(step, cmp):
+        if step.label.startswith("chunk") and step.index > 0:
             return (f"feeding {step.length} tokens at once into a warm cache loses or misplaces state: "
                     f"update() with k>1 new tokens after the prefill is wrong")
-        return base(step, cmp, model_at_fault)
+        return base(step, cmp)
 
     return cause
 

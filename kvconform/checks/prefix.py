@@ -20,7 +20,7 @@ from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import (Runner, SubjectRaised, case_generator, describe_exception, fail_raised,
                                       fail_verdict, generate, judge, lossy_generate_rule, random_tokens,
-                                      MODEL_AT_FAULT, record_verdict, token_mismatch)
+                                      record_verdict, token_mismatch)
 from kvconform.checks.crop import changed, snapshot
 from kvconform.oracle import compare_logits
 
@@ -88,9 +88,7 @@ def check_prefix_fork(ctx):
     verdict = judge(ctx, steps, driver=run_fork_case)
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
-        def cause(step, cmp, model_at_fault):
-            if model_at_fault:
-                return MODEL_AT_FAULT
+        def cause(step, cmp):
             if step.label.startswith("original"):
                 return "the original no longer holds the prefix after its copies were extended (shared state)"
             return ("the deep copy does not hold the same state as the original (a layer, a length counter or a "
