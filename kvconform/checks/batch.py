@@ -4,7 +4,9 @@
 The cases use *distinct* prompts per row, left-padded with an attention mask (``params.padding``: pad tokens per
 row), so that a row that picks up another row's keys or states, or a pad that leaks, shows in the logits. After
 each op the decode steps are compared with the oracle rows of the rearranged batch. ``check_beam_search`` runs
-``generate(num_beams ≥ 2)`` on such a batch and compares with uncached beam search.
+``generate(num_beams ≥ 2)`` on such a batch and compares with uncached beam search. ``check_reorder_after_flush``
+(lossy subjects): beam ``reorder_cache`` with distinct rows around a residual flush, then decode, equals the
+fake-quant twin (transformers 5.5–5.18 left the quantized part in the old order).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import (SubjectRaised, case_generator, describe_exception, fail_raised, fail_verdict,
                                       judge, record_verdict, token_mismatch, lossy_generate_rule, random_tokens, run_ops)
+from kvconform.checks._lossy import drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
 
 _OP_CAUSE = {
     "reorder": ("reorder_cache", "reorder_cache() did not move every tensor of every layer with its row (keys "
@@ -143,3 +146,34 @@ def check_beam_search(ctx):
 
 
 check_beam_search.kvconform_applies = lossy_generate_rule
+
+
+# ------------------------------------------------------------------------------------------ reorder after a flush
+@register("batch", needs=("reorder",))
+def check_reorder_after_flush(ctx):
+    """Beam ``reorder_cache`` (rows reversed) around a residual flush, then decode: every step equals the twin,
+    which reorders its quantized part and its residual together."""
+    if not any(op.name == "reorder" for op in ctx.case.ops) or ctx.case.batch < 2:
+        raise ValueError(f"case {ctx.case.id}: check_reorder_after_flush needs a 'reorder' op and batch ≥ 2")
+    try:
+        steps = drive(ctx, ctx.new_cache())
+    except SubjectRaised as exc:
+        fail_subject_raised(ctx, exc, "reorder_cache() does not handle this state (e.g. an emptied residual after a flush)"
+                + _reorder_history())
+    failed, worst = judge_twin(ctx, steps)
+    _, cmp = failed or worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps),
+                       compared_with="fake-quant twin")
+    if failed:
+        fail_twin(ctx, failed, "reorder_cache() moved part of the cache but not all of it: the quantized part "
+                   "(or the residual) kept the old row order" + _reorder_history())
+
+
+def _reorder_history() -> str:
+    if compat.quantized_reorder_fixed():
+        return ""
+    return (f" — transformers {compat.transformers_version()} has this fault: QuantizedLayer.reorder_cache "
+            f"reorders only the exact residual (fixed in 5.19)")
+
+
+check_reorder_after_flush.kvconform_applies = lossy_only

@@ -10,6 +10,10 @@
   — matches what its ``update`` then returned: ``kv_length`` = the number of keys returned, ``kv_offset`` covering
   every position the new queries may attend (0 for full attention, at most ``held − window + 1`` for a sliding
   layer), ``kv_offset + kv_length ≥ held + q``.
+* ``check_crop_refused``: a subject that does not declare ``crop`` (``is_croppable`` False) refuses ``crop`` with a
+  clear error instead of an unrelated exception or a silent, wrong crop.
+* ``check_encoder_decoder_subcaches``: in an ``EncoderDecoderCache`` the cross-attention sub-cache holds the encoder
+  states once, unchanged by decoding, and the self-attention sub-cache holds the decoder tokens fed.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ import copy
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, fail_raised
+from kvconform.checks._engine import describe_raise, seq_length
+from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised, oracle_slices
+from kvconform.checks._observe import run_observed
 from kvconform.checks.crop import CROP_WORDS, clear_error
+from kvconform.oracle import compare_logits
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
 SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
@@ -306,3 +314,116 @@ def check_length_bookkeeping(ctx):
                   f"ops: {' → '.join(op.label for op in ops)}"
                   + (f"   (skipped: {', '.join(skipped)})" if skipped else ""),
                   "likely cause: " + cause], {"problems": problems[:5]})
+
+
+# ------------------------------------------------------------------------------------------ crop refusal
+def _not_croppable(subject, model, case, device="cpu"):
+    if "crop" in subject.capabilities:
+        return f"{subject.name} declares crop: the crop family checks it"
+    return None
+
+
+@register("contract", needs=("forward",))
+def check_crop_refused(ctx):
+    """A subject that does not declare ``crop`` refuses ``crop(-n)`` with a clear error (ValueError,
+    NotImplementedError, RuntimeError or TypeError), whatever state it is in (e.g. right after a residual flush);
+    an unrelated exception or a crop that is silently accepted fails."""
+    ops = ctx.case.ops
+    crop_at = next((i for i, op in enumerate(ops) if op.name == "crop"), None)
+    if crop_at is None:
+        raise ValueError(f"case {ctx.case.id}: check_crop_refused needs a 'crop N' op")
+    cache = ctx.new_cache()
+    try:
+        steps = drive(ctx, cache, stop_before=crop_at)
+    except SubjectRaised as exc:
+        fail_subject_raised(ctx, exc, "the cache does not support the ops before the crop (see the exception)")
+    before = seq_length(cache)
+    n = ops[crop_at].n
+    croppable = getattr(cache, "is_croppable", None)
+    ctx.metrics.update(is_croppable=croppable, length_before=before, steps=len(steps))
+    try:
+        compat.crop(cache, n, steps[-1].start + steps[-1].length if steps else 0)
+    except CLEAR_ERRORS as exc:
+        ctx.metrics.update(raised=type(exc).__name__)
+        return
+    except Exception as exc:  # noqa: BLE001 - an accident, not a refusal
+        err = SubjectRaised(ops[crop_at].label, exc)
+        ctx.metrics.update(raised=type(exc).__name__)
+        ctx.fail([f"crop(-{n}) raised {describe_raise(err)}, but should refuse with a clear error "
+                  f"(ValueError / NotImplementedError naming crop)",
+                  f"ops: {ctx.case.ops_label()}   [raised at {ops[crop_at].label}]",
+                  f"is_croppable = {croppable}",
+                  "likely cause: crop() is inherited from a layer class that does not know this layer's storage "
+                  "(e.g. DynamicLayer.crop slicing an emptied residual) instead of being refused"])
+    after = seq_length(cache)
+    ctx.metrics.update(length_after=after)
+    ctx.fail([f"crop(-{n}) was accepted (get_seq_length() {before} → {after}), but should raise: the subject does "
+              f"not declare crop and is_croppable = {croppable}",
+              f"ops: {ctx.case.ops_label()}   [at {ops[crop_at].label}]",
+              "likely cause: crop() is inherited from a layer class that only sees part of the storage (e.g. "
+              "the exact residual of a quantized layer), so it cannot crop correctly and should refuse"])
+
+
+check_crop_refused.kvconform_applies = _not_croppable
+
+
+
+# ------------------------------------------------------------------------------------------ encoder-decoder
+@register("contract", needs=("forward",))
+def check_encoder_decoder_subcaches(ctx):
+    """In the ``EncoderDecoderCache`` built from the subject: after every forward the cross-attention sub-cache
+    holds ``encoder_len`` tokens, its keys/values unchanged since the first forward, and the self-attention
+    sub-cache holds the decoder tokens fed; every step's logits equal the oracle."""
+    import torch
+
+    if not ctx.model.is_encoder_decoder:
+        raise ValueError(f"case {ctx.case.id}: check_encoder_decoder_subcaches needs requires = ['encoder_decoder']")
+    cache = ctx.new_cache()
+    first_cross, problems, fed = [], [], [0]
+
+    def cross_state():
+        return [(layer.keys.clone(), layer.values.clone()) for layer in cache.cross_attention_cache.layers
+                if getattr(layer, "keys", None) is not None and getattr(layer, "values", None) is not None]
+
+    def observe(step):
+        fed[0] += step.length
+        cross_len, self_len = seq_length(cache.cross_attention_cache), seq_length(cache.self_attention_cache)
+        if cross_len != ctx.case.encoder_len:
+            problems.append(f"after {step.label}: cross-attention sub-cache holds {cross_len} tokens, but should "
+                            f"hold the {ctx.case.encoder_len} encoder tokens")
+        if self_len != fed[0]:
+            problems.append(f"after {step.label}: self-attention sub-cache holds {self_len} tokens, but should "
+                            f"hold the {fed[0]} decoder tokens fed")
+        state = cross_state()
+        if not first_cross:
+            first_cross.extend(state)
+        elif len(state) != len(first_cross) or any(
+                not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])) for a, b in zip(first_cross, state)):
+            problems.append(f"after {step.label}: cross-attention keys/values changed since the first forward")
+
+    try:
+        steps = run_observed(ctx, cache, observe)
+    except SubjectRaised as exc:
+        ctx.fail([f"the subject raised {describe_raise(exc)}", f"ops: {ctx.case.ops_label()}",
+                  "likely cause: the subject cannot serve as one half of an EncoderDecoderCache"])
+    exact, tol = oracle_slices(ctx, steps), ctx.tolerance()
+    cmps = [(step, compare_logits(step.logits, *exact[step.index], tol)) for step in steps]
+    worst = max(cmps, key=lambda sc: sc[1].max_abs)[1]
+    ctx.metrics.update(max_abs=worst.max_abs, tolerance=worst.tol, noise_floor=worst.floor, steps=len(steps),
+                       cross_layers_compared=len(first_cross))
+    bad = next(((step, c) for step, c in cmps if not c.passed), None)
+    if bad is not None:
+        step, c = bad
+        problems.insert(0, f"max|Δlogit| = {c.max_abs:.1e} at {step.label}, but should be ≤ {c.tol:.1e} "
+                           f"({tol.describe(c.floor)})")
+    if problems:
+        if any("self-attention" in p for p in problems):
+            cause = ("get_seq_length() of the self-attention sub-cache does not count the decoder tokens it stores "
+                     "(the model derives decoder positions from it)")
+        elif any("cross-attention" in p for p in problems):
+            cause = ("the cross-attention sub-cache is written to again (appended, cleared or modified in place) "
+                     "while decoding; it must hold the encoder states exactly once")
+        else:
+            cause = "the subject mishandles one half of the EncoderDecoderCache (see the logits family)"
+        ctx.fail([*problems[:3], f"ops: {ctx.case.ops_label()} (encoder input {ctx.case.encoder_len} tokens)",
+                  "likely cause: " + cause])

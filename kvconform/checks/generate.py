@@ -2,6 +2,7 @@
 
 Greedy decoding must produce the same tokens, and the logits ``generate`` saw at every step must match the float64
 oracle of the generated sequence within the tolerance (so a near-tie flip is told apart from a real fault).
+For a lossy subject (``check_generate_vs_twin``) the reference is ``generate(cache=twin)``, its fake-quant twin.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens, token_mismatch
+from kvconform.checks._lossy import fail_subject_raised, lossy_only, twin_line, twin_spec
 from kvconform.oracle import compare_logits
 
 
@@ -70,3 +72,69 @@ def check_generate_greedy(ctx):
                                      if not cmp.passed else
                                      "a near-tie flipped the greedy token although the logits are within tolerance"))
     ctx.fail(lines, {"tokens_equal": same})
+
+
+# ------------------------------------------------------------------------------------------ generate vs twin
+def _generate_with(ctx, cache):
+    import torch
+
+    model, case = ctx.model, ctx.case
+    gen = case_generator(case, model.name)
+    prompt = random_tokens(gen, case.batch, case.prompt, model.vocab_size)
+    device = next(model.model.parameters()).device
+    with torch.no_grad():
+        out = model.model.generate(
+            prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
+            max_new_tokens=case.max_new_tokens, min_new_tokens=case.max_new_tokens, do_sample=False,
+            return_dict_in_generate=True, output_logits=True, **compat.generate_cache_kwargs(cache, model.model))
+    logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)  # [B, N, V]
+    return prompt, out.sequences.cpu(), logits
+
+
+@register("generate", needs=("generate",))
+def check_generate_vs_twin(ctx):
+    """Greedy ``generate(cache=subject)`` produces the tokens of ``generate(cache=twin)`` and, at every step,
+    logits within the tolerance of the twin's (same model, same dtype); noise floor: the oracle's on the generated
+    sequence."""
+    from kvconform.quant import quality_metrics
+
+    case = ctx.case
+    try:
+        prompt, seq, logits = _generate_with(ctx, ctx.new_cache())
+    except Exception as exc:  # noqa: BLE001
+        fail_subject_raised(ctx, SubjectRaised("generate", exc), "the cache lacks something generate() calls")
+    _, twin_seq, twin_logits = _generate_with(ctx, ctx.new_cache(twin_spec(ctx)))
+    first = prompt.shape[1] - 1
+    sl = slice(first, first + case.max_new_tokens)
+    oracle = ctx.oracle.logits(seq[:, :-1])[:, sl]
+    uncached = ctx.oracle.uncached(seq[:, :-1])[:, sl]
+    floor = float((uncached - oracle).abs().max())
+    same = seq.shape == twin_seq.shape and bool((seq == twin_seq).all())
+    cmp = compare_logits(logits, twin_logits, twin_logits + (uncached - oracle), ctx.tolerance()) if same else None
+    q = quality_metrics(logits, oracle)
+    ctx.metrics.update(tokens_equal=same, noise_floor=floor, kl_mean=q["kl_mean"], top1=q["top1"],
+                       new_tokens=case.max_new_tokens, compared_with="fake-quant twin")
+    if cmp is not None:
+        ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol)
+        if cmp.passed:
+            return
+    lines = []
+    if cmp is not None:
+        b, s = cmp.worst
+        lines += [f"max|Δlogit| = {cmp.max_abs:.1e} vs its fake-quant twin, but should be ≤ {cmp.tol:.1e} "
+                  f"({ctx.tolerance().describe(cmp.floor)})", f"worst at batch={b} step={s} position={first + s}"]
+    else:
+        n = min(seq.shape[1], twin_seq.shape[1])
+        diff = (seq[:, :n] != twin_seq[:, :n]).nonzero()
+        b, i = diff[0].tolist() if len(diff) else (0, n)
+        lines.append(f"generated tokens differ from generate(cache=twin) at batch={b} index={i}: "
+                     f"{seq[b, i].item() if i < seq.shape[1] else '-'} vs "
+                     f"{twin_seq[b, i].item() if i < twin_seq.shape[1] else '-'}")
+    lines += [f"ops: generate(prompt {prompt.shape[1]}, greedy, max_new_tokens={case.max_new_tokens})",
+              twin_line(ctx),
+              "likely cause: the cache stores or returns something else between generate() steps than its "
+              "declared quantization would (reorder, flush or residual bookkeeping)"]
+    ctx.fail(lines)
+
+
+check_generate_vs_twin.kvconform_applies = lossy_only

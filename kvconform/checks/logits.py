@@ -1,13 +1,21 @@
 """Family ``logits``: cached forward logits equal the uncached float64 oracle at every step.
 
-Both checks drive ``model.forward(..., cache=subject)`` in a manual loop, as callers outside ``generate`` do, with
-explicit ``position_ids`` or without them (then the model derives positions from ``cache.get_seq_length()``).
+``check_prefill_then_decode`` and ``check_chunked_continuation`` drive ``model.forward(..., cache=subject)`` in a
+manual loop, as callers outside ``generate`` do, with explicit ``position_ids`` or without them (then the model
+derives positions from ``cache.get_seq_length()``). ``check_mamba_kernel_paths`` (CUDA + ``[mamba]``): Mamba /
+Mamba2 through the mamba-ssm / causal-conv1d kernels and through transformers' torch fallbacks both match the
+oracle.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import inspect
+import sys
+
 from kvconform.checks import register
-from kvconform.checks._engine import (SubjectRaised, fail_raised, fail_verdict, judge, positions_label, run_ops,
+from kvconform.checks._engine import (SubjectRaised, describe_raise, fail_raised, fail_verdict, judge, positions_label, run_ops,
                                       record_verdict)
 
 
@@ -78,3 +86,88 @@ def check_chunked_continuation(ctx):
     if not any(op.name == "chunk" for op in ctx.case.ops):
         raise ValueError(f"case {ctx.case.id}: check_chunked_continuation needs at least one 'chunk N' op")
     _run(ctx, _chunk_cause)
+
+
+# ------------------------------------------------------------------------------------------ mamba-ssm kernels (CUDA)
+MAMBA_REASON = "mamba-ssm kernels need CUDA and the [mamba] extra (pip install kvconform[mamba])"
+
+
+def _kernels_available(device) -> bool:
+    import torch
+
+    return (str(device).startswith("cuda") and torch.cuda.is_available()
+            and importlib.util.find_spec("mamba_ssm") is not None
+            and importlib.util.find_spec("causal_conv1d") is not None)
+
+
+def _mamba_row(subject, model, case, device="cpu"):
+    return None if _kernels_available(device) else MAMBA_REASON
+
+
+def _dispatchers(module) -> dict:
+    """``{name: (function, torch fallback, uses a kernel)}`` of the kernel-dispatching functions of a modeling
+    module (``use_kernel_func_from_hub_with_fallback``: the kernel was bound at import when its package imported)."""
+    out = {}
+    for name, fn in vars(module).items():
+        if not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+            continue
+        fallback = inspect.unwrap(fn)
+        if fallback is fn:
+            continue
+        uses_kernel = False
+        f = fn
+        while f is not None:
+            free = inspect.getclosurevars(f).nonlocals if f.__closure__ else {}
+            if "is_new_implementation" in free:
+                uses_kernel = bool(free["is_new_implementation"])
+                break
+            f = getattr(f, "__wrapped__", None)
+        out[name] = (fn, fallback, uses_kernel)
+    return out
+
+
+@contextlib.contextmanager
+def _torch_path(module, dispatchers):
+    """Temporarily rebind the module's kernel dispatchers to transformers' torch fallbacks."""
+    saved = {name: fn for name, (fn, _, _) in dispatchers.items()}
+    try:
+        for name, (_, fallback, _) in dispatchers.items():
+            setattr(module, name, fallback)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+@register("logits", needs=("forward",))
+def check_mamba_kernel_paths(ctx):
+    """Mamba / Mamba2 on CUDA with mamba-ssm and causal-conv1d installed: the run through the kernels and the run
+    through transformers' torch fallbacks (same cache subject, same ops) both match the oracle."""
+    module = sys.modules[type(ctx.model.model).__module__]
+    dispatchers = _dispatchers(module)
+    kernels = sorted(name for name, (_, _, uses) in dispatchers.items() if uses)
+    ctx.metrics.update(kernels=kernels)
+    if not kernels:
+        ctx.fail([f"{module.__name__} bound no mamba-ssm / causal-conv1d kernel although both import",
+                  "likely cause: transformers could not import the kernels it expects from these packages "
+                  "(version mismatch); the torch fallback is all that runs"])
+    for label, patch in (("kernels", contextlib.nullcontext()), ("torch fallback", _torch_path(module, dispatchers))):
+        with patch:
+            try:
+                steps = run_ops(ctx, ctx.new_cache())
+            except SubjectRaised as exc:
+                ctx.fail([f"the {label} path raised {describe_raise(exc)}", f"ops: {ctx.case.ops_label()}",
+                          f"likely cause: the cache does not give the {label} path the states it expects"])
+        verdict = judge(ctx, steps)
+        _, cmp = verdict.first_fail or verdict.worst
+        ctx.metrics[f"max_abs_{label.split()[0]}"] = cmp.max_abs
+        if not verdict.passed:
+            step, bad = verdict.first_fail
+            ctx.fail([f"{label} path: max|Δlogit| = {bad.max_abs:.1e} at {step.label}, but should be ≤ "
+                      f"{bad.tol:.1e} ({ctx.tolerance().describe(bad.floor)})",
+                      f"ops: {ctx.case.ops_label()}; kernels: {', '.join(kernels)}",
+                      f"likely cause: the {label} path reads or writes the conv / recurrent state differently "
+                      "from what the cache holds"])
+
+
+check_mamba_kernel_paths.kvconform_applies = _mamba_row

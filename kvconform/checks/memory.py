@@ -33,7 +33,9 @@ per layer, for bookkeeping such as ``StaticLayer.cumulative_length``); holding l
 (``prefill``/``decode``/``chunk``; ``reset`` sets ``S`` to 0), so a history that survives ``reset()`` is caught too.
 
 On CUDA, ``check_memory_cuda_allocated`` compares ``torch.cuda.memory_allocated()`` deltas with the counted bytes
-(memory held where attribute traversal cannot see it: closures, globals, class attributes).
+(memory held where attribute traversal cannot see it: closures, globals, class attributes), and
+``check_offloaded_matches`` checks that an offloaded cache gives the logits of its non-offloaded subject and a
+lower GPU peak while decoding.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from dataclasses import dataclass, field
 from kvconform import compat
 from kvconform.checks import register
 from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, describe_raise, fail_raised
+from kvconform.checks._observe import run_observed
+from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
 QUANT_BAND = 0.10
@@ -502,3 +506,82 @@ def check_memory_cuda_allocated(ctx):
 
 
 check_memory_cuda_allocated.kvconform_applies = _cuda_applies
+
+
+# ------------------------------------------------------------------------------------------ offloading (CUDA)
+def _offloaded_row(subject, model, case, device="cpu"):
+    if getattr(subject, "same_as", None) is None:
+        return "applies to offloaded subjects only (a CacheSpec with same_as)"
+    return None
+
+
+def _deeper(zm, layers: int):
+    """The zoo model's architecture with ``layers`` decoder layers (seeded weights, same device and dtype)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(zm.config)
+    config.num_hidden_layers = layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    device = next(zm.model.parameters()).device
+    return model.to(device=device, dtype=zm.dtype).eval()
+
+
+@register("memory", needs=("forward",))
+def check_offloaded_matches(ctx):
+    """An offloaded subject (CUDA) decodes to the logits of the non-offloaded subject it names (``same_as``) and
+    allocates less GPU memory at its decode peak, on a deeper copy of the model (``params.layers``, default 6) so
+    that offloading has layers to move."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    from kvconform.subjects import builtin_subjects
+
+    baseline = next((s for s in builtin_subjects() if s.name == ctx.subject.same_as), None)
+    if baseline is None:
+        raise ValueError(f"{ctx.subject.name}: same_as names no built-in subject ({ctx.subject.same_as!r})")
+    if not torch.cuda.is_available():  # the session's rule skips this item; a direct call must not pass
+        raise RuntimeError("offloading needs CUDA")
+    model = _deeper(ctx.model, int(ctx.case.params.get("layers", 6)))
+    dctx = copy.copy(ctx)
+    dctx.model = dataclasses.replace(ctx.model, model=model, config=model.config)
+    prefill = next(op.n for op in ctx.case.ops if op.name == "prefill")
+    runs = {}
+    for spec in (baseline, ctx.subject):  # one after the other in this process: the same other allocations
+        cache = spec.build(dctx.model, max_cache_len=dctx.max_cache_len, batch_size=ctx.case.batch)
+        torch.cuda.synchronize()
+
+        def after_prefill(step):
+            if step.index == 0 and step.length == prefill:  # from here on: the decode peak
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+
+        steps = run_observed(dctx, cache, after_prefill)
+        torch.cuda.synchronize()
+        runs[spec.name] = (steps, torch.cuda.max_memory_allocated())
+        del cache
+    (base_steps, base_peak), (sub_steps, sub_peak) = runs[baseline.name], runs[ctx.subject.name]
+    tol = Tolerance(1.0, 1e-6)
+    worst = max(float((a.logits - b.logits).abs().max()) for a, b in zip(base_steps, sub_steps))
+    ctx.metrics.update(max_abs=worst, tolerance=tol.abs_min, peak_bytes=sub_peak, baseline_peak_bytes=base_peak,
+                       compared_with=baseline.name)
+    problems = []
+    if worst > tol.abs_min:
+        problems.append(f"max|Δlogit| vs {baseline.name} = {worst:.1e}, but should be ≤ {tol.abs_min:.0e} "
+                        f"(offloading only moves tensors)")
+    if sub_peak >= base_peak:
+        problems.append(f"GPU peak while decoding = {sub_peak} bytes, but should be below {baseline.name}'s "
+                        f"{base_peak} bytes")
+    if problems:
+        ctx.fail([*problems, f"ops: {ctx.case.ops_label()} on {ctx.model.name} with {model.config.num_hidden_layers}"
+                  f" layers", "likely cause: layers are not offloaded after their update (or not prefetched back "
+                  "intact before the next one)"])
+
+
+check_offloaded_matches.kvconform_applies = _offloaded_row

@@ -10,6 +10,8 @@ carried from one ``generate`` turn to the next — behaves like computing everyt
   logits equal the oracle.
 * ``check_multi_turn``: the cache returned by one ``generate`` is reused for a longer next turn (the previous
   output plus ``params.user`` new tokens); the second turn equals a fresh uncached run.
+* ``check_deepcopy_refused``: a subject that does not declare ``deepcopy`` copies into an independent cache or
+  refuses ``copy.deepcopy`` clearly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from kvconform.checks import register
 from kvconform.checks._engine import (Runner, SubjectRaised, case_generator, describe_exception, fail_raised,
                                       fail_verdict, generate, judge, lossy_generate_rule, random_tokens,
                                       record_verdict, token_mismatch)
+from kvconform.checks._engine import describe_raise, forward, seq_length
+from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised
 from kvconform.checks.crop import changed, snapshot
 from kvconform.oracle import compare_logits
 
@@ -266,3 +270,57 @@ def check_multi_turn(ctx):
 
 
 check_multi_turn.kvconform_applies = lossy_generate_rule
+
+
+# ------------------------------------------------------------------------------------------ undeclared deepcopy
+def _undeclared_deepcopy(subject, model, case, device="cpu"):
+    if "deepcopy" in subject.capabilities:
+        return f"{subject.name} declares deepcopy: the prefix family checks prefix reuse"
+    return None
+
+
+@register("prefix", needs=("forward",))
+def check_deepcopy_refused(ctx):
+    """A subject that does not declare ``deepcopy`` either copies into an independent cache (extending the copy
+    leaves the original's length alone) or refuses ``copy.deepcopy`` with a clear error (ValueError,
+    NotImplementedError, RuntimeError or TypeError); an unrelated exception or an aliased copy fails."""
+    import copy
+
+    import torch
+
+    cache = ctx.new_cache()
+    try:
+        steps = drive(ctx, cache)
+    except SubjectRaised as exc:
+        fail_subject_raised(ctx, exc, "the cache does not support the ops before the copy (see the exception)")
+    before = seq_length(cache)
+    try:
+        clone = copy.deepcopy(cache)
+    except CLEAR_ERRORS as exc:
+        ctx.metrics.update(raised=type(exc).__name__, copied=False)
+        return
+    except Exception as exc:  # noqa: BLE001 - an accident, not a refusal
+        ctx.metrics.update(raised=type(exc).__name__)
+        err = SubjectRaised("deepcopy", exc)
+        ctx.fail([f"copy.deepcopy(cache) raised {describe_raise(err)}, but should copy or refuse with a clear error",
+                  f"ops: {ctx.case.ops_label()} → deepcopy",
+                  "likely cause: a tensor subclass or handle in the cache cannot be copied, and nothing says so"])
+    last = steps[-1]
+    new = torch.full((ctx.case.batch, 1), 5, dtype=torch.long)
+    try:
+        forward(ctx.model, clone, new, last.start + last.length, ctx.case.position_ids,
+                getattr(ctx, "encoder_ids", None))
+    except Exception as exc:  # noqa: BLE001
+        err = SubjectRaised("decode on the copy", exc)
+        ctx.fail([f"copy.deepcopy(cache) succeeded, but decoding on the copy raised {describe_raise(err)}",
+                  f"ops: {ctx.case.ops_label()} → deepcopy → decode on the copy",
+                  "likely cause: the copy misses state the original has (declare deepcopy only once it works)"])
+    after = seq_length(cache)
+    ctx.metrics.update(copied=True, length_before=before, length_after=after, copy_length=seq_length(clone))
+    if after != before:
+        ctx.fail([f"extending the deepcopy changed the original: get_seq_length() {before} → {after}",
+                  f"ops: {ctx.case.ops_label()} → deepcopy → decode on the copy",
+                  "likely cause: __deepcopy__ shares tensors or counters between the copy and the original"])
+
+
+check_deepcopy_refused.kvconform_applies = _undeclared_deepcopy
