@@ -12,12 +12,18 @@ A case file holds an optional ``[defaults]`` table and a list of ``[[case]]`` ta
     position_ids = "auto"                # "explicit" where the forward accepts them (default), or force
                                          # "explicit" / "implicit" (the model derives them from the cache)
 
-Every key, its type and allowed values are listed in ``KEYS``. Any problem raises ``CaseFileError`` naming the file,
-the case id, the key and what is allowed; the plugin turns it into a pytest usage error (exit code 4).
+Every key, its type and allowed values are listed in ``KEYS``; the keys of ``params`` are the check's own, declared
+with it (``@register(..., params={key: Param})``): an unknown key (with a "did you mean" for a near miss), a wrong
+type, a value out of range and a missing required key are errors, and the defaults of the keys a case omits are
+filled in. ``models`` entries are zoo names, or checkpoint folders written as paths (``./my-model``, stored as the
+checkpoint's name). Any problem raises ``CaseFileError`` naming the file, the case id, the key and what is allowed;
+the plugin turns it into a pytest usage error (exit code 4).
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -101,7 +107,7 @@ KEYS = {
     "position_ids": (str, POSITION_MODES, "auto: explicit where accepted; explicit; implicit (from the cache)"),
     "batch": (int, None, "batch size ≥ 1"),
     "dtype": (str, DTYPES, "case dtype"),
-    "models": (list, None, "zoo names / checkpoint names this case is limited to (default: all)"),
+    "models": (list, None, "zoo names / checkpoint folders (written as paths) this case is limited to (default: all)"),
     "requires": (list, REQUIREMENTS, "model features the case needs"),
     "max_new_tokens": (int, None, "tokens to generate (generate checks)"),
     "prompt": (int, None, "prompt length (generate checks)"),
@@ -111,7 +117,7 @@ KEYS = {
     "seed": (int, None, "seed of the token generator"),
     "description": (str, None, "free text"),
     "tier": (str, TIERS, "default: runs in every run; full: only with --kvconform-full (heavier, run in CI)"),
-    "params": (dict, None, "check-specific parameters (budgets, sizes); each check documents and validates its own"),
+    "params": (dict, None, "check-specific parameters (budgets, sizes): the keys its check declares (Param schema)"),
 }
 
 
@@ -151,6 +157,59 @@ def _validate(path, case_id, key, value, known_checks):
         _fail(path, case_id, key, "ids may contain only letters, digits, '_' and '.'")
     if key in ("batch", "max_new_tokens", "prompt", "encoder_len") and value < 1:
         _fail(path, case_id, key, f"must be ≥ 1, got {value}")
+    if key == "models":
+        for item in value:
+            _model_entry(path, case_id, item)
+
+
+def _did_you_mean(word, candidates) -> str:
+    """``"; did you mean 'x'?"`` for the nearest of ``candidates`` (a near miss), else ``";"``."""
+    close = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ";"
+
+
+def _model_entry(path, case_id, item) -> str:
+    """The model name a ``models`` entry stands for: a zoo name as is, a checkpoint folder written as a path
+    (``./m``, ``/abs/m``, ``~/m``, ``ckpt/m``) as its checkpoint name (``zoo.checkpoint_name``). A bare word that is
+    not a zoo name is an error (a typo such as ``"lama"``)."""
+    from kvconform import zoo
+
+    if not isinstance(item, str) or not item:
+        _fail(path, case_id, "models", f"entries are strings (zoo names or checkpoint paths), got {item!r}")
+    if item in zoo.ZOO_NAMES:
+        return item
+    if "/" in item or "\\" in item or item.startswith(("~", ".")):
+        return zoo.checkpoint_name(item)
+    _fail(path, case_id, "models", f"{item!r} is not a zoo name{_did_you_mean(item, zoo.ZOO_NAMES)} zoo names: "
+          f"{', '.join(zoo.ZOO_NAMES)}; write a checkpoint folder as a path (e.g. './{item}')")
+
+
+def _schema(known_checks, check):
+    """The ``params`` schema (``{key: Param}``) of ``check`` when ``known_checks`` is the registry, else None."""
+    info = known_checks.get(check) if isinstance(known_checks, dict) else None
+    return getattr(info, "params", None)
+
+
+def _validate_params(path, case_id, check, params, schema) -> dict:
+    """``params`` checked against ``schema`` (unknown key, type, range, choices, required), with the defaults of the
+    omitted keys filled in."""
+    for key, value in params.items():
+        if key not in schema:
+            allowed = (f"allowed keys: {', '.join(sorted(schema))}" if schema else f"{check} takes no params")
+            _fail(path, case_id, f"params.{key}", f"unknown key for {check}{_did_you_mean(key, schema)} {allowed}")
+        problem = schema[key].problem(value)
+        if problem:
+            _fail(path, case_id, f"params.{key}", problem)
+    out = dict(params)
+    for key, spec in schema.items():
+        if key in out:
+            continue
+        if spec.required:
+            _fail(path, case_id, f"params.{key}", f"missing (required by {check}): {spec.describe()}"
+                  + (f" — {spec.doc}" if spec.doc else ""))
+        if spec.default is not None:
+            out[key] = copy.deepcopy(spec.default)
+    return out
 
 
 def load_case_file(path, known_checks=None) -> list[Case]:
@@ -158,10 +217,12 @@ def load_case_file(path, known_checks=None) -> list[Case]:
 
     Args:
         path: the ``.toml`` file.
-        known_checks: names of registered checks (``None`` skips that validation).
+        known_checks: the check registry ``{name: CheckInfo}`` (validates ``check`` and ``params``), a set of
+            check names (validates ``check`` only), or ``None`` (neither).
 
     Raises:
-        CaseFileError: unreadable TOML, unknown key, wrong type, value not allowed, missing id/check, bad op.
+        CaseFileError: unreadable TOML, unknown key, wrong type, value not allowed, missing id/check, bad op, a
+            ``params`` key its check does not declare or a bad value of one, an unknown model name.
     """
     path = str(path)
     try:
@@ -190,15 +251,19 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         for key, value in merged.items():
             _validate(path, case_id, key, value, known_checks)
         merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
-        for key in ("models", "requires"):
-            merged[key] = tuple(merged.get(key, ()))
+        merged["models"] = tuple(_model_entry(path, case_id, m) for m in merged.get("models", ()))
+        merged["requires"] = tuple(merged.get("requires", ()))
         merged["params"] = dict(merged.get("params", {}))
+        schema = _schema(known_checks, merged["check"])
+        if schema is not None:
+            merged["params"] = _validate_params(path, case_id, merged["check"], merged["params"], schema)
         cases.append(Case(source=path, **merged))
     return cases
 
 
 def load_cases(paths=None, known_checks=None) -> list[Case]:
     """All cases from the built-in folder plus ``paths`` (files or folders of ``*.toml``), sorted by id.
+    ``known_checks``: as for ``load_case_file``.
 
     Raises:
         CaseFileError: a malformed file, a missing path, or a duplicated case id (names both files).

@@ -124,9 +124,9 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
 def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, device: str = "cpu") -> str | None:
     """The one place that decides whether an item applies (DESIGN §4.1).
 
-    Besides capabilities and model features: a check may declare its own rule as
-    ``fn.kvconform_applies(subject, model, case, device=...) -> reason or None`` (lossy-only checks, coverage checks
-    tied to one subject); a lossy subject (``CacheSpec.twin``) is not held to the generate family's token-for-token
+    Besides capabilities and model features: a check may declare its own rule in the registry,
+    ``@register(..., applies=rule)`` with ``rule(subject, model, case, device=...) -> reason or None`` (lossy-only
+    checks, coverage checks tied to one subject); a lossy subject (``CacheSpec.twin``) is not held to the generate family's token-for-token
     comparison with the exact model; ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
     hardware.
     """
@@ -139,7 +139,7 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     if missing:
         note = getattr(subject, "notes", {}).get(missing[0])
         return f"{subject.name} does not declare capability '{missing[0]}'" + (f": {note}" if note else "")
-    own_rule = getattr(check.fn, "kvconform_applies", None)
+    own_rule = check.applies
     reason = own_rule(subject, model, case, device=device) if own_rule is not None else None
     if reason:
         return reason
@@ -322,7 +322,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
-    cases = load_cases(case_paths, known_checks=set(registry))
+    cases = load_cases(case_paths, known_checks=registry)
     for name in checks or ():
         if name not in registry:
             raise ValueError(f"unknown check {name!r}; known: {', '.join(sorted(registry))}")

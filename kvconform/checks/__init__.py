@@ -25,15 +25,117 @@ class CheckSkipped(Exception):
     the item as skipped with ``str(err)`` as the reason — never as passed."""
 
 
+_TYPE_NAMES = {bool: "bool", int: "int", float: "number", str: "string", list: "list", dict: "table"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One key of a check's ``params`` schema (what a case may write in ``params = {...}``).
+
+    Attributes:
+        types: accepted TOML value types (``int``, ``float`` — which also accepts an int —, ``bool``, ``str``,
+            ``list``, ``dict``); a single type or a tuple. A bool is never accepted as an int or a number.
+        default: the value the check uses when the case omits the key (``None``: the key has no value then, e.g.
+            no padding); ``kvconform.cases`` fills it into ``case.params`` at load.
+        required: the case must give the key (then ``default`` is unused).
+        choices: the allowed values (strings), or None.
+        min / max: inclusive bounds of a number, or of every number in a list or table value.
+        items: the types of a list's elements or a table's values (None: not checked).
+        doc: one line for messages and the README.
+    """
+
+    types: object
+    default: object = None
+    required: bool = False
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    items: object = None
+    doc: str = ""
+
+    def __post_init__(self):
+        for name in ("types", "items"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, (value,))
+
+    @staticmethod
+    def _is(value, types) -> bool:
+        if isinstance(value, bool):
+            return bool in types
+        if float in types and isinstance(value, int):
+            return True
+        return isinstance(value, tuple(t for t in types if t is not bool))
+
+    def describe(self) -> str:
+        """What the key accepts, e.g. ``"int ≥ 2"``, ``"'full_prompt' | 'suffix_only'"``, ``"list of int ≥ 0"``."""
+        if self.choices is not None:
+            return " | ".join(repr(c) for c in self.choices)
+        kinds = []
+        for t in self.types:
+            if t in (list, dict) and self.items:
+                what = "/".join(_TYPE_NAMES[i] for i in self.items)
+                kinds.append(f"list of {what}" if t is list else f"table of {what}")
+            else:
+                kinds.append(_TYPE_NAMES[t])
+        text = " or ".join(kinds)
+        if self.min is not None and self.max is not None:
+            return f"{text} in [{self.min:g}, {self.max:g}]"
+        if self.min is not None:
+            return f"{text} ≥ {self.min:g}"
+        if self.max is not None:
+            return f"{text} ≤ {self.max:g}"
+        return text
+
+    def problem(self, value) -> str | None:
+        """Why ``value`` is not allowed for this key (names the value and what is allowed), or None."""
+        if not self._is(value, self.types):
+            return f"expected {self.describe()}, got {type(value).__name__} {value!r}"
+        if self.choices is not None and value not in self.choices:
+            return f"{value!r} is not allowed; allowed values: {self.describe()}"
+        inner = list(value) if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else None
+        if inner is not None and self.items is not None:
+            bad = [v for v in inner if not self._is(v, self.items)]
+            if bad:
+                return f"expected {self.describe()}, got {value!r} (element {bad[0]!r})"
+        numbers = [v for v in (inner if inner is not None else [value])
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for v in numbers:
+            if (self.min is not None and v < self.min) or (self.max is not None and v > self.max):
+                return f"{v!r} is out of range; allowed: {self.describe()}"
+        return None
+
+
+OP_PARAMS = {
+    "padding": Param(list, items=int, min=0, doc="left pad tokens per row, with an attention mask (e.g. [0, 3])"),
+}
+"""Keys every op-based check (one that drives ``case.ops`` through ``_engine.Runner``) accepts: merged into their
+``params`` schemas."""
+
+
 @dataclass(frozen=True)
 class CheckInfo:
-    """A registered check: ``fn(ctx)``, its ``family`` and the subject ``capabilities`` it needs."""
+    """A registered check.
+
+    Attributes:
+        name: the function's name (``check_*``).
+        fn: ``fn(ctx) -> None``, raises ``ConformanceError``.
+        family: its matrix column (``FAMILIES``).
+        needs: the subject capabilities it needs (else the item is skipped, naming the first missing one).
+        doc: the function's docstring.
+        applies: ``applies(subject, model, case, device="cpu") -> reason or None``: the check's own applicability
+            rule (lossy subjects only, CUDA only, one subject's row, ...); ``session.skip_reason`` calls it. None:
+            no rule of its own.
+        params: ``{key: Param}``: the keys a case of this check may give in ``params`` (validated at load).
+    """
 
     name: str
     fn: Callable
     family: str
     needs: frozenset = frozenset()
     doc: str = ""
+    applies: Callable | None = None
+    params: dict = field(default_factory=dict)
 
 
 CHECKS: dict[str, CheckInfo] = {}
@@ -42,11 +144,22 @@ FAMILIES = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contr
 """Check families in matrix-column order. A check registered under another family is appended after these."""
 
 
-def register(family: str, needs=()):
-    """Decorator registering ``check_*`` functions under ``family``."""
+def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None):
+    """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
+    it ``needs``, its own applicability rule (``applies``, see ``CheckInfo``) and its ``params`` schema
+    (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check).
+
+    Raises:
+        TypeError: a ``params`` value that is not a ``Param``.
+    """
+    schema = dict(params or {})
+    for key, value in schema.items():
+        if not isinstance(value, Param):
+            raise TypeError(f"register(params=...): {key!r} must be a Param, got {value!r}")
 
     def deco(fn):
-        CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip())
+        CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
+                                        applies, schema)
         return fn
 
     return deco

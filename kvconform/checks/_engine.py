@@ -663,7 +663,7 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
 
 def lossy_generate_rule(subject, model, case, **_):
     """Applicability rule for checks comparing ``generate`` tokens with the exact model: a lossy subject (one with a
-    fake-quant ``twin``) is not held to that (``session.skip_reason`` calls it as ``kvconform_applies``)."""
+    fake-quant ``twin``) is not held to that (``@register(..., applies=lossy_generate_rule)``)."""
     if getattr(subject, "twin", None) is not None:
         return (f"{subject.name} is lossy: its generate() tokens are not compared token for token with the exact "
                 f"model")

@@ -25,7 +25,7 @@ CLEAR_ERRORS = (ValueError, NotImplementedError, RuntimeError, TypeError)
 
 
 def lossy_only(subject, model, case, device="cpu"):
-    """``kvconform_applies`` rule: only subjects with a fake-quant twin."""
+    """Applicability rule (``@register(..., applies=lossy_only)``): only subjects with a fake-quant twin."""
     if getattr(subject, "twin", None) is None:
         return "applies to lossy subjects only (a CacheSpec with a fake-quant twin)"
     return None

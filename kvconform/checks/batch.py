@@ -12,7 +12,7 @@ fake-quant twin (transformers 5.5–5.18 left the quantized part in the old orde
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import register
+from kvconform.checks import OP_PARAMS, Param, register
 from kvconform.checks._engine import (SubjectRaised, case_generator, describe_exception, fail_raised, fail_verdict,
                                       judge, record_verdict, token_mismatch, lossy_generate_rule, random_tokens, run_ops)
 from kvconform.checks._lossy import drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
@@ -55,21 +55,21 @@ def _run_batch_case(ctx, op_name):
         fail_verdict(ctx, verdict, cause)
 
 
-@register("batch", needs=("forward", "reorder"))
+@register("batch", needs=("forward", "reorder"), params=OP_PARAMS)
 def check_reorder_then_decode(ctx):
     """Left-padded distinct prompts, decode, ``reorder_cache`` with a non-identity permutation, decode: every row
     equals the oracle row of the permuted batch."""
     _run_batch_case(ctx, "reorder")
 
 
-@register("batch", needs=("forward", "batch_repeat"))
+@register("batch", needs=("forward", "batch_repeat"), params=OP_PARAMS)
 def check_repeat_then_decode(ctx):
     """Left-padded distinct prompts, ``batch_repeat_interleave(r)``, decode: rows ``b·r … b·r+r−1`` each equal the
     oracle of prompt ``b``."""
     _run_batch_case(ctx, "repeat")
 
 
-@register("batch", needs=("forward", "batch_select"))
+@register("batch", needs=("forward", "batch_select"), params=OP_PARAMS)
 def check_select_then_decode(ctx):
     """Left-padded distinct prompts, ``batch_select_indices`` dropping row 0, decode: the kept rows equal their
     oracle rows."""
@@ -89,7 +89,8 @@ def _beam(m, prompt, mask, n, beams, cache_kwargs):
     return out.sequences.cpu(), out.sequences_scores.detach().to("cpu", torch.float64)
 
 
-@register("batch", needs=("generate", "reorder"))
+@register("batch", needs=("generate", "reorder"), applies=lossy_generate_rule,
+          params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")})
 def check_beam_search(ctx):
     """``generate(num_beams=params.beams)`` on distinct, left-padded prompts with the subject's cache equals uncached
     beam search: the same sequences, and sequence scores within the tolerance (noise floor: uncached beam search in
@@ -145,11 +146,8 @@ def check_beam_search(ctx):
     ctx.fail(lines)
 
 
-check_beam_search.kvconform_applies = lossy_generate_rule
-
-
 # ------------------------------------------------------------------------------------------ reorder after a flush
-@register("batch", needs=("reorder",))
+@register("batch", needs=("reorder",), applies=lossy_only)
 def check_reorder_after_flush(ctx):
     """Beam ``reorder_cache`` (rows reversed) around a residual flush, then decode: every step equals the twin,
     which reorders its quantized part and its residual together."""
@@ -174,6 +172,3 @@ def _reorder_history() -> str:
         return ""
     return (f" — transformers {compat.transformers_version()} has this fault: QuantizedLayer.reorder_cache "
             f"reorders only the exact residual (fixed in 5.19)")
-
-
-check_reorder_after_flush.kvconform_applies = lossy_only

@@ -27,7 +27,7 @@ graphs (``mode="reduce-overhead"``) then record a new graph for every new value,
 transformers' own sliding-window ``StaticCache`` on 5.24 (``StaticSlidingWindowLayer.cumulative_length_int``):
 kvconform reports it as a fault, listed in ``known_faults.toml`` (xfail unless ``--kvconform-strict``).
 
-Applicability (decided at collection, ``kvconform_applies``): the subject's cache is built for the model (cheap,
+Applicability (decided at collection, ``@register(..., applies=...)``): the subject's cache is built for the model (cheap,
 no tensors) and its ``is_compileable`` read; ``params.device = "cuda"`` cases skip off CUDA. Compile state is
 process-global: every item starts and ends with ``torch.compiler.reset()``.
 
@@ -41,7 +41,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from kvconform.checks import register
+from kvconform.checks import Param, register
 from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, fail_raised, forward_kwargs
 
 _RECOMPILE = "Detected recompile"
@@ -98,6 +98,16 @@ def _applies(claim: bool):
         return None
 
     return rule
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``torch.compile`` modes a case may name (``params.mode``; absent: ``mode=None``)."""
+COMPILE_PARAMS = {
+    "mode": Param(str, choices=COMPILE_MODES, doc="torch.compile mode (absent: None)"),
+    "backend": Param(str, default="inductor", doc="torch.compile backend"),
+    "dynamic": Param(bool, default=False, doc="torch.compile dynamic shapes"),
+    "device": Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off CUDA (CUDA graphs)"),
+}
 
 
 # ------------------------------------------------------------------------------------------------ the protocol
@@ -358,7 +368,7 @@ def _post_warmup_calls(ctx) -> int:
     return 3 * steps - 1
 
 
-@register("compile", needs=("compile",))
+@register("compile", needs=("compile",), applies=_applies(True), params=COMPILE_PARAMS)
 def check_compile_static_decode(ctx):
     """A cache declaring ``is_compileable`` decodes under ``torch.compile(fullgraph=True)``: no graph break, zero
     recompiles after the warm-up (steps, ``reset()``, a fresh cache), compiled logits equal eager (and, with CUDA
@@ -408,10 +418,7 @@ def check_compile_static_decode(ctx):
         ], {"cudagraph_skips": run.cudagraph_skips})
 
 
-check_compile_static_decode.kvconform_applies = _applies(True)
-
-
-@register("compile", needs=("compile",))
+@register("compile", needs=("compile",), applies=_applies(False), params=COMPILE_PARAMS)
 def check_compile_claim(ctx):
     """A cache declaring ``is_compileable = False``, compiled anyway (``fullgraph=False``, as a user compiling the
     model would): compiled logits equal eager and nothing crashes. The claim itself is reported: *confirmed* (the
@@ -445,6 +452,3 @@ def check_compile_claim(ctx):
             "likely cause: under torch.compile the cache's state goes stale (a side effect dynamo does not replay): "
             "a user compiling the model gets silently wrong logits",
         ], {"max_abs": worst, "tolerance": tol})
-
-
-check_compile_claim.kvconform_applies = _applies(False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import register
+from kvconform.checks import OP_PARAMS, register
 from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, fail_raised
 from kvconform.checks._engine import describe_raise, seq_length
 from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised, oracle_slices
@@ -122,7 +122,7 @@ def _crop_allowing_refusal(cache, held=None):
         pass
 
 
-@register("contract", needs=("forward",))
+@register("contract", needs=("forward",), params=OP_PARAMS)
 def check_api_contract(ctx):
     """Every method a caller needs (per declared capability) is present and callable on a prefilled cache; each
     missing one is a failed contract item naming the method and its callers."""
@@ -216,7 +216,7 @@ def _windows(ctx):
     return [kw.get("sliding_window") if t in SLIDING_TYPES else None for t, kw in zip(types, kwargs)]
 
 
-@register("contract", needs=("forward",))
+@register("contract", needs=("forward",), params=OP_PARAMS)
 def check_length_bookkeeping(ctx):
     """After every op, ``get_seq_length()`` equals the tokens held and ``get_max_length()`` is stable; at every
     forward, ``get_mask_sizes`` (asked just before) matches what ``update`` returned."""
@@ -323,7 +323,7 @@ def _not_croppable(subject, model, case, device="cpu"):
     return None
 
 
-@register("contract", needs=("forward",))
+@register("contract", needs=("forward",), applies=_not_croppable)
 def check_crop_refused(ctx):
     """A subject that does not declare ``crop`` refuses ``crop(-n)`` with a clear error (ValueError,
     NotImplementedError, RuntimeError or TypeError), whatever state it is in (e.g. right after a residual flush);
@@ -362,9 +362,6 @@ def check_crop_refused(ctx):
               f"ops: {ctx.case.ops_label()}   [at {ops[crop_at].label}]",
               "likely cause: crop() is inherited from a layer class that only sees part of the storage (e.g. "
               "the exact residual of a quantized layer), so it cannot crop correctly and should refuse"])
-
-
-check_crop_refused.kvconform_applies = _not_croppable
 
 
 

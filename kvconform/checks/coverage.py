@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import register
+from kvconform.checks import Param, register
 from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens
 from kvconform.oracle import compare_logits
 
@@ -64,7 +64,10 @@ def _layer_classes(cache) -> tuple:
             tuple(type(layer).__name__ for layer in getattr(cross, "layers", ())) if cross is not None else ())
 
 
-@register("coverage", needs=("generate",))
+@register("coverage", needs=("generate",), applies=_implementation_row, params={
+    "implementation": Param(str, required=True, doc="a cache_implementation string of generate()"),
+    "subject": Param(str, required=True, doc="the subject whose cache it must build"),
+})
 def check_cache_implementation(ctx):
     """``generate(cache_implementation=X)`` builds the same cache as the subject the case names and generates what
     ``generate(use_cache=False)`` does (for a lossy subject: what ``generate(cache=twin)`` does), step logits
@@ -141,9 +144,6 @@ def check_cache_implementation(ctx):
     ctx.fail(lines)
 
 
-check_cache_implementation.kvconform_applies = _implementation_row
-
-
 def covered_implementations() -> dict:
     """``{implementation string: subject name}`` of the built-in ``check_cache_implementation`` cases."""
     from kvconform.cases import load_cases
@@ -152,7 +152,7 @@ def covered_implementations() -> dict:
             if c.check == "check_cache_implementation" and "implementation" in c.params}
 
 
-@register("coverage")
+@register("coverage", applies=_reference_row)
 def check_cache_implementations_covered(ctx):
     """Every string of the installed ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`` has a
     ``check_cache_implementation`` case; a new one fails here, named."""
@@ -170,9 +170,6 @@ def check_cache_implementations_covered(ctx):
                   "check_cache_implementation case to coverage.toml (and a subject for the cache it builds)"])
 
 
-check_cache_implementations_covered.kvconform_applies = _reference_row
-
-
 def _zoo_layer_types() -> dict:
     """``{layer type: [zoo models having it]}`` over the whole zoo (configs only, no weights)."""
     from kvconform import zoo
@@ -185,7 +182,16 @@ def _zoo_layer_types() -> dict:
     return out
 
 
-@register("coverage")
+def _layer_table_row(subject, model, case, device="cpu"):
+    if compat.layer_type_mappings() is None:
+        return (f"transformers {compat.transformers_version()} has no table of cache layer types "
+                "(DYNAMIC_LAYER_TYPE_MAPPING): DynamicCache/StaticCache map the types inline, so there is no list "
+                "to cover")
+    return _reference_row(subject, model, case, device=device)
+
+
+@register("coverage", applies=_layer_table_row,
+          params={"gaps": Param(dict, default={}, items=str, doc="known gaps: {layer_type = \"reason\"}")})
 def check_layer_types_covered(ctx):
     """Every layer type of the installed ``DYNAMIC_LAYER_TYPE_MAPPING`` / ``STATIC_LAYER_TYPE_MAPPING`` is covered:
     a zoo model has it, or another type mapped to the same dynamic and static layer classes, and ReferenceCache
@@ -218,14 +224,3 @@ def check_layer_types_covered(ctx):
                   "likely cause: a transformers upgrade added a cache layer type (or mapped a type to a new class): "
                   "add a zoo model that has it and a ReferenceCache layer for it, or list it under gaps in "
                   "coverage.toml with the reason"])
-
-
-def _layer_table_row(subject, model, case, device="cpu"):
-    if compat.layer_type_mappings() is None:
-        return (f"transformers {compat.transformers_version()} has no table of cache layer types "
-                "(DYNAMIC_LAYER_TYPE_MAPPING): DynamicCache/StaticCache map the types inline, so there is no list "
-                "to cover")
-    return _reference_row(subject, model, case, device=device)
-
-
-check_layer_types_covered.kvconform_applies = _layer_table_row

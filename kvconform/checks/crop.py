@@ -19,7 +19,7 @@ token; ``params.positive = true`` calls ``crop(+N)`` instead, whose meaning depe
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import register
+from kvconform.checks import OP_PARAMS, Param, register
 from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_verdict, judge,
                                       seq_length, tensors_of, record_verdict)
 
@@ -218,7 +218,14 @@ def _driver(ctx, cache):
     return run_crop_case(ctx, cache)[0].steps
 
 
-@register("crop", needs=("forward", "crop"))
+CROP_PARAMS = {
+    **OP_PARAMS,
+    "record": Param(bool, default=False, doc="call activate_past_recording() before the first token"),
+    "positive": Param(bool, default=False, doc="call crop(+N) instead of crop(-N)"),
+}
+
+
+@register("crop", needs=("forward", "crop"), params=CROP_PARAMS)
 def check_crop_then_continue(ctx):
     """Prefill, decode, ``crop(-k)``, then feed *different* tokens: every step equals the oracle of the edited
     sequence; edges: ``crop(0)``, ``k`` larger than the cached length, a positive argument."""
@@ -227,7 +234,7 @@ def check_crop_then_continue(ctx):
     _crop_check(ctx)
 
 
-@register("crop", needs=("forward", "crop"))
+@register("crop", needs=("forward", "crop"), params=CROP_PARAMS)
 def check_crop_contract(ctx):
     """``is_croppable`` tells the truth: a cache that says True round-trips a crop exactly; a crop it cannot honour
     raises a clear error and changes nothing; a crop accepted while the flag says False must still be exact."""

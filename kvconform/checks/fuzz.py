@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 
 from kvconform.cases import Op
-from kvconform.checks import register
+from kvconform.checks import OP_PARAMS, Param, register
 from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, judge
 
 MAX_BATCH = 8
@@ -178,7 +178,12 @@ def _applies(subject, model, case, **_):
     return None
 
 
-@register("fuzz", needs=("forward",))
+@register("fuzz", needs=("forward",), applies=_applies, params={
+    **OP_PARAMS,
+    "max_examples": Param(int, default=8, min=1, doc="programs drawn by a default-tier case"),
+    "max_ops": Param(int, default=6, min=1, doc="ops after the prefill, at most"),
+    "full_examples": Param(int, default=60, min=1, doc="programs drawn by a full-tier case"),
+})
 def check_op_sequences(ctx):
     """Random op programs (hypothesis), limited to the subject's capabilities, compared with the oracle after every
     forward; a failure prints the shrunk program as the reproducer."""
@@ -241,6 +246,3 @@ def check_op_sequences(ctx):
                  {**exc.metrics, "program": program_case_syntax(exc.program), "ops_drawn_from": ops,
                   "left_out": left_out, **stats})
     ctx.metrics.update(ops_drawn_from=ops, left_out=left_out, examples=examples, **stats)
-
-
-check_op_sequences.kvconform_applies = _applies

@@ -91,7 +91,7 @@ def _generate_with(ctx, cache):
     return prompt, out.sequences.cpu(), logits
 
 
-@register("generate", needs=("generate",))
+@register("generate", needs=("generate",), applies=lossy_only)
 def check_generate_vs_twin(ctx):
     """Greedy ``generate(cache=subject)`` produces the tokens of ``generate(cache=twin)`` and, at every step,
     logits within the tolerance of the twin's (same model, same dtype); noise floor: the oracle's on the generated
@@ -135,6 +135,3 @@ def check_generate_vs_twin(ctx):
               "likely cause: the cache stores or returns something else between generate() steps than its "
               "declared quantization would (reorder, flush or residual bookkeeping)"]
     ctx.fail(lines)
-
-
-check_generate_vs_twin.kvconform_applies = lossy_only

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from kvconform.checks import register
+from kvconform.checks import OP_PARAMS, Param, register
 from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_raised, fail_verdict, judge,
                                       tensors_of, record_verdict)
 from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
@@ -36,7 +36,7 @@ def run_reset_case(ctx, cache, info=None):
     return runner.steps
 
 
-@register("lifecycle", needs=("forward", "reset"))
+@register("lifecycle", needs=("forward", "reset"), params=OP_PARAMS)
 def check_reset_then_reuse(ctx):
     """Prefill and decode, ``reset()``, then a new (different) sequence: every step equals the oracle, as with a
     fresh cache; a compileable cache keeps its tensors' data pointers across the reset."""
@@ -107,7 +107,8 @@ def run_capacity_case(ctx, cache=None, info=None):
     return runner.steps
 
 
-@register("lifecycle", needs=("forward",))
+@register("lifecycle", needs=("forward",),
+          params={**OP_PARAMS, "max_cache_len": Param(int, default=12, min=1, doc="capacity the subject is built with")})
 def check_capacity(ctx):
     """Past the ``max_cache_len`` it was built with, a cache either keeps working exactly or raises a clear error
     before any write — never a raw ``IndexError`` from a tensor op, never a partial write, never wrong logits."""

@@ -14,7 +14,7 @@ import importlib.util
 import inspect
 import sys
 
-from kvconform.checks import register
+from kvconform.checks import OP_PARAMS, register
 from kvconform.checks._engine import (SubjectRaised, describe_raise, fail_raised, fail_verdict, judge, positions_label, run_ops,
                                       record_verdict)
 
@@ -60,7 +60,7 @@ def _run(ctx, cause_for):
         fail_verdict(ctx, verdict, cause_for(ctx, steps))
 
 
-@register("logits", needs=("forward",))
+@register("logits", needs=("forward",), params=OP_PARAMS)
 def check_prefill_then_decode(ctx):
     """Prefill, then single-token decode steps: every step's logits equal the oracle's."""
     if not ctx.case.ops or ctx.case.ops[0].name != "prefill":
@@ -80,7 +80,7 @@ def _chunk_cause(ctx, steps):
     return cause
 
 
-@register("logits", needs=("forward",))
+@register("logits", needs=("forward",), params=OP_PARAMS)
 def check_chunked_continuation(ctx):
     """Prefill, then chunks of k>1 tokens into the warm cache (incl. chunks straddling the sliding window)."""
     if not any(op.name == "chunk" for op in ctx.case.ops):
@@ -139,7 +139,7 @@ def _torch_path(module, dispatchers):
             setattr(module, name, fn)
 
 
-@register("logits", needs=("forward",))
+@register("logits", needs=("forward",), applies=_mamba_row, params=OP_PARAMS)
 def check_mamba_kernel_paths(ctx):
     """Mamba / Mamba2 on CUDA with mamba-ssm and causal-conv1d installed: the run through the kernels and the run
     through transformers' torch fallbacks (same cache subject, same ops) both match the oracle."""
@@ -168,6 +168,3 @@ def check_mamba_kernel_paths(ctx):
                       f"ops: {ctx.case.ops_label()}; kernels: {', '.join(kernels)}",
                       f"likely cause: the {label} path reads or writes the conv / recurrent state differently "
                       "from what the cache holds"])
-
-
-check_mamba_kernel_paths.kvconform_applies = _mamba_row

@@ -44,7 +44,7 @@ import types
 from dataclasses import dataclass, field
 
 from kvconform import compat
-from kvconform.checks import register
+from kvconform.checks import Param, register
 from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, describe_raise, fail_raised
 from kvconform.checks._observe import run_observed
 from kvconform.oracle import Tolerance
@@ -363,7 +363,8 @@ def _shapes_for(ctx) -> dict:
     return _SHAPES[key]
 
 
-@register("memory", needs=("forward",))
+@register("memory", needs=("forward",), params={
+    "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0, doc="bytes per layer allowed above the formula")})
 def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
     (full: S tokens, sliding: min(S, window), static: max_cache_len, linear: its states, quantized: its band).
@@ -467,7 +468,8 @@ def _cuda_applies(subject, model, case, device="cpu"):
     return None
 
 
-@register("memory", needs=("forward",))
+@register("memory", needs=("forward",), applies=_cuda_applies, params={
+    "cuda_slack_bytes": Param(int, default=1 << 20, min=0, doc="bytes allowed above the counted bytes")})
 def check_memory_cuda_allocated(ctx):
     """On CUDA: the allocator's view agrees with the counted bytes — ``memory_allocated`` after the ops minus before
     (outputs dropped) is within ``slack`` of ``held_bytes(cache)``, so nothing is held where attribute traversal
@@ -505,9 +507,6 @@ def check_memory_cuda_allocated(ctx):
         ], {"cuda_allocated_delta": delta, "bytes_held": counted})
 
 
-check_memory_cuda_allocated.kvconform_applies = _cuda_applies
-
-
 # ------------------------------------------------------------------------------------------ offloading (CUDA)
 def _offloaded_row(subject, model, case, device="cpu"):
     if getattr(subject, "same_as", None) is None:
@@ -531,7 +530,8 @@ def _deeper(zm, layers: int):
     return model.to(device=device, dtype=zm.dtype).eval()
 
 
-@register("memory", needs=("forward",))
+@register("memory", needs=("forward",), applies=_offloaded_row,
+          params={"layers": Param(int, default=6, min=1, doc="decoder layers of the model copy")})
 def check_offloaded_matches(ctx):
     """An offloaded subject (CUDA) decodes to the logits of the non-offloaded subject it names (``same_as``) and
     allocates less GPU memory at its decode peak, on a deeper copy of the model (``params.layers``, default 6) so
@@ -582,6 +582,3 @@ def check_offloaded_matches(ctx):
         ctx.fail([*problems, f"ops: {ctx.case.ops_label()} on {ctx.model.name} with {model.config.num_hidden_layers}"
                   f" layers", "likely cause: layers are not offloaded after their update (or not prefetched back "
                   "intact before the next one)"])
-
-
-check_offloaded_matches.kvconform_applies = _offloaded_row

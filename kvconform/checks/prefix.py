@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import register
+from kvconform.checks import OP_PARAMS, Param, register
 from kvconform.checks._engine import (Runner, SubjectRaised, case_generator, describe_exception, fail_raised,
                                       fail_verdict, generate, judge, lossy_generate_rule, random_tokens,
                                       record_verdict, token_mismatch)
@@ -70,7 +70,8 @@ def _fork_ops_text(ctx):
             f"original: {suffix}")
 
 
-@register("prefix", needs=("forward", "deepcopy"))
+@register("prefix", needs=("forward", "deepcopy"),
+          params={**OP_PARAMS, "forks": Param(int, default=2, min=1, doc="deep copies continued independently")})
 def check_prefix_fork(ctx):
     """Prefill a shared prefix, deepcopy it, continue each copy with a different suffix (single steps or a chunk):
     every step equals the oracle and the original is untouched (bit for bit, and it still continues correctly)."""
@@ -208,7 +209,13 @@ def _generate_or_fail(ctx, ops_text, *args, **kwargs):
                   "from (see the exception)"], {"raised": type(exc).__name__})
 
 
-@register("prefix", needs=("forward", "generate"))
+@register("prefix", needs=("forward", "generate"), applies=lossy_generate_rule, params={
+    **OP_PARAMS,
+    "mode": Param(str, default="full_prompt", choices=("full_prompt", "suffix_only"),
+                  doc="full_prompt: generate gets the whole prompt and skips the cached tokens; suffix_only: the "
+                      "suffix and the full attention mask"),
+    "suffix": Param(int, default=4, min=1, doc="prompt tokens after the cached prefix"),
+})
 def check_prefix_generate(ctx):
     """Prefill a prefix with a forward, then ``generate`` from that cache with the full prompt or the suffix only:
     the same tokens as ``generate(use_cache=False)`` and step logits equal to the oracle."""
@@ -228,9 +235,6 @@ def check_prefix_generate(ctx):
                     "generate() fed the wrong tokens on top of the prefilled cache (it slices the prompt by "
                     "get_seq_length(); a cache that cannot report its length is fed the whole prompt again) or "
                     "the cache lost the prefix", rerun=lambda spec: _run_prefix_generate(ctx, spec, ops_text))
-
-
-check_prefix_generate.kvconform_applies = lossy_generate_rule
 
 
 def _turn_tokens(ctx):
@@ -253,7 +257,8 @@ def _run_turns(ctx, spec, ops_text):
     return turn2.shape[1], seq, logits
 
 
-@register("prefix", needs=("forward", "generate"))
+@register("prefix", needs=("forward", "generate"), applies=lossy_generate_rule,
+          params={"user": Param(int, default=3, min=1, doc="new tokens in the second turn")})
 def check_multi_turn(ctx):
     """Turn 1: ``generate(prompt, cache=c)``; turn 2: ``generate(turn-1 output + new tokens, cache=c)`` equals a
     fresh ``generate(use_cache=False)`` of the same turn-2 prompt (tokens) and the oracle (step logits)."""
@@ -269,9 +274,6 @@ def check_multi_turn(ctx):
                     "conversation again)", rerun=lambda spec: _run_turns(ctx, spec, ops_text))
 
 
-check_multi_turn.kvconform_applies = lossy_generate_rule
-
-
 # ------------------------------------------------------------------------------------------ undeclared deepcopy
 def _undeclared_deepcopy(subject, model, case, device="cpu"):
     if "deepcopy" in subject.capabilities:
@@ -279,7 +281,7 @@ def _undeclared_deepcopy(subject, model, case, device="cpu"):
     return None
 
 
-@register("prefix", needs=("forward",))
+@register("prefix", needs=("forward",), applies=_undeclared_deepcopy)
 def check_deepcopy_refused(ctx):
     """A subject that does not declare ``deepcopy`` either copies into an independent cache (extending the copy
     leaves the original's length alone) or refuses ``copy.deepcopy`` with a clear error (ValueError,
@@ -321,6 +323,3 @@ def check_deepcopy_refused(ctx):
         ctx.fail([f"extending the deepcopy changed the original: get_seq_length() {before} → {after}",
                   f"ops: {ctx.case.ops_label()} → deepcopy → decode on the copy",
                   "likely cause: __deepcopy__ shares tensors or counters between the copy and the original"])
-
-
-check_deepcopy_refused.kvconform_applies = _undeclared_deepcopy

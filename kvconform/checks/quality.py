@@ -8,7 +8,7 @@ The other checks of lossy subjects live in their families' modules; their shared
 
 from __future__ import annotations
 
-from kvconform.checks import register
+from kvconform.checks import Param, register
 from kvconform.checks._engine import SubjectRaised
 from kvconform.checks._lossy import drive, fail_subject_raised, lossy_only, oracle_slices, twin_spec
 
@@ -47,7 +47,12 @@ def _cache_positions(steps):
     return torch.cat([s.logits for s in steps[1:]], dim=1)
 
 
-@register("quality", needs=("forward",))
+@register("quality", needs=("forward",), applies=lossy_only, params={
+    "kl_max": Param((float, dict), required=True, items=float, min=0,
+                    doc="mean KL(oracle ‖ subject) budget in nats: a number, or a table keyed by bits with a default"),
+    "top1_min": Param((float, dict), required=True, items=float, min=0, max=1,
+                      doc="top-1 agreement budget: a number, or a table keyed by bits with a default"),
+})
 def check_quality_budget(ctx):
     """A lossy subject's next-token distributions stay within the case's budget of the exact oracle: mean
     KL(oracle ‖ subject) ≤ ``kl_max`` nats and top-1 agreement ≥ ``top1_min``, over every position that read the
@@ -84,6 +89,3 @@ def check_quality_budget(ctx):
                             "the subject loses more than its declared quantization does: the fault is in the "
                             "subject (its twin meets the budget)"),
     ])
-
-
-check_quality_budget.kvconform_applies = lossy_only

@@ -25,7 +25,7 @@ items before they run (parallel workers share the CPU, so timings would be meani
 
 from __future__ import annotations
 
-from kvconform.checks import register
+from kvconform.checks import Param, register
 from kvconform.checks._engine import FIRST_TOKEN, case_generator, forward_kwargs
 from kvconform.timing import Target, measure_interleaved
 
@@ -33,6 +33,20 @@ DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_st
             "threads": 1}
 """Case ``params`` defaults. ``steps``: timed decode steps per round (cached targets); ``uncached_steps``: uncached
 forwards per round (each costs a whole prefill, and varies little); ``threads``: torch threads on CPU (0: keep)."""
+
+
+TIMING_PARAMS = {
+    "steps": Param(int, default=DEFAULTS["steps"], min=1, doc="timed decode steps per round"),
+    "repeats": Param(int, default=DEFAULTS["repeats"], min=5, doc="measured rounds (medians)"),
+    "warmup": Param(int, default=DEFAULTS["warmup"], min=0, doc="untimed rounds first"),
+    "threads": Param(int, default=DEFAULTS["threads"], min=0, doc="torch threads on CPU (0: keep)"),
+}
+CONTEXT = Param(int, default=DEFAULTS["context"], min=1, doc="tokens prefilled before the timed decode")
+UNCACHED_STEPS = Param(int, default=DEFAULTS["uncached_steps"], min=1, doc="uncached forwards per round")
+MIN_SPEEDUP = Param(float, required=True, min=0, doc="budget: speedup at least")
+COMPILE_MODE = Param(str, choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                     doc="torch.compile mode (absent: None)")
+CUDA_DEVICE = Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off CUDA (CUDA graphs)")
 
 
 def _param(ctx, name):
@@ -118,7 +132,10 @@ def _ms(t) -> str:
     return f"{t.median * 1e3:.2f}"
 
 
-@register("speed", needs=("forward",))
+@register("speed", needs=("forward",), params={
+    **TIMING_PARAMS, "context": CONTEXT, "uncached_steps": UNCACHED_STEPS, "min_speedup": MIN_SPEEDUP,
+    "min_speedup_quantized": Param(float, min=0, doc="budget of a quantized subject (default: min_speedup)"),
+})
 def check_speed_vs_uncached(ctx):
     """At context ≥ 512, cached decode beats the uncached forward per token by ``params.min_speedup``."""
     context, steps = int(_param(ctx, "context")), int(_param(ctx, "steps"))
@@ -150,7 +167,12 @@ def check_speed_vs_uncached(ctx):
         ], {"speedup": speedup})
 
 
-@register("speed", needs=("forward",))
+@register("speed", needs=("forward",), params={
+    **TIMING_PARAMS, "uncached_steps": UNCACHED_STEPS,
+    "short": Param(int, default=DEFAULTS["short"], min=1, doc="the short context"),
+    "long": Param(int, default=DEFAULTS["long"], min=1, doc="the long context"),
+    "max_growth": Param(float, required=True, min=0, doc="budget: per-token cost at long / at short"),
+})
 def check_speed_flat_decode(ctx):
     """Per-token decode cost grows ≤ ``params.max_growth`` × from context ``short`` to ``long``; the uncached
     forward, in the same rounds, grows ~linearly."""
@@ -191,7 +213,9 @@ def _compiled_applies(subject, model, case, device="cpu"):
     return _applies(True)(subject, model, case, device=device)
 
 
-@register("speed", needs=("compile",))
+@register("speed", needs=("compile",), applies=_compiled_applies, params={
+    **TIMING_PARAMS, "context": CONTEXT, "min_speedup": MIN_SPEEDUP, "mode": COMPILE_MODE, "device": CUDA_DEVICE,
+})
 def check_speed_compiled_static(ctx):
     """A cache declaring ``is_compileable``, decoded through ``torch.compile`` (``params.mode``), is
     ≥ ``params.min_speedup`` × as fast per token as ``DynamicCache`` decoding eagerly, side by side."""
@@ -248,6 +272,3 @@ def check_speed_compiled_static(ctx):
             "likely cause: the compiled decode misses its graph (recompiles run eagerly here: see the compile "
             "family) or the static cache does work proportional to max_cache_len per step",
         ], {"speedup": speedup})
-
-
-check_speed_compiled_static.kvconform_applies = _compiled_applies

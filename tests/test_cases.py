@@ -1,0 +1,118 @@
+"""Case files: each check's ``params`` schema (declared with ``@register``) and the ``models`` entries are validated
+at load; every problem is a usage error (exit code 4) naming the file, the case, the key and what is allowed."""
+
+import textwrap
+
+import pytest
+import torch  # noqa: F401 - before pytester snapshots sys.modules (see test_plugin.py)
+
+BAD_CASES = [
+    # (check, extra TOML lines, text the usage error must contain)
+    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beamz = 3}',
+     "key 'params.beamz': unknown key for check_beam_search; did you mean 'beams'? allowed keys: beams, padding"),
+    ("check_generate_greedy", "params = {beams = 2}",
+     "key 'params.beams': unknown key for check_generate_greedy; check_generate_greedy takes no params"),
+    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beams = "two"}',
+     "key 'params.beams': expected int ≥ 2, got str 'two'"),
+    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beams = true}',
+     "key 'params.beams': expected int ≥ 2, got bool True"),
+    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beams = 1}',
+     "key 'params.beams': 1 is out of range; allowed: int ≥ 2"),
+    ("check_reorder_then_decode", 'ops = ["prefill 4", "reorder", "decode 2"]\nparams = {padding = [0, "x"]}',
+     "key 'params.padding': expected list of int ≥ 0, got [0, 'x'] (element 'x')"),
+    ("check_reorder_then_decode", 'ops = ["prefill 4", "reorder", "decode 2"]\nparams = {padding = [0, -1]}',
+     "key 'params.padding': -1 is out of range; allowed: list of int ≥ 0"),
+    ("check_prefix_generate", 'ops = ["prefill 4"]\nparams = {mode = "whole"}',
+     "key 'params.mode': 'whole' is not allowed; allowed values: 'full_prompt' | 'suffix_only'"),
+    ("check_quality_budget", 'ops = ["prefill 4", "decode 2"]\nparams = {kl_max = 0.1}',
+     "key 'params.top1_min': missing (required by check_quality_budget): number or table of number in [0, 1]"),
+    ("check_quality_budget", 'ops = ["prefill 4", "decode 2"]\nparams = {kl_max = {"4" = "big"}, top1_min = 0.5}',
+     "key 'params.kl_max': expected number or table of number ≥ 0, got {'4': 'big'} (element 'big')"),
+    ("check_prefill_then_decode", 'ops = ["prefill 4", "decode 2"]\nmodels = ["lama"]',
+     "key 'models': 'lama' is not a zoo name; did you mean 'llama'? zoo names: llama, mistral"),
+]
+
+
+def _ids(cases):
+    return [f"{check}-{text.split(': ')[1].split()[0]}" for check, _, text in cases]
+
+
+@pytest.mark.parametrize("check, lines, text", BAD_CASES, ids=_ids(BAD_CASES))
+def test_bad_params_and_models_are_case_file_errors_naming_file_case_key_and_allowed(tmp_path, check, lines, text):
+    from kvconform.cases import CaseFileError, load_cases
+    from kvconform.checks import load_checks
+
+    path = tmp_path / "mycases.toml"
+    path.write_text(f'[[case]]\nid = "mine"\ncheck = "{check}"\n{lines}\n')
+    with pytest.raises(CaseFileError) as err:
+        load_cases([path], known_checks=load_checks())
+    assert f"mycases.toml: case 'mine': {text}" in str(err.value)
+
+
+@pytest.mark.parametrize("check, lines, text", [BAD_CASES[0], BAD_CASES[-1]], ids=_ids([BAD_CASES[0], BAD_CASES[-1]]))
+def test_bad_params_and_models_are_usage_errors(run_kvconform, pytester, check, lines, text):
+    pytester.makefile(".toml", mycases=f'[[case]]\nid = "mine"\ncheck = "{check}"\n{lines}\n')
+    result = run_kvconform("--kvconform-cases", "mycases.toml", "--kvconform-model", "llama")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    err = result.stderr.str()
+    assert f"mycases.toml: case 'mine': {text}" in err and "Traceback" not in err, err
+
+
+def test_bad_params_in_defaults_table_name_the_case(tmp_path):
+    from kvconform.cases import CaseFileError, load_case_file
+    from kvconform.checks import load_checks
+
+    path = tmp_path / "c.toml"
+    path.write_text(textwrap.dedent("""
+        [defaults]
+        params = {forks = 0}
+
+        [[case]]
+        id = "fork0"
+        check = "check_prefix_fork"
+        ops = ["prefill 4", "fork", "decode 1"]
+    """))
+    with pytest.raises(CaseFileError, match=r"case 'fork0': key 'params.forks': 0 is out of range; allowed: int ≥ 1"):
+        load_case_file(path, load_checks())
+
+
+def test_defaults_filled_and_checkpoint_paths_named_like_the_run_names_them(tmp_path):
+    from kvconform.cases import load_case_file
+    from kvconform.checks import load_checks
+    from kvconform.zoo import checkpoint_name
+
+    path = tmp_path / "c.toml"
+    path.write_text(textwrap.dedent("""
+        [[case]]
+        id = "beams"
+        check = "check_beam_search"
+        ops = ["prefill 4", "decode 2"]
+        models = ["llama", "./ckpt/my-model", "./llama"]
+
+        [[case]]
+        id = "speed"
+        check = "check_speed_flat_decode"
+        params = {max_growth = 2.5, repeats = 7}
+    """))
+    beams, speed = load_case_file(path, load_checks())
+    assert beams.params == {"beams": 2}  # padding has no default: absent means no padding
+    assert beams.models == ("llama", "my_model", "ckpt_llama") == ("llama", checkpoint_name("x/my-model"),
+                                                                   checkpoint_name("./llama"))
+    assert speed.params == {"max_growth": 2.5, "repeats": 7, "steps": 4, "warmup": 1, "threads": 1,
+                            "uncached_steps": 1, "short": 128, "long": 1024}
+    # without the registry (a set of names, or None) params are not checked nor filled
+    (plain,) = [c for c in load_case_file(path, {"check_beam_search", "check_speed_flat_decode"}) if c.id == "beams"]
+    assert plain.params == {}
+
+
+def test_every_builtin_case_satisfies_its_checks_schema_and_rules_live_in_the_registry():
+    from kvconform.cases import load_cases
+    from kvconform.checks import load_checks
+
+    registry = load_checks()
+    cases = load_cases(known_checks=registry)  # raises CaseFileError on any violation
+    assert {c.check for c in cases} <= set(registry)
+    lossy = {name for name, info in registry.items() if info.applies is not None
+             and getattr(info.applies, "__name__", "") == "lossy_only"}
+    assert lossy == {"check_quality_budget", "check_generate_vs_twin", "check_reorder_after_flush"}
+    assert not [name for name, info in registry.items() if hasattr(info.fn, "kvconform_applies")]
