@@ -8,8 +8,8 @@ when ``--kvconform`` (or the ``kvconform = true`` ini option) is set. Without it
 from __future__ import annotations
 
 import fnmatch
-
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,6 +99,42 @@ def is_active(config) -> bool:
     return bool(_opt(config, OPT_ACTIVE))
 
 
+_FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_MODEL: "--kvconform-model", OPT_CASES: "--kvconform-cases",
+          OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
+          OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device"}
+
+
+def _refuse_flags_without_kvconform(config) -> None:
+    """A ``--kvconform-*`` flag on the command line without ``--kvconform`` would check nothing and exit 0 with the
+    project's own tests: a usage error (exit 4) instead. Ini settings (``kvconform_cache = ...``) stay allowed — a
+    project may keep them in its ini file for the runs that add ``--kvconform``.
+
+    Raises:
+        pytest.UsageError: naming the flags given and the fix.
+    """
+    given = [flag for dest, flag in _FLAGS.items() if config.getoption(dest) is not None]
+    if given:
+        raise pytest.UsageError(
+            f"kvconform: {', '.join(given)} given without --kvconform, so nothing would be checked; add --kvconform "
+            f"to run the conformance suite (or set kvconform = true in the ini file)")
+
+
+_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
+_BENCHMARK_SAVING = ("benchmark_save", "benchmark_autosave", "benchmark_compare", "benchmark_compare_fail")
+
+
+def _keep_benchmarks_out_of_the_folder(config) -> None:
+    """pytest-benchmark creates its storage folder (``./.benchmarks``) at configure time, in every run, even when
+    nothing is saved. Under ``--kvconform`` in a folder that has none, and unless the user chose a storage or asked
+    to save or compare runs, point it at a folder under the system temp dir so that a run leaves nothing behind."""
+    storage = getattr(config.option, "benchmark_storage", None)
+    if storage != _BENCHMARK_DEFAULT_STORAGE or Path(".benchmarks").exists():
+        return
+    if any(getattr(config.option, name, None) for name in _BENCHMARK_SAVING):
+        return
+    config.option.benchmark_storage = "file://" + os.path.join(tempfile.gettempdir(), "kvconform-benchmarks")
+
+
 # ------------------------------------------------------------------------------------------------------ configure
 # One marker per check family (kept in sync with kvconform.checks.FAMILIES by tests/test_plugin.py; listed here
 # because importing kvconform.checks would import torch in every pytest run).
@@ -114,15 +150,19 @@ def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
 
 
+# tryfirst: runs before pytest-benchmark's pytest_configure, which creates its storage folder.
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if not is_active(config):
+        _refuse_flags_without_kvconform(config)
         return
     from kvconform.session import build_session
 
+    _keep_benchmarks_out_of_the_folder(config)
     _check_usage(config)
-    hooked = [spec for specs in config.hook.pytest_kvconform_caches(config=config) for spec in specs or ()]
+    hooked = _hooked_specs(config)
     try:
         config.stash[SESSION_KEY] = build_session(
             caches=[*_opt(config, OPT_CACHE), *hooked], models=_opt(config, OPT_MODEL),
@@ -187,6 +227,8 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(session, config, items):
     if not is_active(config):
         return
+    from kvconform.report import encode_property
+
     ours = [it for it in items if PROPERTY in it.keywords and hasattr(it, "callspec")]
     if not ours:
         raise pytest.UsageError(
@@ -194,7 +236,8 @@ def pytest_collection_modifyitems(session, config, items):
             "(was the packaged suite excluded by a collection setting?)")
     for it in ours:
         if "kv_item" in it.callspec.params:
-            it.user_properties.append((PROPERTY, it.callspec.params["kv_item"].describe()))
+            # JSON, so that --junitxml properties are machine-readable (report.py decodes them)
+            it.user_properties.append((PROPERTY, encode_property(it.callspec.params["kv_item"].describe())))
 
 
 # ------------------------------------------------------------------------------------------------------ running
@@ -207,6 +250,28 @@ def kv_session(request):
     from kvconform.session import build_session
 
     return build_session(builtin=False)
+
+
+def _hooked_specs(config) -> list:
+    """The subjects every ``pytest_kvconform_caches`` implementation returned, flattened.
+
+    Raises:
+        pytest.UsageError: an implementation returned something else than a list (or tuple) — e.g. one CacheSpec
+            instead of ``[CacheSpec(...)]`` — naming the plugin (the conftest.py) that did.
+    """
+    out = []
+    impls = config.pluginmanager.hook.pytest_kvconform_caches.get_hookimpls()
+    for impl in reversed(impls):  # pluggy's call order
+        specs = impl.function(**({"config": config} if "config" in impl.argnames else {}))
+        if specs is None:
+            continue
+        if not isinstance(specs, (list, tuple)):
+            where = getattr(impl.plugin, "__file__", None) or impl.plugin_name
+            raise pytest.UsageError(
+                f"kvconform: pytest_kvconform_caches in {where} returned a {type(specs).__name__}; it must return a "
+                f"list of subjects, e.g. return [kvconform.CacheSpec(...)]")
+        out.extend(specs)
+    return out
 
 
 def _timeout(config) -> float:
@@ -253,6 +318,7 @@ def kv_runner(kv_session, request):
 
     def run(item):
         from kvconform.checks import CheckSkipped
+        from kvconform.report import encode_property
 
         metrics = {}
         benchmark = None
@@ -272,7 +338,7 @@ def kv_runner(kv_session, request):
             metrics.update(getattr(exc, "metrics", {}) or {})
             raise
         finally:
-            request.node.user_properties.append((PROPERTY + "_metrics", metrics))
+            request.node.user_properties.append((PROPERTY + "_metrics", encode_property(metrics)))
 
     return run
 
@@ -320,7 +386,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         from kvconform.report import write_selftest_summary
 
         write_selftest_summary(terminalreporter)
-    write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"))
+    if not hasattr(config, "workerinput"):  # xdist workers: the controller writes the one combined summary
+        write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"), config.stash[SESSION_KEY])
 
 
 def pytest_sessionfinish(session, exitstatus):

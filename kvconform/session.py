@@ -306,23 +306,29 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     from kvconform.cases import load_cases
     from kvconform.checks import load_checks
     from kvconform.known_faults import load_known_faults
-    from kvconform.subjects import as_cache_spec, builtin_subjects, check_factory_builds_cache
+    from kvconform.subjects import CacheSpec, as_cache_spec, builtin_subjects, check_factory_builds_cache, validate_spec
 
     _quiet_transformers()
     _limit_threads()
     registry = load_checks()
     subjects = builtin_subjects() if builtin else []
+    builtin_names = {s.name for s in subjects}
+    cases = load_cases(case_paths, known_checks=registry)
     for obj in caches or ():
         subject = as_cache_spec(obj)
+        where = f"--kvconform-cache {obj!r}" if isinstance(obj, str) else (
+            f"CacheSpec {subject.name!r} (pytest_kvconform_caches hook or Python)" if isinstance(obj, CacheSpec)
+            else f"{subject.name} (from Python)")
+        validate_spec(subject, where, set(registry), {c.id for c in cases})
         check_factory_builds_cache(subject, zoo.zoo_config("llama"))
         if any(s.name == subject.name for s in subjects):
-            raise ValueError(f"--kvconform-cache {obj!r}: a subject named {subject.name!r} already exists")
+            kind = "a built-in subject" if subject.name in builtin_names else "another subject"
+            raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
     infos = [model_info(m) for m in (models or zoo.ZOO_NAMES)]
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
-    cases = load_cases(case_paths, known_checks=registry)
     for name in checks or ():
         if name not in registry:
             raise ValueError(f"unknown check {name!r}; known: {', '.join(sorted(registry))}")

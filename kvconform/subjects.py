@@ -168,6 +168,12 @@ def builtin_subjects() -> list[CacheSpec]:
 
 # ---------------------------------------------------------------------------------------------------- user specs
 def _import_file(path: str):
+    """Import ``path`` as a module, the way pytest imports a conftest.py (its "prepend" import mode): the file's
+    folder goes first on ``sys.path``, so that the file can import its sibling modules (``from paged_layer import
+    PagedLayer``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     mod_name = "kvconform_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
@@ -176,6 +182,81 @@ def _import_file(path: str):
     sys.modules[mod_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _import_module(target: str):
+    """``importlib.import_module(target)``; when its top-level package is not importable but sits in the current
+    folder (``pytest`` does not put the folder it is started from on ``sys.path``), import it from there, as
+    ``python -m`` would."""
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        top = target.split(".")[0]
+        here = os.getcwd()
+        local = os.path.isfile(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
+        if exc.name != top or not local or here in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(target)
+
+
+def declared_capabilities(obj, where: str) -> frozenset:
+    """The ``kvconform_capabilities`` a Cache subclass or a factory function declares (default: all of
+    ``CAPABILITIES``).
+
+    Raises:
+        SpecError: a name outside ``CAPABILITIES`` (with the closest known name), or not an iterable of names.
+    """
+    declared = getattr(obj, "kvconform_capabilities", None)
+    if declared is None:
+        return frozenset(CAPABILITIES)
+    if isinstance(declared, str) or not all(isinstance(c, str) for c in declared):
+        raise SpecError(f"{where}: kvconform_capabilities must be a set of names from {', '.join(CAPABILITIES)}; "
+                        f"got {declared!r}")
+    caps = frozenset(declared)
+    _check_names(where, "capabilities", caps, CAPABILITIES)
+    return caps
+
+
+def _check_names(where: str, what: str, names, known) -> None:
+    import difflib
+
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        hints = [f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, known, 1)) else repr(u)
+                 for u in unknown]
+        raise SpecError(f"{where}: unknown {what} {', '.join(hints)}; known: {', '.join(sorted(known))}")
+
+
+NAME_PATTERN = r"[A-Za-z0-9_.]+"
+
+
+def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()) -> None:
+    """Check what a ``CacheSpec`` declares, whichever way it came in (``--kvconform-cache``, the
+    ``pytest_kvconform_caches`` hook, ``check_cache``, ``parametrize_with_checks``).
+
+    Args:
+        where: how the user handed it over, for the message (e.g. ``"pytest_kvconform_caches"``).
+        known_checks / known_cases: names that ``expected_failures`` keys (``check`` or ``check:case``) may use.
+
+    Raises:
+        SpecError: a name that is not ``[A-Za-z0-9_.]+`` (it would break ``-k`` selection and ids), unknown
+            capabilities, or ``expected_failures`` naming an unknown check or case (with the closest known name).
+    """
+    import re
+
+    if not isinstance(spec.name, str) or not re.fullmatch(NAME_PATTERN, spec.name):
+        fixed = re.sub(r"[^A-Za-z0-9_.]+", "_", str(spec.name)).strip("_") or "MyCache"
+        raise SpecError(f"{where}: the name {spec.name!r} may use only letters, digits, '_' and '.' (it is "
+                        f"part of every item id and -k expression); e.g. name={fixed!r}")
+    _check_names(where, "capabilities", spec.capabilities, CAPABILITIES)
+    if known_checks:
+        keys = list(spec.expected_failures)
+        _check_names(f"{where}: expected_failures", "checks",
+                     {k.split(":", 1)[0] for k in keys}, known_checks)
+        if known_cases:
+            _check_names(f"{where}: expected_failures", "cases",
+                         {k.split(":", 1)[1] for k in keys if ":" in k}, known_cases)
 
 
 def resolve_cache_spec(spec: str) -> CacheSpec:
@@ -199,11 +280,16 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
                 raise SpecError(f"{spec!r}: file {target!r} does not exist")
             module = _import_file(target)
         else:
-            module = importlib.import_module(target)
+            module = _import_module(target)
     except SpecError:
         raise
     except BaseException as exc:  # noqa: BLE001 - any import failure is the user's spec problem
-        raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}") from None
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError):
+            hint = ("; give the file instead ('path/to/file.py:Attr' — its folder is put on sys.path, so it can "
+                    "import its sibling modules) or make the module importable (pip install -e your package, "
+                    "or PYTHONPATH)")
+        raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}{hint}") from None
     if not hasattr(module, attr):
         raise SpecError(f"{spec!r}: module {target!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
@@ -214,14 +300,9 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
     if inspect.isclass(obj):
         if not issubclass(obj, Cache):
             raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass")
-        declared = getattr(obj, "kvconform_capabilities", None)
-        caps = frozenset(CAPABILITIES) if declared is None else frozenset(declared)
-        unknown = caps - set(CAPABILITIES)
-        if unknown:
-            raise SpecError(f"{spec!r}: unknown capabilities {sorted(unknown)}; known: {', '.join(CAPABILITIES)}")
-        return CacheSpec(attr, obj, capabilities=caps, source=spec)
+        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
     if callable(obj):
-        return CacheSpec(attr, obj, source=spec)
+        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
     raise SpecError(f"{spec!r}: {attr} is a {type(obj).__name__}, not a Cache subclass or a factory")
 
 
@@ -260,6 +341,4 @@ def as_cache_spec(obj, source: str = "python") -> CacheSpec:
         raise SpecError(f"{name}: a class but not a transformers.Cache subclass")
     if not callable(obj) or not name or not name.isidentifier():
         raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
-    declared = getattr(obj, "kvconform_capabilities", None)
-    caps = frozenset(CAPABILITIES) if declared is None else frozenset(declared)
-    return CacheSpec(name, obj, capabilities=caps, source=source)
+    return CacheSpec(name, obj, capabilities=declared_capabilities(obj, name), source=source)
