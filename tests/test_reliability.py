@@ -119,3 +119,9 @@ def test_markdown_marks_an_all_skipped_subject_as_not_checked():
     rows = {line.split()[2]: line.split()[1] for line in markdown(results).splitlines()
             if line.startswith("| ") and line.split()[1] in ("✅", "❌", "⏭️")}
     assert rows == {"Ran": "✅", "Skipped": "⏭️", "Bad": "❌"}
+
+
+def test_marker_keeps_only_the_conformance_items_in_a_project_with_its_own_tests(run_kvconform, pytester):
+    pytester.makepyfile(test_own="def test_own_failing(): assert False")
+    result = run_kvconform("--kvconform-model", "gpt2", "-m", "kvconform", "-k", "ReferenceCache and decode_explicit")
+    result.assert_outcomes(passed=1)
