@@ -66,6 +66,12 @@ def model_info(spec: str) -> ModelInfo:
             raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    if zoo.is_checkpoint_spec(spec) and type(config) not in auto._model_mapping:
+        raise ValueError(
+            f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
+            f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
+            f"({auto.__name__} does not map {type(config).__name__}); kvconform checks the KV cache of "
+            f"autoregressive decoding, so it needs a decoder-only or encoder-decoder language model")
     try:
         cls = auto._model_mapping[type(config)]
         import inspect
@@ -339,7 +345,61 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         if unknown:
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
-    return KVSession(subjects, infos, cases, registry, strict, device, load_known_faults(), full)
+    session = KVSession(subjects, infos, cases, registry, strict, device, load_known_faults(), full)
+    for info in infos:
+        if info.name != info.spec:  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
+            _refuse_unusable_checkpoint(session, info)
+    return session
+
+
+def causality_gap(zm) -> float:
+    """How much the logits of positions ``0..3`` change when only the tokens after them (positions ``4..7``)
+    change, relative to the logits' size: ``0`` (up to float rounding, ~1e-7) for a causal language model, where a
+    position never sees later tokens; far larger for a bidirectional encoder loaded under a language-model head
+    (e.g. BERT), whose every position attends to every other.
+
+    Returns ``max|Δlogit| / max(1, max|logit|)`` over positions 0..3 of a float32 forward of ``[1, 8]`` random
+    tokens, no cache. Encoder-decoder models return 0: their decoder is causal by construction.
+    """
+    import torch
+
+    if zm.is_encoder_decoder:
+        return 0.0
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, zm.vocab_size, (1, 8), generator=gen)
+    other = ids.clone()
+    other[0, 4:] = 3 + (ids[0, 4:] - 3 + 1) % (zm.vocab_size - 3)
+    device = next(zm.model.parameters()).device
+    with torch.no_grad():
+        a = zm.model(input_ids=ids.to(device), use_cache=False).logits[:, :4].float()
+        b = zm.model(input_ids=other.to(device), use_cache=False).logits[:, :4].float()
+    return float((a - b).abs().max() / max(1.0, float(a.abs().max())))
+
+
+CAUSALITY_TOLERANCE = 1e-4
+"""Relative logit change of earlier positions (``causality_gap``) above which a checkpoint is refused as not
+causal; float32 rounding of a causal model is ~1e-7."""
+
+
+def _refuse_unusable_checkpoint(session, info) -> None:
+    """Load a checkpoint folder (the session keeps it for the items) and check it is a causal language model.
+
+    Raises:
+        ValueError: it cannot be loaded, or changing its last input token changes the logits of earlier positions
+            (a bidirectional encoder): a usage error naming the folder and the measured change.
+    """
+    try:
+        zm = session.zoo_model(info, "float32")
+    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's input problem
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"--kvconform-model {info.spec!r}: loading it failed: {type(exc).__name__}: {first}") from None
+    gap = causality_gap(zm)
+    if not gap <= CAUSALITY_TOLERANCE:
+        raise ValueError(
+            f"--kvconform-model {info.spec!r}: not a causal language model: changing later input tokens changed "
+            f"the logits of earlier positions by {gap:.2g} (relative; a causal model: 0). A bidirectional encoder "
+            f"({zm.config.model_type}) keeps no KV cache between decode steps; kvconform needs a decoder-only or "
+            f"encoder-decoder language model")
 
 
 class ItemTimeout(BaseException):

@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -125,3 +128,28 @@ def test_marker_keeps_only_the_conformance_items_in_a_project_with_its_own_tests
     pytester.makepyfile(test_own="def test_own_failing(): assert False")
     result = run_kvconform("--kvconform-model", "gpt2", "-m", "kvconform", "-k", "ReferenceCache and decode_explicit")
     result.assert_outcomes(passed=1)
+
+
+def test_non_causal_checkpoints_are_refused_up_front(run_kvconform, pytester):
+    """A vision model (no language-model class) and a bidirectional encoder (BERT: a causal-LM class exists, but
+    every position attends to later tokens) are one usage error each, not a run of failing items."""
+    # saved in a subprocess: save_pretrained imports torch modules lazily, and pytester drops modules imported
+    # during a test, which breaks later in-process tests
+    subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import torch
+        from transformers import AutoConfig, AutoModel
+        torch.manual_seed(0)
+        bert = AutoConfig.for_model("bert", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=128)
+        AutoModel.from_config(bert).save_pretrained("bert_enc")
+        vit = AutoConfig.for_model("vit", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128, image_size=32, patch_size=8)
+        AutoModel.from_config(vit).save_pretrained("vit_img")
+    """)], cwd=pytester.path, check=True, capture_output=True)
+    expected = {"./vit_img": "a 'vit' checkpoint has no causal language-model class in transformers",
+                "./bert_enc": "not a causal language model: changing later input tokens changed the logits of "
+                              "earlier positions"}
+    for spec, message in expected.items():
+        result = run_kvconform("--kvconform-model", spec, "--collect-only", "-q")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+        assert message in result.stderr.str()
