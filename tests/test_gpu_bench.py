@@ -33,7 +33,8 @@ def test_smoke_run_covers_every_target_and_writes_the_report(tmp_path):
 
     assert report["size"] == "tiny" and report["device"] == "cpu" and report["backend"] == "eager"
     assert report["transformers"] == transformers.__version__
-    assert report["cache_kwarg"] == ("cache" if Version(report["transformers"]) >= Version("5.24") else "past_key_values")
+    newest = Version(report["transformers"]) >= Version("5.24")
+    assert report["cache_kwarg"] == ("cache" if newest else "past_key_values")
     targets = {f"{name}@{c}" for name in ("DynamicCache", "StaticCache", "StaticCache+compile", "uncached")
                for c in report["contexts"]}
     assert set(report["ms_per_token"]) == targets and all(v > 0 for v in report["ms_per_token"].values())
