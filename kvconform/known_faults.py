@@ -19,7 +19,7 @@ missing or duplicate id, a bad specifier, a check / family / model pattern that 
 as for case files.
 
 ``match(...)`` gives an item's reason (first matching entry); ``stale(...)`` and the plugin's terminal summary list
-entries that matched no item and xfailed items that passed (see ARCHITECTURE.md for where this sits).
+entries that matched no item and xfailed items that passed.
 """
 
 from __future__ import annotations
