@@ -21,6 +21,7 @@ PROPERTY = "kvconform"
 OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
 OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
 OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
+OPT_FAULTS = "kvconform_known_faults"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
@@ -39,6 +40,9 @@ def pytest_addoption(parser):
                     help="limit the run to these models: a zoo name or a local checkpoint folder; repeatable")
     group.addoption("--kvconform-cases", action="append", dest=OPT_CASES, default=None, metavar="PATH",
                     help="extra case files or folders of *.toml (added to the built-in cases); repeatable")
+    group.addoption("--kvconform-known-faults", action="append", dest=OPT_FAULTS, default=None, metavar="PATH",
+                    help="extra known-faults files (same format as kvconform/known_faults.toml), read after the "
+                         "bundled one; repeatable")
     group.addoption("--kvconform-json", dest=OPT_JSON, default=None, metavar="PATH",
                     help="write the JSON report (schema 1) to PATH")
     group.addoption("--kvconform-strict", action="store_true", dest=OPT_STRICT, default=None,
@@ -57,6 +61,8 @@ def pytest_addoption(parser):
     parser.addini(OPT_CACHE, "extra subjects (same as --kvconform-cache)", type="linelist", default=[])
     parser.addini(OPT_MODEL, "models to run (same as --kvconform-model)", type="linelist", default=[])
     parser.addini(OPT_CASES, "extra case files (same as --kvconform-cases)", type="linelist", default=[])
+    parser.addini(OPT_FAULTS, "extra known-faults files (same as --kvconform-known-faults)", type="linelist",
+                  default=[])
     parser.addini(OPT_JSON, "JSON report path (same as --kvconform-json)", default="")
     parser.addini(OPT_STRICT, "known upstream faults fail (same as --kvconform-strict)", type="bool", default=False)
     parser.addini(OPT_FULL, "run the heavier tier (same as --kvconform-full)", type="bool", default=False)
@@ -77,7 +83,7 @@ def _opt(config, name):
     return value
 
 
-_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON)
+_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON, OPT_FAULTS)
 
 
 def _from_ini(base, name: str, value: str) -> str:
@@ -168,9 +174,9 @@ def pytest_configure(config):
             caches=[*_opt(config, OPT_CACHE), *hooked], models=_opt(config, OPT_MODEL),
             case_paths=_opt(config, OPT_CASES),
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
-            full=bool(_opt(config, OPT_FULL)),
+            full=bool(_opt(config, OPT_FULL)), known_faults=_opt(config, OPT_FAULTS),
         )
-    except ValueError as exc:  # SpecError, CaseFileError, bad model spec
+    except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
     config.stash[RESULTS_KEY] = {}
     if str(SUITE_DIR) not in config.args:
@@ -378,7 +384,7 @@ def pytest_sessionstart(session):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not is_active(config) or RESULTS_KEY not in config.stash:
         return
-    from kvconform.report import write_markdown_summary, write_terminal_matrix
+    from kvconform.report import write_known_fault_summary, write_markdown_summary, write_terminal_matrix
 
     results = config.stash[RESULTS_KEY]
     write_terminal_matrix(terminalreporter, results, config.stash[SESSION_KEY])
@@ -386,6 +392,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         from kvconform.report import write_selftest_summary
 
         write_selftest_summary(terminalreporter)
+    else:
+        write_known_fault_summary(terminalreporter, results, config.stash[SESSION_KEY])
     if not hasattr(config, "workerinput"):  # xdist workers: the controller writes the one combined summary
         write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"), config.stash[SESSION_KEY])
 

@@ -237,3 +237,48 @@ def write_selftest_summary(tr) -> None:
         tr.write_line(f"{family:<12} {n}/{len(infos)} caught" + (f"   missed: {', '.join(missed)}" if missed else ""),
                       green=not missed, red=bool(missed))
     tr.write_line(f"{'all':<12} {caught}/{total} caught ({100 * caught / total:.0f}%)", bold=True)
+
+
+def known_fault_findings(results: dict, session) -> tuple[list, dict]:
+    """What the run says about the known-faults list: ``(stale, passed)``.
+
+    ``stale``: ``KnownFault`` entries that apply to the installed transformers and the run's models but match no
+    planned item (``KVSession.stale_faults``). ``passed``: ``{label: [nodeid, ...]}`` of items expected to fail that
+    passed — XPASS, or under ``--kvconform-strict`` a pass of an item a known fault names; ``label`` is the entry
+    id, or ``"<subject>.expected_failures"`` when the xfail came from the subject's own ``CacheSpec``.
+    """
+    stale = session.stale_faults()
+    subjects = {s.name: s for s in session.subjects}
+    passed: dict = {}
+    for r in sorted(results.values(), key=lambda r: r["nodeid"]):
+        if r["outcome"] not in ("xpassed", "passed") or (r["outcome"] == "passed" and not session.strict):
+            continue
+        subject = subjects.get(r["subject"])
+        own = getattr(subject, "expected_failures", None) or {}
+        if r["outcome"] == "xpassed" and (own.get(f"{r['check']}:{r['case']}") or own.get(r["check"])):
+            label = f"{r['subject']}.expected_failures"
+        else:
+            fault = session.fault_entry(r["subject"], r["model"], r["check"], r["family"], r["case"])
+            if fault is None:
+                continue
+            label = fault.id
+        passed.setdefault(label, []).append(r["nodeid"])
+    return stale, passed
+
+
+def write_known_fault_summary(tr, results: dict, session) -> None:
+    """Print one line per known-fault entry that matched no item (stale) and per entry whose items passed (XPASS),
+    so that the list is kept as strict as the cases. Prints nothing when there is nothing to say."""
+    if not results:
+        return
+    stale, passed = known_fault_findings(results, session)
+    if not stale and not passed:
+        return
+    tr.section("kvconform known faults")
+    for fault in stale:
+        tr.write_line(f"stale: {fault.id!r} (transformers {fault.transformers}; {os.path.basename(fault.source)}) "
+                      f"matched no item of this run's plan", yellow=True)
+    verb = "passed (strict)" if session.strict else "XPASS"
+    for label, nodeids in passed.items():
+        tr.write_line(f"{verb}: {label!r}: {len(nodeids)} item(s) expected to fail passed, e.g. {nodeids[0]}",
+                      yellow=True)

@@ -239,12 +239,39 @@ class KVSession:
         return run_check(item.check.name, ctx)
 
     def known_fault(self, item: PlanItem) -> str | None:
-        """The bundled known-fault reason for ``item`` on the installed transformers (strict or not)."""
+        """The known-fault reason for ``item`` on the installed transformers (strict or not), or None."""
+        fault = self.fault_entry(**item.describe())
+        return fault.reason if fault is not None else None
+
+    def fault_entry(self, subject: str, model: str, check: str, family: str, case: str):
+        """The first ``known_faults.KnownFault`` matching this item (names) on the installed transformers, or None."""
         from kvconform import known_faults
         from kvconform.compat import transformers_version
 
-        return known_faults.match(self.faults, transformers_version(), item.subject.name, item.model.name,
-                                  item.check.name, item.case.id)
+        return known_faults.find(self.faults, transformers_version(), subject, model, check, case, family)
+
+    def stale_faults(self) -> list:
+        """Known-fault entries that apply to the installed transformers and to the run's models but match no item
+        kvconform plans for this run's subjects and cases over the whole zoo plus the run's models, both tiers
+        (so an entry for a full-tier case or for a subject that skips here is not stale; a typo'd case id is).
+
+        Returns:
+            ``known_faults.KnownFault`` objects in file order.
+        """
+        from kvconform import known_faults
+        from kvconform.compat import transformers_version
+
+        names = {m.name for m in self.models}
+        universe = [*self.models, *(model_info(n) for n in zoo.ZOO_NAMES if n not in names)]
+        items = []
+        for case in self.cases:
+            check = self.checks[case.check]
+            for subject in self.subjects:
+                for model in universe:
+                    if in_scope(subject, model, case, full=True):
+                        items.append({"subject": subject.name, "model": model.name, "check": check.name,
+                                      "family": check.family, "case": case.id})
+        return known_faults.stale(self.faults, transformers_version(), items, names)
 
     def environment(self) -> dict:
         import torch
@@ -295,7 +322,7 @@ def _quiet_transformers():
 
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
-                  builtin=True, checks=None, case_ids=None) -> KVSession:
+                  builtin=True, checks=None, case_ids=None, known_faults=()) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -305,13 +332,15 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         builtin: include the built-in subjects (ReferenceCache, DynamicCache, StaticCache, ...).
         checks: if given, only cases running these check names.
         case_ids: if given, only these case ids.
+        known_faults: extra known-faults files, read after the bundled ``known_faults.toml``.
 
     Raises:
-        ValueError (``SpecError``, ``CaseFileError``): bad input, naming the spec / file and the cause.
+        ValueError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
+            the cause.
     """
     from kvconform.cases import load_cases
-    from kvconform.checks import load_checks
-    from kvconform.known_faults import load_known_faults
+    from kvconform.checks import FAMILIES, load_checks
+    from kvconform.known_faults import load_all
     from kvconform.subjects import CacheSpec, as_cache_spec, builtin_subjects, check_factory_builds_cache, validate_spec
 
     _quiet_transformers()
@@ -345,9 +374,11 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         if unknown:
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
-    session = KVSession(subjects, infos, cases, registry, strict, device, load_known_faults(), full)
+    faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
+                      models={*zoo.ZOO_NAMES, *names})
+    session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
     for info in infos:
-        if info.name != info.spec:  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
+        if zoo.is_checkpoint_spec(info.spec):  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
             _refuse_unusable_checkpoint(session, info)
     return session
 
