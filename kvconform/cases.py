@@ -1,5 +1,9 @@
 """Conformance cases: load and validate ``conformance_cases/*.toml`` (the one source of truth for scenarios).
 
+The built-in case files live in the repository's top-level ``conformance_cases/`` folder, one file per check family
+(``<family>.toml``: every case in it runs a check of that family), shipped in the wheel as the package data
+``kvconform/conformance_cases/`` (see ``builtin_cases_dir``).
+
 A case file holds an optional ``[defaults]`` table and a list of ``[[case]]`` tables::
 
     [defaults]
@@ -18,12 +22,12 @@ the case id, the key and what is allowed; the plugin turns it into a pytest usag
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BUILTIN_CASES_DIR = Path(__file__).parent / "conformance_cases"
 
 OP_NAMES = ("prefill", "decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
 """Op vocabulary of DESIGN §2. ``prefill N``: first pass over N prompt tokens; ``decode N``: N single-token steps;
@@ -72,6 +76,7 @@ class Case:
     batch: int = 2
     dtype: str = "float32"
     models: tuple = ()
+    models_full: tuple | None = None
     requires: tuple = ()
     max_new_tokens: int = 8
     prompt: int = 12
@@ -88,6 +93,16 @@ class Case:
         """Upper bound of tokens ever held by the cache (sizes ``max_cache_len``)."""
         return sum(op.new_tokens for op in self.ops) + self.prompt + self.max_new_tokens
 
+    def model_scope(self, full: bool) -> tuple:
+        """Model names this case is limited to in a tier, ``()`` meaning every model.
+
+        ``full``: whether the run is ``--kvconform-full``. There a default-tier case runs on ``models_full`` when the
+        file gives it (``"all"`` → every model), so one case covers a few representative models by default and every
+        model in the full tier, under the same id."""
+        if full and self.models_full is not None:
+            return self.models_full
+        return self.models
+
     def ops_label(self, failed_at: int | None = None) -> str:
         text = " → ".join(op.label for op in self.ops)
         return text
@@ -102,6 +117,8 @@ KEYS = {
     "batch": (int, None, "batch size ≥ 1"),
     "dtype": (str, DTYPES, "case dtype"),
     "models": (list, None, "zoo names / checkpoint names this case is limited to (default: all)"),
+    "models_full": ((list, str), None, "under --kvconform-full: a wider list of models, or \"all\", for a "
+                    "default-tier case limited by models (default: models)"),
     "requires": (list, REQUIREMENTS, "model features the case needs"),
     "max_new_tokens": (int, None, "tokens to generate (generate checks)"),
     "prompt": (int, None, "prompt length (generate checks)"),
@@ -151,6 +168,57 @@ def _validate(path, case_id, key, value, known_checks):
         _fail(path, case_id, key, "ids may contain only letters, digits, '_' and '.'")
     if key in ("batch", "max_new_tokens", "prompt", "encoder_len") and value < 1:
         _fail(path, case_id, key, f"must be ≥ 1, got {value}")
+    if key == "models_full" and (value == [] or (isinstance(value, str) and value != "all")):
+        _fail(path, case_id, key, f"expected \"all\" or a non-empty list of model names, got {value!r}")
+
+
+def _validate_scope(path, case_id, merged):
+    """``models_full`` widens a default-tier case that ``models`` limits; it must keep every model of ``models``."""
+    if "models_full" not in merged:
+        return
+    if merged.get("tier", "default") == "full":
+        _fail(path, case_id, "models_full", "only for default-tier cases; a full-tier case is limited by 'models'")
+    models = merged.get("models", [])
+    if not models:
+        _fail(path, case_id, "models_full", "the case already runs on every model ('models' is not set)")
+    if merged["models_full"] != "all":
+        missing = [m for m in models if m not in merged["models_full"]]
+        if missing:
+            _fail(path, case_id, "models_full", f"must include every model of 'models'; missing {missing}")
+
+
+def builtin_cases_dir() -> Path:
+    """The folder of the built-in case files (``conformance_cases/*.toml``).
+
+    Looked up in this order, so that each way of running kvconform finds the files that belong to the imported
+    package (never those of another copy):
+
+    1. ``kvconform/conformance_cases/`` next to the package's modules — an installed wheel (setuptools maps the
+       repository's top-level ``conformance_cases/`` onto the package data ``kvconform.conformance_cases``);
+    2. ``<checkout>/conformance_cases/`` beside the ``kvconform/`` package folder, where ``<checkout>`` holds a
+       ``pyproject.toml`` — a source checkout, imported through ``PYTHONPATH=<checkout>`` or an editable install;
+    3. the location import machinery gives ``kvconform.conformance_cases`` (an editable finder, a zip import).
+
+    Raises:
+        CaseFileError: none of these holds a case folder (a broken install), naming the places looked in.
+    """
+    package = Path(__file__).resolve().parent
+    candidates = [package / "conformance_cases"]
+    if (package.parent / "pyproject.toml").is_file():
+        candidates.append(package.parent / "conformance_cases")
+    for folder in candidates:
+        if folder.is_dir():
+            return folder
+    try:
+        spec = importlib.util.find_spec(f"{__package__}.conformance_cases")
+    except ImportError:
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        if Path(location).is_dir():
+            return Path(location)
+        candidates.append(Path(location))
+    raise CaseFileError(f"built-in case files not found (looked in {', '.join(map(str, candidates))}): "
+                        f"reinstall kvconform")
 
 
 def load_case_file(path, known_checks=None) -> list[Case]:
@@ -189,9 +257,12 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         merged = {**defaults, **raw}
         for key, value in merged.items():
             _validate(path, case_id, key, value, known_checks)
+        _validate_scope(path, case_id, merged)
         merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
         for key in ("models", "requires"):
             merged[key] = tuple(merged.get(key, ()))
+        if "models_full" in merged:
+            merged["models_full"] = () if merged["models_full"] == "all" else tuple(merged["models_full"])
         merged["params"] = dict(merged.get("params", {}))
         cases.append(Case(source=path, **merged))
     return cases
@@ -203,7 +274,7 @@ def load_cases(paths=None, known_checks=None) -> list[Case]:
     Raises:
         CaseFileError: a malformed file, a missing path, or a duplicated case id (names both files).
     """
-    files = sorted(BUILTIN_CASES_DIR.glob("*.toml"))
+    files = sorted(builtin_cases_dir().glob("*.toml"))
     for extra in paths or ():
         p = Path(extra)
         if p.is_dir():

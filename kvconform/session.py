@@ -106,7 +106,8 @@ class PlanItem:
 
 
 def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
-    """Whether the item exists at all. A case limited to some models (``models``) or model features
+    """Whether the item exists at all. A case limited to some models (``models``; ``models_full`` under
+    ``--kvconform-full``) or model features
     (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
     model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
     ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
@@ -114,7 +115,8 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
 
     if (case.tier == "full" or subject.tier == "full") and not full:
         return False  # opt-in tier: counted in the report header instead of listed as skips
-    if case.models and model.name not in case.models:
+    scope = case.model_scope(full)  # models, or models_full under --kvconform-full
+    if scope and model.name not in scope:
         return False
     if model_requirements_unmet(case, model.features):
         return False
