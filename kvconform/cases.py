@@ -66,7 +66,10 @@ class Op:
 
 @dataclass(frozen=True)
 class Case:
-    """A validated case. ``ops`` is a tuple of ``Op``; ``source`` is the file it came from."""
+    """A validated case. ``ops`` is a tuple of ``Op``; ``source`` is the file it came from.
+
+    ``models``: the model names the case is limited to (``()``: every model); ``models_full``: the wider scope it
+    takes under ``--kvconform-full`` (``None``: the same as ``models``; ``()``: every model), see ``model_scope``."""
 
     id: str
     check: str

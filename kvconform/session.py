@@ -260,7 +260,8 @@ class KVSession:
             f"device {self.device}, known faults {'fail (strict)' if self.strict else 'xfail'}",
             f"kvconform subjects: {', '.join(s.name for s in self.subjects)}",
             f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}"
-            + ("" if self.full else f" ({sum(c.tier == 'full' for c in self.cases)} in the full tier, not run: "
+            + ("" if self.full else f" (full tier, not run: {sum(c.tier == 'full' for c in self.cases)} cases, "
+                                    f"{sum(c.models_full is not None for c in self.cases)} on more models; "
                                     f"add --kvconform-full)"),
         ]
 
