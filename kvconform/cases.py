@@ -22,7 +22,6 @@ the case id, the key and what is allowed; the plugin turns it into a pytest usag
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -193,14 +192,14 @@ def _validate_scope(path, case_id, merged):
 def builtin_cases_dir() -> Path:
     """The folder of the built-in case files (``conformance_cases/*.toml``).
 
-    Looked up in this order, so that each way of running kvconform finds the files that belong to the imported
-    package (never those of another copy):
+    Found from the imported package's own location (never through the import system, which in a checkout run with
+    ``PYTHONPATH`` could hand out another copy's folder, e.g. through an editable install's finder), in this order:
 
-    1. ``kvconform/conformance_cases/`` next to the package's modules — an installed wheel (setuptools maps the
-       repository's top-level ``conformance_cases/`` onto the package data ``kvconform.conformance_cases``);
-    2. ``<checkout>/conformance_cases/`` beside the ``kvconform/`` package folder, where ``<checkout>`` holds a
-       ``pyproject.toml`` — a source checkout, imported through ``PYTHONPATH=<checkout>`` or an editable install;
-    3. the location import machinery gives ``kvconform.conformance_cases`` (an editable finder, a zip import).
+    1. ``<checkout>/conformance_cases/`` beside the ``kvconform/`` package folder, where ``<checkout>`` holds a
+       ``pyproject.toml`` — a source checkout, imported through ``PYTHONPATH=<checkout>`` or an editable install
+       (whose import finder cannot serve the mapped folder: it has no ``__init__.py``);
+    2. ``kvconform/conformance_cases/`` next to the package's modules — an installed wheel (setuptools maps the
+       repository's top-level ``conformance_cases/`` onto the package data ``kvconform.conformance_cases``).
 
     Raises:
         CaseFileError: none of these holds a case folder (a broken install), naming the places looked in.
@@ -208,18 +207,10 @@ def builtin_cases_dir() -> Path:
     package = Path(__file__).resolve().parent
     candidates = [package / "conformance_cases"]
     if (package.parent / "pyproject.toml").is_file():
-        candidates.append(package.parent / "conformance_cases")
+        candidates.insert(0, package.parent / "conformance_cases")
     for folder in candidates:
         if folder.is_dir():
             return folder
-    try:
-        spec = importlib.util.find_spec(f"{__package__}.conformance_cases")
-    except ImportError:
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        if Path(location).is_dir():
-            return Path(location)
-        candidates.append(Path(location))
     raise CaseFileError(f"built-in case files not found (looked in {', '.join(map(str, candidates))}): "
                         f"reinstall kvconform")
 
