@@ -6,7 +6,8 @@ file — ``--system-site-packages`` does not chain through virtual environments 
 wheel is installed with ``--no-index``: its declared dependencies must already be satisfied by what the README
 installs. ``.ci/run`` repeats the check in a truly fresh environment holding only the README's dependencies.
 
-Marked ``wheel`` (about a minute on 2 cores); it fails, never skips, when the wheel cannot be built or installed.
+Marked ``wheel`` (under 2 minutes on 2 cores; deselect with ``-m "not wheel"``); it fails, never skips, when the
+wheel cannot be built or installed.
 """
 
 from __future__ import annotations
