@@ -48,8 +48,8 @@ def pytest_addoption(parser):
     group.addoption("--kvconform-strict", action="store_true", dest=OPT_STRICT, default=None,
                     help="ignore the bundled list of known upstream faults: they fail instead of xfail")
     group.addoption("--kvconform-full", action="store_true", dest=OPT_FULL, default=None,
-                    help="also run the heavier tier (cases with tier = \"full\": compile on every model, long "
-                         "fuzzing, long contexts); meant for CI")
+                    help="also run the heavier tier (cases with tier = \"full\", default cases on their models_full: "
+                         "compile on every model, long fuzzing, long contexts); meant for CI")
     group.addoption("--kvconform-selftest", action="store_true", dest=OPT_SELFTEST, default=None,
                     help="run kvconform's bundled faulty caches through the suite instead of the subjects, and "
                          "print the share caught per check family")

@@ -112,7 +112,8 @@ class PlanItem:
 
 
 def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
-    """Whether the item exists at all. A case limited to some models (``models``) or model features
+    """Whether the item exists at all. A case limited to some models (``models``; ``models_full`` under
+    ``--kvconform-full``) or model features
     (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
     model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
     ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
@@ -120,7 +121,8 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
 
     if (case.tier == "full" or subject.tier == "full") and not full:
         return False  # opt-in tier: counted in the report header instead of listed as skips
-    if case.models and model.name not in case.models:
+    scope = case.model_scope(full)  # models, or models_full under --kvconform-full
+    if scope and model.name not in scope:
         return False
     if model_requirements_unmet(case, model.features):
         return False
@@ -291,7 +293,8 @@ class KVSession:
             f"device {self.device}, known faults {'fail (strict)' if self.strict else 'xfail'}",
             f"kvconform subjects: {', '.join(s.name for s in self.subjects)}",
             f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}"
-            + ("" if self.full else f" ({sum(c.tier == 'full' for c in self.cases)} in the full tier, not run: "
+            + ("" if self.full else f" (full tier, not run: {sum(c.tier == 'full' for c in self.cases)} cases, "
+                                    f"{sum(c.models_full is not None for c in self.cases)} on more models; "
                                     f"add --kvconform-full)"),
         ]
 
