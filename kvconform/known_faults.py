@@ -200,8 +200,9 @@ def match(faults, version, subject: str, model: str, check: str, case: str, fami
     return fault.reason if fault is not None else None
 
 
-def stale(faults, version, items, models) -> list[KnownFault]:
-    """Entries that apply to ``version`` and to one of ``models`` (names) but match none of ``items``.
+def stale(faults, version, items, models, subjects=None) -> list[KnownFault]:
+    """Entries that apply to ``version``, to one of ``models`` (names) and to one of ``subjects`` (names; None: any)
+    but match none of ``items``.
 
     Args:
         faults: the loaded entries.
@@ -209,9 +210,11 @@ def stale(faults, version, items, models) -> list[KnownFault]:
         items: dicts with ``subject``, ``model``, ``check``, ``family``, ``case`` (names) — every item the
             entries could be meant for (the caller decides the universe: tiers, models, subjects).
         models: the run's model names; an entry whose ``model`` patterns match none of them is not judged.
+        subjects: the run's subject names (after ``--kvconform-subject``); likewise.
     """
     live = [f for f in faults if f.applies_to(version)
-            and any(fnmatch.fnmatchcase(m, p) for m in models for p in f.model)]
+            and any(fnmatch.fnmatchcase(m, p) for m in models for p in f.model)
+            and (subjects is None or any(fnmatch.fnmatchcase(s, p) for s in subjects for p in f.subject))]
     hit = set()
     for item in items:
         for fault in live:

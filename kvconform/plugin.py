@@ -21,7 +21,7 @@ PROPERTY = "kvconform"
 OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
 OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
 OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
-OPT_FAULTS = "kvconform_known_faults"
+OPT_FAULTS, OPT_SUBJECT = "kvconform_known_faults", "kvconform_subject"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
@@ -36,6 +36,9 @@ def pytest_addoption(parser):
     group.addoption("--kvconform-cache", action="append", dest=OPT_CACHE, default=None, metavar="SPEC",
                     help="add a subject: 'pkg.module:Attr' or 'path/file.py:Attr' (a Cache subclass or factory); "
                          "repeatable")
+    group.addoption("--kvconform-subject", action="append", dest=OPT_SUBJECT, default=None, metavar="NAME",
+                    help="run only these subjects (by name, e.g. your own cache's); kvconform's ReferenceCache still "
+                         "gives every failure its oracle line; repeatable")
     group.addoption("--kvconform-model", action="append", dest=OPT_MODEL, default=None, metavar="SPEC",
                     help="limit the run to these models: a zoo name or a local checkpoint folder; repeatable")
     group.addoption("--kvconform-cases", action="append", dest=OPT_CASES, default=None, metavar="PATH",
@@ -60,6 +63,7 @@ def pytest_addoption(parser):
     parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
     parser.addini(OPT_CACHE, "extra subjects (same as --kvconform-cache)", type="linelist", default=[])
     parser.addini(OPT_MODEL, "models to run (same as --kvconform-model)", type="linelist", default=[])
+    parser.addini(OPT_SUBJECT, "subjects to run (same as --kvconform-subject)", type="linelist", default=[])
     parser.addini(OPT_CASES, "extra case files (same as --kvconform-cases)", type="linelist", default=[])
     parser.addini(OPT_FAULTS, "extra known-faults files (same as --kvconform-known-faults)", type="linelist",
                   default=[])
@@ -105,7 +109,7 @@ def is_active(config) -> bool:
     return bool(_opt(config, OPT_ACTIVE))
 
 
-_FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_MODEL: "--kvconform-model", OPT_CASES: "--kvconform-cases",
+_FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OPT_MODEL: "--kvconform-model", OPT_CASES: "--kvconform-cases",
           OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
           OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device"}
 
@@ -175,6 +179,7 @@ def pytest_configure(config):
             case_paths=_opt(config, OPT_CASES),
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
             full=bool(_opt(config, OPT_FULL)), known_faults=_opt(config, OPT_FAULTS),
+            only_subjects=_opt(config, OPT_SUBJECT),
         )
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
@@ -353,9 +358,9 @@ def kv_runner(kv_session, request):
 def pytest_runtest_makereport(item, call):
     report = yield
     if call.excinfo is not None and PROPERTY in item.keywords:
-        from kvconform.checks import ConformanceError
+        from kvconform.checks import ConformanceError, SubjectNotBuilt
 
-        if isinstance(call.excinfo.value, ConformanceError) and report.failed:
+        if isinstance(call.excinfo.value, (ConformanceError, SubjectNotBuilt)) and report.failed:
             report.longrepr = str(call.excinfo.value)
     return report
 

@@ -273,7 +273,8 @@ class KVSession:
                     if in_scope(subject, model, case, full=True):
                         items.append({"subject": subject.name, "model": model.name, "check": check.name,
                                       "family": check.family, "case": case.id})
-        return known_faults.stale(self.faults, transformers_version(), items, names)
+        return known_faults.stale(self.faults, transformers_version(), items, names,
+                                  {s.name for s in self.subjects})
 
     def environment(self) -> dict:
         import torch
@@ -325,7 +326,7 @@ def _quiet_transformers():
 
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
-                  builtin=True, checks=None, case_ids=None, known_faults=()) -> KVSession:
+                  builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=()) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -336,6 +337,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         checks: if given, only cases running these check names.
         case_ids: if given, only these case ids.
         known_faults: extra known-faults files, read after the bundled ``known_faults.toml``.
+        only_subjects: if given, keep only the subjects of these names (built-in or added); the reference cache
+            still runs for the oracle line of each failure.
 
     Raises:
         ValueError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
@@ -377,6 +380,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         if unknown:
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
+    if only_subjects:
+        subjects = _select_subjects(subjects, only_subjects)
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
                       models={*zoo.ZOO_NAMES, *names})
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
@@ -384,6 +389,24 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         if zoo.is_checkpoint_spec(info.spec):  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
             _refuse_unusable_checkpoint(session, info)
     return session
+
+
+def _select_subjects(subjects: list, names) -> list:
+    """The subjects named in ``names`` (``--kvconform-subject``), in the run's order.
+
+    Raises:
+        ValueError: a name that is no subject of this run (with the closest name and the list).
+    """
+    import difflib
+
+    known = [s.name for s in subjects]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"--kvconform-subject {name!r}: no such subject{hint} (subjects of this run: "
+                             f"{', '.join(known)}; add yours with --kvconform-cache)")
+    return [s for s in subjects if s.name in set(names)]
 
 
 def causality_gap(zm) -> float:

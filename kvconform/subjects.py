@@ -108,15 +108,59 @@ class SubjectBuildError(Exception):
         self.name, self.kwargs, self.cause = name, kwargs, cause
 
 
-def accepted_kwargs(factory, available: Mapping) -> dict:
-    """The subset of ``available`` that ``factory``'s signature accepts (all of it if it takes ``**kwargs``)."""
+def _named(params) -> set:
+    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"}
+
+
+def _takes_var_keyword(params) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def accepted_names(factory) -> set | None:
+    """The keyword names ``factory`` accepts, or None when it accepts any (or its signature cannot be read).
+
+    A class whose ``__init__`` takes ``**kwargs`` and forwards them to its base (``class MyCache(DynamicCache):
+    def __init__(self, bits=4, **kwargs): super().__init__(**kwargs)``, the usual pattern of third-party caches)
+    accepts its own names plus those of the ``__init__`` methods along its MRO, up to the first that takes no
+    ``**kwargs`` (there ``DynamicCache.__init__``: ``config``, ... but not ``max_cache_len``).
+    """
     try:
-        params = inspect.signature(factory).parameters
+        if not inspect.isclass(factory):
+            params = inspect.signature(factory).parameters
+            return None if _takes_var_keyword(params) else _named(params)
+        names: set = set()
+        for klass in factory.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            if klass is object:
+                return names
+            params = inspect.signature(init).parameters
+            names |= _named(params)
+            if not _takes_var_keyword(params):
+                return names
+        return None
     except (TypeError, ValueError):
-        return dict(available)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(available)
-    return {k: v for k, v in available.items() if k in params}
+        return None
+
+
+def accepted_kwargs(factory, available: Mapping) -> dict:
+    """The subset of ``available`` that ``factory`` accepts (see ``accepted_names``; all of it when any name is)."""
+    names = accepted_names(factory)
+    return dict(available) if names is None else {k: v for k, v in available.items() if k in names}
+
+
+def required_unknown_arguments(factory) -> list[str]:
+    """Required parameters of ``factory`` (of a class: of its ``__init__``) that kvconform never passes (not in
+    ``CONSTRUCTION_KWARGS``): such a subject cannot be built at all."""
+    try:
+        target = factory.__init__ if inspect.isclass(factory) else factory
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items()
+            if n != "self" and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and n not in CONSTRUCTION_KWARGS]
 
 
 # ---------------------------------------------------------------------------------------------------- built-ins
@@ -310,11 +354,19 @@ def check_factory_builds_cache(spec: CacheSpec, config) -> None:
     """Build ``spec`` once for ``config`` and make sure the result is a ``transformers.Cache``.
 
     Raises:
-        SpecError: the factory returned something that is not a Cache.
+        SpecError: the factory requires an argument kvconform never passes (``required_unknown_arguments``), or
+            returned something that is not a Cache.
     (An exception raised by the factory itself is left to the items: it fails them, not the session.)
     """
     from transformers import Cache
 
+    missing = required_unknown_arguments(spec.factory)
+    if missing:
+        raise SpecError(
+            f"{spec.source if spec.source != 'python' else spec.name!r}: {spec.name} requires "
+            f"{', '.join(repr(m) for m in missing)}, which kvconform cannot pass (it passes only those of "
+            f"{', '.join(CONSTRUCTION_KWARGS)} that the signature accepts); hand kvconform a factory instead, e.g. "
+            f"def make_{spec.name.lower()}(config): return {spec.name}(config=config, {missing[0]}=...)")
     try:
         built = spec.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
     except Exception:  # noqa: BLE001 - reported per item
