@@ -184,7 +184,8 @@ def pytest_configure(config):
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
     config.stash[RESULTS_KEY] = {}
-    if str(SUITE_DIR) not in config.args:
+    suite_ids = _point_suite_node_ids_at_the_suite(config)
+    if not suite_ids and str(SUITE_DIR) not in config.args:
         config.args.append(str(SUITE_DIR))
 
 
@@ -261,6 +262,25 @@ def kv_session(request):
     from kvconform.session import build_session
 
     return build_session(builtin=False)
+
+
+def _point_suite_node_ids_at_the_suite(config) -> bool:
+    """Let a node id printed by a run (``test_conformance.py::test_conformance[...]`` in a FAILED line, which is
+    relative to the installed suite's folder) be pasted back: such arguments are rewritten to the suite file's
+    path. Returns True when the command line names suite items, so that the whole suite is not added as well."""
+    named = False
+    for i, arg in enumerate(config.args):
+        path, sep, rest = str(arg).partition("::")
+        base = os.path.basename(path)
+        if base not in (SUITE_FILE.name, SELFTEST_FILE.name):
+            continue
+        if os.path.exists(os.path.join(config.invocation_params.dir, path)) and \
+                os.path.abspath(os.path.join(config.invocation_params.dir, path)) not in (str(SUITE_FILE),
+                                                                                            str(SELFTEST_FILE)):
+            continue  # the user's own file of that name
+        config.args[i] = str(SUITE_DIR / base) + sep + rest
+        named = True
+    return named
 
 
 def _hooked_specs(config) -> list:

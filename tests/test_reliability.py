@@ -153,3 +153,14 @@ def test_non_causal_checkpoints_are_refused_up_front(run_kvconform, pytester):
         result = run_kvconform("--kvconform-model", spec, "--collect-only", "-q")
         assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
         assert message in result.stderr.str()
+
+
+def test_a_failed_node_id_can_be_pasted_back(run_kvconform):
+    spec = ("--kvconform-cache", "kvconform.testing.faulty_logits:HiddenWindowCache", "--kvconform-model", "llama")
+    result = run_kvconform(*spec, "-k", "HiddenWindowCache and prefill_then_decode", "-rf")
+    assert result.ret == 1
+    failed = [line.split()[1] for line in result.stdout.lines if line.startswith("FAILED ")]
+    assert failed and failed[0].startswith("test_conformance.py::")
+    again = run_kvconform(*spec, failed[0])
+    again.assert_outcomes(failed=1)
+    assert failed[0].split("::")[1] in again.stdout.str()
