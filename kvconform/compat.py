@@ -30,6 +30,8 @@ Facts it encodes (``shared/FACTS.md``, measured; transformers changelogs):
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import inspect
 
 _CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
@@ -254,3 +256,24 @@ def layer_types_and_kwargs(config) -> tuple[list, list]:
             extra["number_of_states"] = getattr(layer, "number_of_states", 1)
         kwargs.append(extra)
     return types, kwargs
+
+
+# ------------------------------------------------------------------------------------------ optional packages
+@functools.lru_cache(maxsize=None)
+def missing_requirement(requirement: str) -> bool:
+    """True when ``requirement`` — ``"module"`` or ``"module:attr"`` — is not importable here.
+
+    Modules are located without importing them (``importlib.util.find_spec``); an ``attr`` needs the import.
+    """
+    module, _, attr = requirement.partition(":")
+    try:
+        if importlib.util.find_spec(module) is None:
+            return True
+    except (ImportError, ValueError):
+        return True
+    if not attr:
+        return False
+    try:
+        return not hasattr(importlib.import_module(module), attr)
+    except Exception:  # noqa: BLE001 - a module that fails to import is missing
+        return True

@@ -1,7 +1,11 @@
-"""Lossy and hardware-bound subjects: quantized caches, their fake-quant twins, offloaded caches, quality metrics.
+"""Quantization on the reference side: the round trips, ``QuantConfig``, the fake-quant twin cache, quality metrics.
+
+This module sits in the reference layer (see ARCHITECTURE.md): it imports only ``compat`` and ``reference``. The
+built-in quantized and offloaded subjects are in ``kvconform.subjects``; the judge's twin targets in
+``kvconform.checks._twin``.
 
 A quantized cache cannot match the exact oracle: its keys and values are rounded. kvconform holds it to two
-comparisons instead (DESIGN §5):
+comparisons instead:
 
 * **tight, against its fake-quant twin**: ``FakeQuantCache`` is ``ReferenceCache``'s twin that stores keys and
   values through the *same* quantize→dequantize round trip (same bits, group size, axis, residual length and flush
@@ -9,7 +13,7 @@ comparisons instead (DESIGN §5):
   is wrong *beyond* its rounding (a stale order after a reorder, a dropped residual, keys stored at fewer bits than
   declared) differs from its twin by far more than float noise. The engine's ``judge`` compares a subject whose
   ``CacheSpec.twin`` is set with the twin run on the same ops, same model and dtype, under the exact path's noise
-  floor (``twin_targets``).
+  floor (``kvconform.checks._twin.twin_targets``).
 * **a quality budget, against the exact oracle**: KL divergence of the next-token distributions and top-1
   agreement (``quality_metrics``), budgets declared per case (``params = {kl_max = ..., top1_min = ...}``).
 
@@ -32,11 +36,6 @@ The quantization rules mirrored here (transformers 5.24 ``cache_utils``, optimum
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
-import importlib
-import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -319,39 +318,7 @@ def quantized_factory(qc: QuantConfig):
     return build
 
 
-# ------------------------------------------------------------------------------------------ applicability
-def full_attention_only(model) -> str | None:
-    """``CacheSpec.applies_to`` of QuantizedCache subjects: decoder-only, every layer full attention."""
-    if model.is_encoder_decoder:
-        return ("QuantizedCache supports decoder-only full-attention models only (transformers' generate refuses "
-                "it for encoder-decoder models)")
-    other = sorted(set(model.layer_types) - {"full_attention"})
-    if other:
-        return f"QuantizedCache supports full-attention models only ({model.name} has {', '.join(other)} layers)"
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def missing_requirement(requirement: str) -> bool:
-    """True when ``requirement`` — ``"module"`` or ``"module:attr"`` — is not importable here.
-
-    Modules are located without importing them (``importlib.util.find_spec``); an ``attr`` needs the import.
-    """
-    module, _, attr = requirement.partition(":")
-    try:
-        if importlib.util.find_spec(module) is None:
-            return True
-    except (ImportError, ValueError):
-        return True
-    if not attr:
-        return False
-    try:
-        return not hasattr(importlib.import_module(module), attr)
-    except Exception:  # noqa: BLE001 - a module that fails to import is missing
-        return True
-
-
-# ------------------------------------------------------------------------------------------ built-in subjects
+# ------------------------------------------------------------------------------------------ built-in declarations
 QUANTIZED = (
     ("QuantizedCache_quanto4", QuantConfig("quanto", nbits=4)),
     ("QuantizedCache_quanto2", QuantConfig("quanto", nbits=2)),
@@ -359,102 +326,7 @@ QUANTIZED = (
     ("QuantizedCache_hqq2", QuantConfig("hqq", nbits=2)),
     ("QuantizedCache_fp8", QuantConfig("fp8")),
 )
-_REQUIRES = {
-    "quanto": {"optimum.quanto": "pip install kvconform[quanto]"},
-    "hqq": {"hqq": "pip install kvconform[hqq]"},
-    "fp8": {"transformers.cache_utils:Fp8QuantizedLayer":
-            "the fp8 backend of QuantizedCache is not in the installed transformers"},
-}
-
-
-def quantized_subjects() -> list:
-    """The built-in ``QuantizedCache`` subjects (quanto 4/2-bit, HQQ 4/2-bit, fp8), each with its twin.
-
-    Capabilities: forward, generate, reorder, reset, batch_repeat, batch_select (the Cache API offers them; on 5.24
-    they are broken for quantized layers, a known fault); deepcopy except quanto (``copy.deepcopy`` of quanto's
-    wrapper tensors raises, FACTS.md). No crop (``is_croppable`` is False), no compile.
-    """
-    from kvconform.subjects import CacheSpec
-
-    out = []
-    for name, qc in QUANTIZED:
-        caps = {"forward", "generate", "reorder", "reset", "batch_repeat", "batch_select"}
-        caps |= {"deepcopy"} if qc.backend != "quanto" else set()
-        out.append(CacheSpec(name, quantized_factory(qc), capabilities=frozenset(caps), twin=twin_factory(qc),
-                             applies_to=full_attention_only, requires=_REQUIRES[qc.backend],
-                             tier="full" if qc.nbits == 2 else "default"))
-    return out
-
-
-def _offloaded_dynamic(config):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=config, offloading=True)
-
-
-def _offloaded_static(config, max_cache_len):
-    from transformers import StaticCache
-
-    return StaticCache(config=config, max_cache_len=max_cache_len, offloading=True)
-
-
-OFFLOAD_REASON = "offloading needs CUDA"
-
-
-def offloaded_subjects() -> list:
-    """``DynamicCache(offloading=True)`` and ``StaticCache(offloading=True)``: CUDA only (skipped elsewhere), each
-    declaring the non-offloaded subject it must equal (``same_as``)."""
-    from kvconform.subjects import CAPABILITIES, CacheSpec, static_crop_note
-
-    notes = static_crop_note()
-    return [
-        CacheSpec("DynamicCache_offloaded", _offloaded_dynamic, needs_cuda=OFFLOAD_REASON, same_as="DynamicCache"),
-        CacheSpec("StaticCache_offloaded", _offloaded_static, needs_cuda=OFFLOAD_REASON, same_as="StaticCache",
-                  capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"} - set(notes), notes=notes),
-    ]
-
-
-# ------------------------------------------------------------------------------------------ twin targets for judge
-def twin_targets(ctx, spec, steps, driver=None) -> dict:
-    """``{step.index: (target, floor_reference)}`` for judging a lossy subject, both ``[B, length, V]`` float64.
-
-    ``target``: the twin's logits from the same ops (``driver``, default ``_engine.run_ops``) on a fresh twin, with
-    the same model in the same dtype on the same device — a faithful subject reproduces them (measured: bit for bit
-    for quanto, HQQ and fp8 on CPU). ``floor_reference = target + (uncached − oracle)``, so that
-    ``compare_logits`` takes the *exact path's* noise floor ``|uncached − oracle|`` of the step's sequence:
-    ``max|subject − twin| ≤ max(k · floor, abs_min)``, as tight as an exact cache against the oracle.
-
-    Why not the twin on the float64 model as the target: float32 and float64 quantization round a few elements
-    across a bin boundary differently, and such a flip moves logits by 1e-3 … 2e-1 (measured on the zoo, HQQ
-    most), which would inflate the floor — and the tolerance — far above the faults the twin is there to see. A
-    lossy subject whose own arithmetic differs from its twin (another kernel) declares a larger
-    ``CacheSpec.tolerance_factor``.
-
-    Raises:
-        RuntimeError: the twin run does not replay ``steps`` (different count, lengths or tokens): the calling check
-            feeds tokens some other way than ``driver`` and cannot judge a lossy subject.
-    """
-    from kvconform.checks import _engine
-
-    driver = driver or _engine.run_ops
-    twin_spec = dataclasses.replace(spec, name=f"{spec.name}.twin", factory=spec.twin, twin=None)
-    tctx = copy.copy(ctx)
-    tctx.subject, tctx.metrics = twin_spec, {}
-    twin_steps = driver(tctx, tctx.new_cache())
-    enc = getattr(tctx, "encoder_ids", None)
-    out = {}
-    for step in steps:
-        twin = twin_steps[step.index] if step.index < len(twin_steps) else None
-        if twin is None or (twin.start, twin.length) != (step.start, step.length) or not torch.equal(twin.seq,
-                                                                                                       step.seq):
-            raise RuntimeError(f"kvconform: {ctx.check_name} cannot judge the lossy subject {spec.name}: its step "
-                               f"{step.index} ({step.label}) is not reproduced by replaying case {ctx.case.id} on "
-                               f"the fake-quant twin")
-        sl = slice(step.start, step.start + step.length)
-        noise = (ctx.oracle.uncached(step.seq, encoder_ids=enc)[:, sl] - ctx.oracle.logits(step.seq,
-                                                                                           encoder_ids=enc)[:, sl])
-        out[step.index] = (twin.logits, twin.logits + noise)
-    return out
+"""``(subject name, QuantConfig)`` of the built-in ``QuantizedCache`` subjects (``subjects.quantized_subjects``)."""
 
 
 # ------------------------------------------------------------------------------------------ quality metrics

@@ -139,7 +139,7 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     hardware.
     """
     from kvconform.cases import model_requirements_unmet
-    from kvconform.quant import missing_requirement
+    from kvconform.compat import missing_requirement
 
     if case.tier == "full" and not full:
         return f"case {case.id} is in the full tier (opt-in: --kvconform-full)"

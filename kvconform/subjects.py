@@ -2,7 +2,7 @@
 
 Built-in subjects are the reference cache kvconform ships and the transformers caches; ``--kvconform-cache SPEC``
 adds user subjects, where SPEC is ``package.module:attr`` or ``path/to/file.py:attr`` and ``attr`` is a
-``transformers.Cache`` subclass or a factory returning one (DESIGN §6, contract).
+``transformers.Cache`` subclass or a factory returning one.
 
 Construction contract: a subject is built with keyword arguments drawn from
 ``{config, max_cache_len, batch_size, device, dtype}`` — only those its signature accepts, all of them if it takes
@@ -192,11 +192,74 @@ def static_crop_note() -> dict:
     return {"crop": f"StaticLayer has no crop() on transformers {compat.transformers_version()} (added in 5.24)"}
 
 
+# ---------------------------------------------------------------------------------------------------- lossy, offloaded
+def full_attention_only(model) -> str | None:
+    """``CacheSpec.applies_to`` of QuantizedCache subjects: decoder-only, every layer full attention."""
+    if model.is_encoder_decoder:
+        return ("QuantizedCache supports decoder-only full-attention models only (transformers' generate refuses "
+                "it for encoder-decoder models)")
+    other = sorted(set(model.layer_types) - {"full_attention"})
+    if other:
+        return f"QuantizedCache supports full-attention models only ({model.name} has {', '.join(other)} layers)"
+    return None
+
+
+_REQUIRES = {
+    "quanto": {"optimum.quanto": "pip install kvconform[quanto]"},
+    "hqq": {"hqq": "pip install kvconform[hqq]"},
+    "fp8": {"transformers.cache_utils:Fp8QuantizedLayer":
+            "the fp8 backend of QuantizedCache is not in the installed transformers"},
+}
+
+
+def quantized_subjects() -> list:
+    """The built-in ``QuantizedCache`` subjects (quanto 4/2-bit, HQQ 4/2-bit, fp8), each with its twin.
+
+    Capabilities: forward, generate, reorder, reset, batch_repeat, batch_select (the Cache API offers them; on 5.24
+    they are broken for quantized layers, a known fault); deepcopy except quanto (``copy.deepcopy`` of quanto's
+    wrapper tensors raises). No crop (``is_croppable`` is False), no compile.
+    """
+    from kvconform.quant import QUANTIZED, quantized_factory, twin_factory
+
+    out = []
+    for name, qc in QUANTIZED:
+        caps = {"forward", "generate", "reorder", "reset", "batch_repeat", "batch_select"}
+        caps |= {"deepcopy"} if qc.backend != "quanto" else set()
+        out.append(CacheSpec(name, quantized_factory(qc), capabilities=frozenset(caps), twin=twin_factory(qc),
+                             applies_to=full_attention_only, requires=_REQUIRES[qc.backend],
+                             tier="full" if qc.nbits == 2 else "default"))
+    return out
+
+
+def _offloaded_dynamic(config):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config, offloading=True)
+
+
+def _offloaded_static(config, max_cache_len):
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=max_cache_len, offloading=True)
+
+
+OFFLOAD_REASON = "offloading needs CUDA"
+
+
+def offloaded_subjects() -> list:
+    """``DynamicCache(offloading=True)`` and ``StaticCache(offloading=True)``: CUDA only (skipped elsewhere), each
+    declaring the non-offloaded subject it must equal (``same_as``)."""
+    notes = static_crop_note()
+    return [
+        CacheSpec("DynamicCache_offloaded", _offloaded_dynamic, needs_cuda=OFFLOAD_REASON, same_as="DynamicCache"),
+        CacheSpec("StaticCache_offloaded", _offloaded_static, needs_cuda=OFFLOAD_REASON, same_as="StaticCache",
+                  capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"} - set(notes), notes=notes),
+    ]
+
+
 def builtin_subjects() -> list[CacheSpec]:
     """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…), the QuantizedCache
-    subjects and the offloaded caches (``kvconform.quant``)."""
-    from kvconform.quant import offloaded_subjects, quantized_subjects
-
+    subjects and the offloaded caches (``quantized_subjects``, ``offloaded_subjects``)."""
     notes = static_crop_note()
     return [
         CacheSpec("ReferenceCache", _reference),

@@ -1,8 +1,8 @@
 """Timing for the ``speed`` family: medians of interleaved repeats, a CUDA-synchronised timer, and the
 pytest-benchmark adapter.
 
-Why interleaved medians: on a shared machine a single run can stall for tens of milliseconds (``shared/FACTS.md``
-measured 40× outliers), and the load drifts over seconds. Every *round* therefore runs every target once, in an
+Why interleaved medians: on a shared machine a single run can stall for tens of milliseconds (measured: 40×
+outliers), and the load drifts over seconds. Every *round* therefore runs every target once, in an
 order rotated from round to round, and each target is summarised by the median of its rounds. Budgets are
 **ratios of targets measured side by side in the same rounds** (the subject against the uncached forward, or the
 same subject at two context lengths), so the machine's speed cancels out.
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvconform.checks import CheckSkipped
+from kvconform.outcomes import CheckSkipped
 
 
 @dataclass

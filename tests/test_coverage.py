@@ -94,7 +94,7 @@ def test_offload_check_never_passes_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the check runs for real")
     from kvconform.checks import CheckContext, run_check
-    from kvconform.quant import offloaded_subjects
+    from kvconform.subjects import offloaded_subjects
     from kvconform.session import skip_reason
     from kvconform.checks import load_checks
     from kvconform.cases import load_cases

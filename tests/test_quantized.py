@@ -129,7 +129,7 @@ def test_quantized_subjects_within_budget_offloaded_skipped(run_kvconform, pytes
 
 def test_two_bit_subject_within_budget_in_the_full_tier():
     from kvconform import check_cache
-    from kvconform.quant import quantized_subjects
+    from kvconform.subjects import quantized_subjects
 
     quanto2 = next(s for s in quantized_subjects() if s.name == "QuantizedCache_quanto2")
     assert check_cache(quanto2, models=["llama"], cases=["quality_decode"]) == []  # not in the default tier
@@ -174,7 +174,7 @@ def test_faulty_quantized_caches_are_caught():
 def test_crop_fault_is_known_and_fails_under_strict():
     """transformers' QuantizedCache crop fault: an xfail naming it by default, a failure naming it under strict."""
     from kvconform import check_cache
-    from kvconform.quant import quantized_subjects
+    from kvconform.subjects import quantized_subjects
 
     fp8 = next(s for s in quantized_subjects() if s.name == "QuantizedCache_fp8")
     for strict, outcome in ((False, "xfailed"), (True, "failed")):

@@ -10,6 +10,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvconform.outcomes import CheckSkipped  # noqa: F401 - re-exported: the suite catches it from here
+
 
 class ConformanceError(AssertionError):
     """A subject does not conform. ``str(err)`` is the DESIGN §7 message; ``metrics`` is JSON-serialisable
@@ -30,10 +32,6 @@ class SubjectNotBuilt(Exception):
         super().__init__(message)
         self.metrics = metrics or {}
 
-
-class CheckSkipped(Exception):
-    """A check found at run time that it cannot measure here (e.g. benchmarking is disabled). The suite reports
-    the item as skipped with ``str(err)`` as the reason — never as passed."""
 
 
 _TYPE_NAMES = {bool: "bool", int: "int", float: "number", str: "string", list: "list", dict: "table"}

@@ -513,7 +513,7 @@ def judge(ctx, steps, spec=None, driver=None) -> Verdict:
     """Compare every step with the oracle under ``ctx.tolerance()``.
 
     ``spec`` is the subject that produced ``steps`` (default: ``ctx.subject``). A lossy subject (``spec.twin``) is
-    compared with its fake-quant twin run on the same ops instead (``kvconform.quant.twin_targets``); ``driver``
+    compared with its fake-quant twin run on the same ops instead (``kvconform.checks._twin.twin_targets``); ``driver``
     (``fn(ctx, cache) -> steps``, default ``run_ops``) is how the twin replays them.
     """
     tol = ctx.tolerance()
@@ -521,9 +521,9 @@ def judge(ctx, steps, spec=None, driver=None) -> Verdict:
     spec = spec or ctx.subject
     twin = None
     if getattr(spec, "twin", None) is not None:  # lossy subject: the twin's float64 run is the target
-        from kvconform.quant import twin_targets
+        from kvconform.checks._twin import twin_targets
 
-        twin = twin_targets(ctx, spec, steps, driver) if driver is not None else twin_targets(ctx, spec, steps)
+        twin = twin_targets(ctx, spec, steps, driver or run_ops)
     source = prefix_oracle(ctx, steps) if twin is None else None
     for step in steps:
         if twin is not None:

@@ -125,7 +125,7 @@ def twin_line(ctx) -> str:
 
 def judge_twin(ctx, steps):
     """(first failing (step, Comparison) or None, worst pair) of ``steps`` against the twin on the same ops."""
-    from kvconform.quant import twin_targets
+    from kvconform.checks._twin import twin_targets
 
     tol = ctx.tolerance()
     targets = twin_targets(ctx, ctx.subject, steps, driver=drive)

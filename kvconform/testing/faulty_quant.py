@@ -15,8 +15,8 @@ import torch
 from transformers import QuantizedCache, StaticCache
 from transformers.cache_utils import QuantoQuantizedLayer
 
-from kvconform.quant import QuantConfig, full_attention_only, group_size_for, twin_factory
-from kvconform.subjects import CacheSpec
+from kvconform.quant import QuantConfig, group_size_for, twin_factory
+from kvconform.subjects import CacheSpec, full_attention_only
 from kvconform.testing import FaultyCache
 
 DECLARED = QuantConfig("quanto", nbits=4)
