@@ -325,6 +325,29 @@ def _quiet_transformers():
     logging.set_verbosity_error()
 
 
+def _import_backends_quietly(subjects) -> None:
+    """Import the optional backends the run's subjects require (``CacheSpec.requires``, e.g. hqq) once, up front,
+    with their import-time ``DeprecationWarning`` s silenced: hqq compiles functions with ``torch.jit.script``, and
+    each import otherwise adds 14 torch deprecation warnings to the run's summary that say nothing about the cache.
+    Backends that are not installed are left alone (their items skip with the install hint)."""
+    import importlib
+    import warnings
+
+    from kvconform.compat import missing_requirement
+
+    for module in dict.fromkeys(r.partition(":")[0] for s in subjects for r in s.requires):
+        if missing_requirement(module):
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                importlib.import_module(module)
+                if module == "hqq":
+                    importlib.import_module("hqq.core.quantize")
+            except Exception:  # noqa: BLE001 - a backend that fails to import is reported by its items
+                pass
+
+
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
                   builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=()) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
@@ -382,6 +405,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         cases = [c for c in cases if c.id in set(case_ids)]
     if only_subjects:
         subjects = _select_subjects(subjects, only_subjects)
+    _import_backends_quietly(subjects)
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
                       models={*zoo.ZOO_NAMES, *names})
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)

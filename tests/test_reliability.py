@@ -164,3 +164,10 @@ def test_a_failed_node_id_can_be_pasted_back(run_kvconform):
     again = run_kvconform(*spec, failed[0])
     again.assert_outcomes(failed=1)
     assert failed[0].split("::")[1] in again.stdout.str()
+
+
+def test_optional_backends_import_without_deprecation_noise(run_kvconform):
+    pytest.importorskip("hqq")
+    result = run_kvconform("--kvconform-model", "llama", "-k", "QuantizedCache_hqq4 and decode_explicit")
+    result.assert_outcomes(passed=1)
+    assert "DeprecationWarning" not in result.stdout.str()
