@@ -172,10 +172,16 @@ def check_speed_vs_uncached(ctx):
     "short": Param(int, default=DEFAULTS["short"], min=1, doc="the short context"),
     "long": Param(int, default=DEFAULTS["long"], min=1, doc="the long context"),
     "max_growth": Param(float, required=True, min=0, doc="budget: per-token cost at long / at short"),
+    "max_growth_quantized_share": Param(float, default=0.6, min=0, max=1,
+                                        doc="budget of a quantized subject: its growth ≤ this share of the uncached "
+                                            "forward's growth in the same rounds (and always ≤ max_growth is "
+                                            "enough)"),
 })
 def check_speed_flat_decode(ctx):
     """Per-token decode cost grows ≤ ``params.max_growth`` × from context ``short`` to ``long``; the uncached
-    forward, in the same rounds, grows ~linearly."""
+    forward, in the same rounds, grows ~linearly. A quantized subject (``_quantized``) dequantizes its history at
+    every step, so it is held to ``max_growth_quantized_share`` × the uncached growth instead when that is larger:
+    it must still save most of what recomputing the context costs."""
     short, long, steps = int(_param(ctx, "short")), int(_param(ctx, "long")), int(_param(ctx, "steps"))
     ceiling = float(_param(ctx, "max_growth"))
     usteps = int(_param(ctx, "uncached_steps"))
@@ -191,13 +197,22 @@ def check_speed_flat_decode(ctx):
     a, b = timings[f"{subject}@{short}"], timings[f"{subject}@{long}"]
     ua, ub = timings[f"uncached@{short}"], timings[f"uncached@{long}"]
     growth, ugrowth = b.median / a.median, ub.median / ua.median
-    ctx.metrics.update(growth=round(growth, 2), max_growth=ceiling, uncached_growth=round(ugrowth, 2),
+    quantized, budget_text = _quantized(ctx), f"{ceiling:g}×"
+    if quantized:
+        # A quantized cache dequantizes its whole history at every decode step (transformers' QuantizedCache does,
+        # by design): its per-token cost is O(context), measured 1.1-3.2× here for 128 → 1024 tokens against the
+        # uncached forward's 6.6-8.5×. It must still save most of the growth of recomputing the context.
+        share = float(_param(ctx, "max_growth_quantized_share"))
+        ceiling = max(ceiling, share * ugrowth)
+        budget_text = (f"{ceiling:.2f}× (a quantized cache dequantizes its history every step: ≤ {share:g} × the "
+                       f"uncached growth {ugrowth:.2f}×, or ≤ max_growth)")
+    ctx.metrics.update(growth=round(growth, 2), max_growth=round(ceiling, 3), uncached_growth=round(ugrowth, 2),
                        ms_per_token_short=round(a.median * 1e3, 3), ms_per_token_long=round(b.median * 1e3, 3),
-                       short=short, long=long)
+                       short=short, long=long, quantized=quantized)
     if growth > ceiling:
         ctx.fail([
             f"per-token decode cost grew {growth:.2f}× from context {short} to {long}, but should grow "
-            f"≤ {ceiling:g}×",
+            f"≤ {budget_text}",
             f"{subject}: {_ms(a)} → {_ms(b)} ms/token; uncached forward in the same rounds: {_ms(ua)} → "
             f"{_ms(ub)} ms/token ({ugrowth:.2f}×)",
             timer,
