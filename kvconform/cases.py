@@ -35,7 +35,7 @@ from pathlib import Path
 
 
 OP_NAMES = ("prefill", "decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
-"""Op vocabulary of DESIGN §2. ``prefill N``: first pass over N prompt tokens; ``decode N``: N single-token steps;
+"""Op vocabulary (ARCHITECTURE.md, "The op interpreter"). ``prefill N``: first pass over N prompt tokens; ``decode N``: N single-token steps;
 ``chunk N``: one forward of N tokens into a warm cache; ``crop N``: remove the last N tokens."""
 OPS_WITH_COUNT = ("prefill", "decode", "chunk", "crop", "repeat")
 DTYPES = ("float32", "float64", "bfloat16", "float16")

@@ -1,6 +1,6 @@
 """The ONLY module that knows which transformers version does what with caches.
 
-Facts it encodes (``shared/FACTS.md``, measured; transformers changelogs):
+Facts it encodes (measured on 5.5.4, 5.16.1 and 5.24.0; transformers changelogs):
 
 * forward keyword of the cache: ``cache=`` since 5.24; before that ``past_key_values=`` for attention models and
   ``cache_params=`` for Mamba-style models. Detected from the forward signature, not the version, so models with
@@ -173,7 +173,7 @@ def positive_crop_contract() -> str:
     """What ``crop(n)`` with ``n ≥ 0`` means on the installed transformers: ``"raise"`` for ``n > 0`` (≥ 5.20: only
     negative counts; ``crop(0)`` is a no-op), ``"keep"`` (5.14–5.19: ``n > 0`` is the length to keep, ``crop(0)`` a
     no-op) or ``"keep-zero-empties"`` (before 5.14, read in 5.5.4: ``n ≥ 0`` is the length to keep, so ``crop(0)``
-    empties the cache). Source: transformers changelogs 5.14–5.20, ``shared/FACTS.md``, the 5.5.4 / 5.16.1 sources."""
+    empties the cache). Source: transformers changelogs 5.14–5.20 and the 5.5.4 / 5.16.1 / 5.24.0 sources."""
     release = transformers_version().release
     if release >= (5, 20):
         return "raise"
@@ -182,7 +182,7 @@ def positive_crop_contract() -> str:
 
 def static_layers_crop() -> bool:
     """Whether the installed static layers (``StaticLayer``, ``StaticSlidingWindowLayer``) implement ``crop``. They do
-    since 5.24 (FACTS.md); on 5.5.4 and 5.16.1 (read in the sources) they have no ``crop``, so ``StaticCache.crop``,
+    since 5.24 (measured); on 5.5.4 and 5.16.1 (read in the sources) they have no ``crop``, so ``StaticCache.crop``,
     inherited from ``Cache``, can only raise ``AttributeError``: static caches cannot be cropped there."""
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 

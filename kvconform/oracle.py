@@ -1,4 +1,4 @@
-"""The oracle: uncached float64 logits, the noise floor, and the tolerance rule (DESIGN §5).
+"""The oracle: uncached float64 logits, the noise floor, and the tolerance rule (ARCHITECTURE.md, "Oracle and tolerance").
 
 * oracle logits: ``use_cache=False`` forward of the same weights on the same full token sequence, in float64 on
   CPU. By causality the logits at position ``t`` depend only on tokens ``≤ t``, so one oracle forward of a
@@ -7,7 +7,7 @@
   perfect cache cannot beat, because the subject computes in the case dtype too.
 * tolerance: a subject passes when ``max|subject − oracle| ≤ max(k · floor, abs_min)``. On transformers 5.24 in
   fp32, exact caches sit at 1e-7 (attention) to 2e-6 (Mamba) while real faults start at 1e-4 (Jamba chunked
-  continuation) and 2e-3 (position offset) — ``shared/FACTS.md`` — so ``k = 10`` and ``abs_min = 2e-5`` separate
+  continuation) and 2e-3 (position offset) (measured on the zoo) so ``k = 10`` and ``abs_min = 2e-5`` separate
   them with an order of magnitude on each side.
 """
 

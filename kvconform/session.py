@@ -130,7 +130,7 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
 
 
 def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, device: str = "cpu") -> str | None:
-    """The one place that decides whether an item applies (DESIGN §4.1).
+    """The one place that decides whether an item applies (see ARCHITECTURE.md, "Items").
 
     Besides capabilities and model features: a check may declare its own rule in the registry,
     ``@register(..., applies=rule)`` with ``rule(subject, model, case, device=...) -> reason or None`` (lossy-only

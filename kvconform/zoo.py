@@ -3,7 +3,7 @@
 Every zoo model has hidden size 64, 2 layers, 4 attention heads (2 KV heads where the family has GQA) and a
 vocabulary of 128 tokens, and is initialised with ``torch.manual_seed(seed)`` and ``initializer_range=0.1``:
 with the transformers default of 0.02 the top-1 margins of a tiny model are ~1e-3, so token-level comparisons
-flip on float noise (measured, ``shared/FACTS.md``). Families with a sliding window use a window of 8 tokens, and
+flip on float noise (measured on the zoo). Families with a sliding window use a window of 8 tokens, and
 the cases feed prompts longer than that, so the window is really exercised.
 
 Nothing is downloaded: configs come from ``AutoConfig.for_model`` and weights from the seeded initialiser.
@@ -19,7 +19,7 @@ ZOO_NAMES = (
     "llama", "mistral", "qwen2", "gemma2", "gemma3", "gpt2", "phi3",
     "mamba", "mamba2", "jamba", "bamba", "falcon_h1", "t5", "bart",
 )
-"""The zoo families, in matrix order (contract: DESIGN §6)."""
+"""The zoo families, in matrix order (a stable interface: ids, reports and ``--kvconform-model`` use them)."""
 
 SLIDING_WINDOW = 8
 VOCAB_SIZE = 128

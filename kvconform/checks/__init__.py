@@ -14,7 +14,7 @@ from kvconform.outcomes import CheckSkipped  # noqa: F401 - re-exported: the sui
 
 
 class ConformanceError(AssertionError):
-    """A subject does not conform. ``str(err)`` is the DESIGN §7 message; ``metrics`` is JSON-serialisable
+    """A subject does not conform. ``str(err)`` is the failure message (format: ARCHITECTURE.md, "Failure messages"); ``metrics`` is JSON-serialisable
     (``max_abs`` logits units, ``tolerance``, ``noise_floor``, ...)."""
 
     def __init__(self, message: str, metrics: dict | None = None):

@@ -5,7 +5,7 @@ tuples, dicts and plain objects, not through ``nn.Module``s or configs), counted
 of the storage: a view of a larger buffer keeps that whole buffer alive, so it costs what the buffer costs. A
 wrapper tensor subclass (optimum-quanto's ``QTensor``: ``WeightQBitsTensor`` → packed ``_data``, ``_scale``,
 ``_shift``) is counted through its inner tensors (``__tensor_flatten__``), because its own ``nbytes`` is its
-*logical* size (``shared/FACTS.md``).
+*logical* size (measured on transformers 5.24, see ARCHITECTURE.md).
 
 The formula, per layer (``expected_layer``), with ``B`` batch, ``H_kv`` key/value heads, ``D`` head size and ``b``
 bytes per element of the K/V the model hands the cache, ``S`` tokens fed so far::
