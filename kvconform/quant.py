@@ -418,7 +418,7 @@ def offloaded_subjects() -> list:
 def twin_targets(ctx, spec, steps, driver=None) -> dict:
     """``{step.index: (target, floor_reference)}`` for judging a lossy subject, both ``[B, length, V]`` float64.
 
-    ``target``: the twin's logits from the same ops (``driver``, default ``_engine.run_ops``) on a fresh twin, with
+    ``target``: the twin's logits from the same ops (``driver``, default ``_interpreter.run_ops``) on a fresh twin, with
     the same model in the same dtype on the same device — a faithful subject reproduces them (measured: bit for bit
     for quanto, HQQ and fp8 on CPU). ``floor_reference = target + (uncached − oracle)``, so that
     ``compare_logits`` takes the *exact path's* noise floor ``|uncached − oracle|`` of the step's sequence:
@@ -434,9 +434,9 @@ def twin_targets(ctx, spec, steps, driver=None) -> dict:
         RuntimeError: the twin run does not replay ``steps`` (different count, lengths or tokens): the calling check
             feeds tokens some other way than ``driver`` and cannot judge a lossy subject.
     """
-    from kvconform.checks import _engine
+    from kvconform.checks import _interpreter
 
-    driver = driver or _engine.run_ops
+    driver = driver or _interpreter.run_ops
     twin_spec = dataclasses.replace(spec, name=f"{spec.name}.twin", factory=spec.twin, twin=None)
     tctx = copy.copy(ctx)
     tctx.subject, tctx.metrics = twin_spec, {}

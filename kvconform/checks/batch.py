@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (SubjectRaised, case_generator, describe_exception, fail_raised, fail_verdict,
-                                      judge, record_verdict, token_mismatch, lossy_generate_rule, random_tokens, run_ops)
+from kvconform.checks._drive import SubjectRaised, case_generator, random_tokens
+from kvconform.checks._interpreter import run_ops
+from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._lossy import drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
 
 _OP_CAUSE = {

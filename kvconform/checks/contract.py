@@ -22,8 +22,11 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, register
-from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, fail_raised
-from kvconform.checks._engine import describe_raise, seq_length
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._diagnosis import describe_exception, fail_raised
+from kvconform.checks._drive import seq_length
+from kvconform.checks._diagnosis import describe_raise
 from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised, oracle_slices
 from kvconform.checks._observe import run_observed
 from kvconform.checks.crop import CROP_WORDS, clear_error

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import Param, register
-from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens
+from kvconform.checks._drive import SubjectRaised, case_generator, random_tokens
+from kvconform.checks._diagnosis import describe_raise
 from kvconform.oracle import compare_logits
 
 

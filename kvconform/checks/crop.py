@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_verdict, judge,
-                                      seq_length, tensors_of, record_verdict)
+from kvconform.checks._drive import SubjectRaised, seq_length, tensors_of
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_verdict
 
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
 CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",

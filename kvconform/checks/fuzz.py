@@ -24,7 +24,10 @@ import copy
 
 from kvconform.cases import Op
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, judge
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge
+from kvconform.checks._diagnosis import describe_exception
 
 MAX_BATCH = 8
 OPS = ("decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")

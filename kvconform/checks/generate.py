@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import register
-from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens, token_mismatch
+from kvconform.checks._drive import SubjectRaised, case_generator, random_tokens
+from kvconform.checks._diagnosis import describe_raise, token_mismatch
 from kvconform.checks._lossy import fail_subject_raised, lossy_only, twin_line, twin_spec
 from kvconform.oracle import compare_logits
 

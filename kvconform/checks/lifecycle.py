@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_raised, fail_verdict, judge,
-                                      tensors_of, record_verdict)
+from kvconform.checks._drive import SubjectRaised, tensors_of
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict
 from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
 
 

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 from kvconform import compat
 from kvconform.checks import Param, register
-from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, describe_raise, fail_raised
+from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator
+from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import run_observed
 from kvconform.oracle import Tolerance
 
@@ -259,7 +260,7 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expecta
 def _feed(ctx, cache, tokens, start, encoder_ids):
     import torch
 
-    from kvconform.checks._engine import forward_kwargs
+    from kvconform.checks._drive import forward_kwargs
 
     m = ctx.model.model
     with torch.no_grad():

@@ -20,10 +20,12 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (Runner, SubjectRaised, case_generator, describe_exception, fail_raised,
-                                      fail_verdict, generate, judge, lossy_generate_rule, random_tokens,
-                                      record_verdict, token_mismatch)
-from kvconform.checks._engine import describe_raise, forward, seq_length
+from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
+from kvconform.checks._drive import forward, seq_length
+from kvconform.checks._diagnosis import describe_raise
 from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised
 from kvconform.checks.crop import changed, snapshot
 from kvconform.oracle import compare_logits
