@@ -37,6 +37,10 @@ from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, case_generator, e
                                      random_tokens, seq_length)
 
 
+class StopRun(Exception):
+    """Raised by an observer to end ``Runner.run`` early (what it has seen is enough for its verdict)."""
+
+
 @dataclass
 class Step:
     """One forward: ``logits`` float64 ``[B, length, V]`` for positions ``start .. start+length-1`` of ``seq``.
@@ -313,13 +317,27 @@ class Runner:
             self.partner.trail.append(op.label)
         self._notify("after_op", op, self.op_index)
 
-    def run(self, ops=None, parked: bool = True) -> list:
+    def run(self, ops=None, parked: bool = True, on_raise=None) -> list:
         """Apply ``ops`` (default: the case's) in order, then (``parked``) check the parked originals of forks;
-        returns ``steps``. Raises what ``apply`` raises."""
-        for i, op in enumerate(self.ctx.case.ops if ops is None else ops):
-            self.apply(op, i)
-        if parked:
-            self.check_parked()
+        returns ``steps``. An observer ends the run early by raising ``StopRun`` (then nothing more runs).
+
+        ``on_raise(runner, op, op_index, exc)``: called when an op raises ``SubjectRaised``; it returns True to go on
+        with the next op (the refused op changed nothing the runner tracks), False to end the run, or raises.
+        Without it the ``SubjectRaised`` propagates, like any other exception of ``apply``.
+        """
+        try:
+            for i, op in enumerate(self.ctx.case.ops if ops is None else ops):
+                try:
+                    self.apply(op, i)
+                except SubjectRaised as exc:
+                    if on_raise is None:
+                        raise
+                    if not on_raise(self, op, i, exc):
+                        return self.steps
+            if parked:
+                self.check_parked()
+        except StopRun:
+            pass
         return self.steps
 
     def check_parked(self) -> None:
