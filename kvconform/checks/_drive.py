@@ -149,12 +149,21 @@ def tensors_of(cache) -> dict:
 
 
 def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attention_mask=None, **extra):
-    """Greedy ``model.generate`` of exactly ``max_new_tokens`` tokens; returns ``(sequences [B, L] int64 CPU,
-    step logits [B, max_new_tokens, V] float64 CPU, output)``. ``cache_kwargs``: ``compat.generate_cache_kwargs``
-    or ``{"use_cache": False}``."""
+    """``model.generate`` of exactly ``max_new_tokens`` tokens, greedy unless ``extra`` says otherwise (e.g.
+    ``num_beams``); the one ``generate`` wrapper of the checks. Returns ``(sequences [B', L] int64 CPU, step logits
+    [B', max_new_tokens, V] float64 CPU, output)`` (``B'``: rows × beams for beam search).
+
+    Args:
+        model: a zoo model (its ``.model`` is used) or a transformers ``PreTrainedModel`` (e.g. the float64 oracle
+            model).
+        input_ids: the prompt ``[B, S]`` int64.
+        cache_kwargs: ``compat.generate_cache_kwargs`` or ``{"use_cache": False}``.
+        attention_mask: ``[B, S]`` (default: all ones).
+        extra: more ``generate`` keyword arguments (``num_beams``, ``output_scores``...).
+    """
     import torch
 
-    m = model.model
+    m = model if isinstance(model, torch.nn.Module) else model.model
     device = next(m.parameters()).device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

@@ -81,12 +81,16 @@ class Runner:
         beam: ``reorder`` default permutation: ``"roll"`` (rows rolled by one) or ``"reverse"`` (rows reversed, so
             every row moves).
         decode_suffix_after_reorder: label decode steps that follow a reorder ``"decode k after reorder"``.
+        handlers: ``{op name: fn(runner, op)}`` replacing the interpreter's own implementation of that op, for the
+            check whose subject is that op (the crop family's crop: refusals judged, positive arguments); the
+            handler keeps ``seq`` / ``mask`` and ``trail`` up to date itself.
 
     Every method raises ``SubjectRaised`` naming the op when the subject (or the model through it) raises.
     """
 
     def __init__(self, ctx, cache, position_mode=None, gen=None, padding=None, observers=(), lockstep=None,
-                 lockstep_label="lockstep", allowed_ops=None, beam="roll", decode_suffix_after_reorder=False):
+                 lockstep_label="lockstep", allowed_ops=None, beam="roll", decode_suffix_after_reorder=False,
+                 handlers=None):
         import torch
 
         self.ctx, self.cache, self.model = ctx, cache, ctx.model
@@ -109,6 +113,7 @@ class Runner:
         self.allowed_ops = None if allowed_ops is None else tuple(allowed_ops)
         self.beam = beam
         self.decode_suffix = decode_suffix_after_reorder
+        self.handlers = dict(handlers or {})
         self.partner = None
         if lockstep is not None:
             self.partner = self.branch(lockstep, lockstep_label)
@@ -291,6 +296,11 @@ class Runner:
         if self.allowed_ops is not None and op.name not in self.allowed_ops:
             raise ValueError(f"op {op.name!r} is not supported by {self.ctx.check_name} (case {self.ctx.case.id})")
         self._notify("before_op", op, self.op_index)
+        if op.name in self.handlers:
+            self.handlers[op.name](self, op)
+            self.op_names.append(op.name)
+            self._notify("after_op", op, self.op_index)
+            return
         if op.name in ("prefill", "chunk"):
             self.feed(op.n, op.label)
         elif op.name == "decode":
@@ -317,9 +327,14 @@ class Runner:
             self.partner.trail.append(op.label)
         self._notify("after_op", op, self.op_index)
 
-    def run(self, ops=None, parked: bool = True, on_raise=None) -> list:
+    def run(self, ops=None, parked: bool = True, on_raise=None, plan=None, index_ops: bool = True) -> list:
         """Apply ``ops`` (default: the case's) in order, then (``parked``) check the parked originals of forks;
         returns ``steps``. An observer ends the run early by raising ``StopRun`` (then nothing more runs).
+
+        ``plan(runner, op, op_index)``: decides each op in the runner's current state: returns the ``Op`` to apply
+        (the same one, or a changed one) or None to skip it (a fuzzer keeping its random program valid).
+        ``index_ops``: record each op's position in ``ops`` as its steps' ``op_index`` (False: keep the runner's
+        current ``op_index``, e.g. for a branch continuing after the op that forked it).
 
         ``on_raise(runner, op, op_index, exc)``: called when an op raises ``SubjectRaised``; it returns True to go on
         with the next op (the refused op changed nothing the runner tracks), False to end the run, or raises.
@@ -327,8 +342,12 @@ class Runner:
         """
         try:
             for i, op in enumerate(self.ctx.case.ops if ops is None else ops):
+                if plan is not None:
+                    op = plan(self, op, i)
+                    if op is None:
+                        continue
                 try:
-                    self.apply(op, i)
+                    self.apply(op, i if index_ops else None)
                 except SubjectRaised as exc:
                     if on_raise is None:
                         raise

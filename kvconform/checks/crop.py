@@ -94,10 +94,9 @@ def run_crop_case(ctx, cache, records=None):
         runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
         runner.trail.append("activate_past_recording()")
     records = [] if records is None else records
-    for i, op in enumerate(ctx.case.ops):
-        if op.name != "crop":
-            runner.apply(op, i)
-            continue
+
+    def crop(runner, op):
+        """The crop under test: refusals judged, positive arguments, lengths after."""
         positive = bool(params.get("positive"))
         label = f"crop({op.n})" if positive or op.n == 0 else op.label
         rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
@@ -113,7 +112,7 @@ def run_crop_case(ctx, cache, records=None):
         runner.trail.append(label + (" (refused)" if rec.refused is not None else ""))
         if rec.refused is not None:
             _judge_refusal(ctx, runner, rec, before)
-            continue
+            return
         keep = rec.held - op.n if not positive or positive_crop_contract() == "raise" else op.n
         if positive and positive_crop_contract() == "raise":
             ctx.fail([f"crop({op.n}) with a positive argument was accepted on a {rec.held}-token cache, but should "
@@ -134,7 +133,9 @@ def run_crop_case(ctx, cache, records=None):
                                           if rec.reported_after < 0 else
                                           "crop() removed a different number of tokens than asked")],
                      {"flag": rec.flag, "reported_length": rec.reported_after, "expected_length": keep})
-    runner.check_parked()
+
+    runner.handlers["crop"] = crop
+    runner.run()
     return runner, records
 
 

@@ -47,20 +47,17 @@ def run_fork_case(ctx, cache, info=None):
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
     forks = int(ctx.case.params.get("forks", 2))
     runner = Runner(ctx, cache)
-    for i, op in enumerate(prefix_ops):
-        runner.apply(op, i)
+    runner.run(prefix_ops, parked=False)
     before = snapshot(runner.cache)
     for f in range(forks):
         copied = runner._call(f"copy.deepcopy #{f + 1}", copy.deepcopy, runner.cache)
         branch = runner.branch(copied, f"copy {f + 1}", gen=case_generator(ctx.case, ctx.model.name, f"/copy{f}"))
-        for op in suffix_ops:
-            branch.apply(op)
+        branch.run(suffix_ops, parked=False, index_ops=False)
     diff = changed(before, snapshot(runner.cache))
     if info is not None:
         info.update(changed=diff, held=runner.length, before=before["get_seq_length()"])
     original = runner.branch(runner.cache, "original", gen=case_generator(ctx.case, ctx.model.name, "/original"))
-    for op in suffix_ops:
-        original.apply(op)
+    original.run(suffix_ops, parked=False, index_ops=False)
     return runner.steps
 
 
