@@ -360,17 +360,29 @@ class Runner:
         return self.steps
 
     def check_parked(self) -> None:
-        """Feed one decode step into every parked original (forks): it must still hold its own sequence."""
-        current = (self.cache, self._state())
-        for label, cache, state in self.parked:
-            self.cache = cache
-            self.seq, self.mask, self.encoder_ids, self.batch = state
-            if self.seq.shape[1] == 0:  # forked before any token: nothing to compare yet
-                continue
-            self.feed(1, f"{label}: decode")
-        self.cache, (self.seq, self.mask, self.encoder_ids, self.batch) = current[0], current[1]
-        self.parked = []
-        self._mirror("check_parked")
+        """Feed one decode step into every parked original (forks): it must still hold its own sequence. A lock-step
+        cache's parked originals get the same token."""
+        partner, self.partner = self.partner, None  # the partner follows its own parked originals, below
+        try:
+            current = (self.cache, self._state())
+            mirror = None if partner is None else (partner.cache, partner._state())
+            for k, (label, cache, state) in enumerate(self.parked):
+                self.cache = cache
+                self.seq, self.mask, self.encoder_ids, self.batch = state
+                if self.seq.shape[1] == 0:  # forked before any token: nothing to compare yet
+                    continue
+                step = self.feed(1, f"{label}: decode")
+                if partner is not None:
+                    plabel, partner.cache, pstate = partner.parked[k]
+                    partner.seq, partner.mask, partner.encoder_ids, partner.batch = pstate
+                    partner.feed(1, f"{plabel}: decode", tokens=step.seq[:, -1:])
+            self.cache, (self.seq, self.mask, self.encoder_ids, self.batch) = current[0], current[1]
+            self.parked = []
+            if partner is not None:
+                partner.cache, (partner.seq, partner.mask, partner.encoder_ids, partner.batch) = mirror
+                partner.parked = []
+        finally:
+            self.partner = partner
 
 
 def run_ops(ctx, cache, position_mode: str | None = None, ops=None) -> list[Step]:
