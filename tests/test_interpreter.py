@@ -158,3 +158,17 @@ def test_handler_replaces_an_op(llama_ctx):
     runner.run(OPS[:5])
     assert seen == [(2, 8)] and "crop (handled)" in runner.trail
     assert runner.length == 9  # the handler kept the sequence: 8 held, one more decode
+
+
+def test_length_and_pointer_traces(llama_ctx):
+    from kvconform.checks._interpreter import LengthTrace, PointerTrace, Runner
+
+    lengths, pointers = LengthTrace(), PointerTrace()
+    ops = [Op("prefill", 6), Op("decode", 2), Op("crop", 3), Op("reset"), Op("prefill", 4)]
+    Runner(llama_ctx, llama_ctx.new_cache(), observers=[lengths, pointers]).run(ops)
+    assert lengths.rows == [("prefill(6)", 6, 6), ("decode×2", 8, 8), ("crop(-3)", 5, 5), ("reset", 0, 0),
+                            ("prefill(4)", 4, 4)]
+    assert [label for label, _ in pointers.rows] == ["prefill(6)", "decode 1", "decode 2", "prefill(4)"]
+    assert all(any(name.endswith(".keys") for name in ptrs) for _, ptrs in pointers.rows)
+    # DynamicCache concatenates: every decode step allocates new key buffers
+    assert pointers.rows[1][1]["layers[0].keys"] != pointers.rows[2][1]["layers[0].keys"]

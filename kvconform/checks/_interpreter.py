@@ -34,11 +34,35 @@ from dataclasses import dataclass
 
 from kvconform import compat
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, case_generator, encoder_ids_for, forward,
-                                     random_tokens, seq_length)
+                                     random_tokens, seq_length, tensors_of)
 
 
 class StopRun(Exception):
     """Raised by an observer to end ``Runner.run`` early (what it has seen is enough for its verdict)."""
+
+
+class LengthTrace:
+    """Observer: after every op, ``(op label, tokens the runner says are held, cache.get_seq_length() or None)`` in
+    ``rows`` — the bookkeeping a cache reports next to what it was fed."""
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+
+    def after_op(self, runner, op, op_index):
+        """Record the lengths after ``op``."""
+        self.rows.append((op.label, runner.length, seq_length(runner.cache)))
+
+
+class PointerTrace:
+    """Observer: after every forward, ``{tensor name: data_ptr}`` of every tensor the cache holds (``tensors_of``),
+    in ``rows`` as ``(step label, pointers)`` — which buffers a cache reallocates, and when."""
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+
+    def after_forward(self, runner, step):
+        """Record the cache's data pointers after ``step``."""
+        self.rows.append((step.label, {k: t.data_ptr() for k, t in tensors_of(runner.cache).items()}))
 
 
 @dataclass
