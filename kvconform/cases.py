@@ -1,5 +1,9 @@
 """Conformance cases: load and validate ``conformance_cases/*.toml`` (the one source of truth for scenarios).
 
+The built-in case files live in the repository's top-level ``conformance_cases/`` folder, one file per check family
+(``<family>.toml``: every case in it runs a check of that family), shipped in the wheel as the package data
+``kvconform/conformance_cases/`` (see ``builtin_cases_dir``).
+
 A case file holds an optional ``[defaults]`` table and a list of ``[[case]]`` tables::
 
     [defaults]
@@ -29,7 +33,6 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BUILTIN_CASES_DIR = Path(__file__).parent / "conformance_cases"
 
 OP_NAMES = ("prefill", "decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
 """Op vocabulary of DESIGN §2. ``prefill N``: first pass over N prompt tokens; ``decode N``: N single-token steps;
@@ -68,7 +71,10 @@ class Op:
 
 @dataclass(frozen=True)
 class Case:
-    """A validated case. ``ops`` is a tuple of ``Op``; ``source`` is the file it came from."""
+    """A validated case. ``ops`` is a tuple of ``Op``; ``source`` is the file it came from.
+
+    ``models``: the model names the case is limited to (``()``: every model); ``models_full``: the wider scope it
+    takes under ``--kvconform-full`` (``None``: the same as ``models``; ``()``: every model), see ``model_scope``."""
 
     id: str
     check: str
@@ -78,6 +84,7 @@ class Case:
     batch: int = 2
     dtype: str = "float32"
     models: tuple = ()
+    models_full: tuple | None = None
     requires: tuple = ()
     max_new_tokens: int = 8
     prompt: int = 12
@@ -94,6 +101,16 @@ class Case:
         """Upper bound of tokens ever held by the cache (sizes ``max_cache_len``)."""
         return sum(op.new_tokens for op in self.ops) + self.prompt + self.max_new_tokens
 
+    def model_scope(self, full: bool) -> tuple:
+        """Model names this case is limited to in a tier, ``()`` meaning every model.
+
+        ``full``: whether the run is ``--kvconform-full``. There a default-tier case runs on ``models_full`` when the
+        file gives it (``"all"`` → every model), so one case covers a few representative models by default and every
+        model in the full tier, under the same id."""
+        if full and self.models_full is not None:
+            return self.models_full
+        return self.models
+
     def ops_label(self, failed_at: int | None = None) -> str:
         text = " → ".join(op.label for op in self.ops)
         return text
@@ -108,6 +125,8 @@ KEYS = {
     "batch": (int, None, "batch size ≥ 1"),
     "dtype": (str, DTYPES, "case dtype"),
     "models": (list, None, "zoo names / checkpoint folders (written as paths) this case is limited to (default: all)"),
+    "models_full": ((list, str), None, "under --kvconform-full: a wider list of models, or \"all\", for a "
+                    "default-tier case limited by models (default: models)"),
     "requires": (list, REQUIREMENTS, "model features the case needs"),
     "max_new_tokens": (int, None, "tokens to generate (generate checks)"),
     "prompt": (int, None, "prompt length (generate checks)"),
@@ -160,6 +179,8 @@ def _validate(path, case_id, key, value, known_checks):
     if key == "models":
         for item in value:
             _model_entry(path, case_id, item)
+    if key == "models_full" and (value == [] or (isinstance(value, str) and value != "all")):
+        _fail(path, case_id, key, f"expected \"all\" or a non-empty list of model names, got {value!r}")
 
 
 def _did_you_mean(word, candidates) -> str:
@@ -212,6 +233,47 @@ def _validate_params(path, case_id, check, params, schema) -> dict:
     return out
 
 
+def _validate_scope(path, case_id, merged):
+    """``models_full`` widens a default-tier case that ``models`` limits; it must keep every model of ``models``."""
+    if "models_full" not in merged:
+        return
+    if merged.get("tier", "default") == "full":
+        _fail(path, case_id, "models_full", "only for default-tier cases; a full-tier case is limited by 'models'")
+    models = merged.get("models", [])
+    if not models:
+        _fail(path, case_id, "models_full", "the case already runs on every model ('models' is not set)")
+    if merged["models_full"] != "all":
+        missing = [m for m in models if m not in merged["models_full"]]
+        if missing:
+            _fail(path, case_id, "models_full", f"must include every model of 'models'; missing {missing}")
+
+
+def builtin_cases_dir() -> Path:
+    """The folder of the built-in case files (``conformance_cases/*.toml``).
+
+    Found from the imported package's own location (never through the import system, which in a checkout run with
+    ``PYTHONPATH`` could hand out another copy's folder, e.g. through an editable install's finder), in this order:
+
+    1. ``<checkout>/conformance_cases/`` beside the ``kvconform/`` package folder, where ``<checkout>`` holds a
+       ``pyproject.toml`` — a source checkout, imported through ``PYTHONPATH=<checkout>`` or an editable install
+       (whose import finder cannot serve the mapped folder: it has no ``__init__.py``);
+    2. ``kvconform/conformance_cases/`` next to the package's modules — an installed wheel (setuptools maps the
+       repository's top-level ``conformance_cases/`` onto the package data ``kvconform.conformance_cases``).
+
+    Raises:
+        CaseFileError: none of these holds a case folder (a broken install), naming the places looked in.
+    """
+    package = Path(__file__).resolve().parent
+    candidates = [package / "conformance_cases"]
+    if (package.parent / "pyproject.toml").is_file():
+        candidates.insert(0, package.parent / "conformance_cases")
+    for folder in candidates:
+        if folder.is_dir():
+            return folder
+    raise CaseFileError(f"built-in case files not found (looked in {', '.join(map(str, candidates))}): "
+                        f"reinstall kvconform")
+
+
 def load_case_file(path, known_checks=None) -> list[Case]:
     """Load and validate one TOML case file.
 
@@ -250,9 +312,13 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         merged = {**defaults, **raw}
         for key, value in merged.items():
             _validate(path, case_id, key, value, known_checks)
+        _validate_scope(path, case_id, merged)
         merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
         merged["models"] = tuple(_model_entry(path, case_id, m) for m in merged.get("models", ()))
         merged["requires"] = tuple(merged.get("requires", ()))
+        if "models_full" in merged:
+            merged["models_full"] = () if merged["models_full"] == "all" else tuple(
+                _model_entry(path, case_id, m) for m in merged["models_full"])
         merged["params"] = dict(merged.get("params", {}))
         schema = _schema(known_checks, merged["check"])
         if schema is not None:
@@ -268,7 +334,7 @@ def load_cases(paths=None, known_checks=None) -> list[Case]:
     Raises:
         CaseFileError: a malformed file, a missing path, or a duplicated case id (names both files).
     """
-    files = sorted(BUILTIN_CASES_DIR.glob("*.toml"))
+    files = sorted(builtin_cases_dir().glob("*.toml"))
     for extra in paths or ():
         p = Path(extra)
         if p.is_dir():

@@ -1,11 +1,12 @@
 """GPU benchmark of transformers' caches on a ~1B-parameter model: the GPU-only part of the speed, memory and compile
 families, as one script a person runs on a CUDA machine (the zoo's tiny models are launch-bound on a GPU).
 
-    python -m kvconform.gpu_bench --out gpu_bench.json            # CUDA: ~1.1B Llama-shaped model, bf16
-    python -m kvconform.gpu_bench --size tiny --device cpu        # smoke test of the script itself (no budgets)
+    kvconform-gpu-bench --out gpu_bench.json      # CUDA: ~1.1B Llama-shaped model, bf16 (python -m kvconform.gpu_bench)
+    kvconform-gpu-bench --smoke                   # seconds on CPU: every code path at tiny size, no budgets
 
-Without CUDA (and without ``--device cpu``) it prints ``SKIP: requires CUDA ...`` and exits 0: a hardware-bound
-measurement is skipped with its reason, never passed.
+Without CUDA (and without ``--device cpu`` or ``--smoke``) it prints ``SKIP: requires CUDA ...`` and exits 0: a
+hardware-bound measurement is skipped with its reason, never passed. The cache reaches the forward under the
+installed transformers' keyword (``compat.cache_kwarg``: ``cache=`` since 5.24, ``past_key_values=`` before).
 
 The model: TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 heads, 4 KV heads, head_dim 64, vocab 32000) with
 seeded random weights in bfloat16 — nothing is downloaded. Decode speed does not depend on the weights' values.
@@ -19,9 +20,9 @@ every target), batch 1:
   shortest to the longest context ≤ ``--max-growth`` for every cache; static+compile vs dynamic eager
   ≥ ``--min-speedup-compiled``; zero recompiles after warm-up (``set_stance("fail_on_recompile")``) and zero
   cudagraph skips (``counters["inductor"]["cudagraph_skips"]``);
-* memory: ``torch.cuda.memory_allocated`` growth over a prefill + decode vs ``2·L·B·H_kv·S·D·2`` bytes (bf16; a
+* memory: ``torch.cuda.memory_allocated`` growth over a prefill + decode vs ``2·L·B·H_kv·S·D·itemsize`` bytes (a
   StaticCache holds ``max_cache_len``), and the counted tensor bytes (``kvconform.checks.memory.held_bytes``); peak
-  from ``max_memory_allocated``.
+  from ``max_memory_allocated``. On CPU only the counted bytes (no allocator statistics).
 
 Writes a JSON report (``--out``) and prints a summary; exits 1 when a budget is violated, 0 otherwise.
 """
@@ -56,14 +57,18 @@ def build_model(size: str, device: str, dtype):
 
 
 def _kwargs(model, tokens, start, cache=None):
+    """Forward keyword arguments for ``tokens`` (``[batch, k]`` int64) at positions ``start…start+k-1``: uncached
+    (``use_cache=False``) when ``cache`` is None, else the cache under the installed transformers' keyword."""
     import torch
+
+    from kvconform.compat import cache_kwarg
 
     k = tokens.shape[1]
     kw = {"input_ids": tokens, "position_ids": torch.arange(start, start + k, device=tokens.device)[None]}
     if cache is None:
         kw["use_cache"] = False
     else:
-        kw.update(cache=cache, use_cache=True)
+        kw.update({cache_kwarg(model): cache, "use_cache": True})
     return kw
 
 
@@ -109,6 +114,8 @@ def _count_recompiles(model, compiled, make_cache, tokens, context, steps, cudag
     ``(recompiles, first guard reason or None)``."""
     import torch
 
+    from kvconform.checks.compile import _first_guard  # imported up front: a rename shows in the smoke test
+
     misses, reason = 0, None
     for attempt in range(2):
         cache = make_cache(context + steps)
@@ -126,8 +133,6 @@ def _count_recompiles(model, compiled, make_cache, tokens, context, steps, cudag
                         raise
                     misses += 1
                     if reason is None:
-                        from kvconform.checks.compile import _first_guard
-
                         reason = " ".join(_first_guard(str(exc))).strip()
                     model(**kw)
                 if attempt == 0 and s == 0:
@@ -137,14 +142,24 @@ def _count_recompiles(model, compiled, make_cache, tokens, context, steps, cudag
 
 
 def _memory(model, make_cache, tokens, context, steps, device):
-    """``(allocated delta, peak delta, counted bytes)`` of prefilling ``context`` tokens and decoding ``steps``."""
+    """``(allocated delta, peak delta, counted bytes)`` in bytes of prefilling ``context`` tokens and decoding
+    ``steps``; the allocator deltas are None off CUDA."""
     import gc
 
     import torch
 
     from kvconform.checks.memory import held_bytes
 
+    on_cuda = str(device).startswith("cuda")
     gc.collect()
+    if not on_cuda:
+        cache = make_cache(context + steps)
+        with torch.no_grad():
+            model(**_kwargs(model, tokens[:, :context], 0, cache))
+            for s in range(steps):
+                model(**_kwargs(model, tokens[:, context + s:context + s + 1], context + s, cache))
+        _check_filled(cache, context + steps)
+        return None, None, held_bytes(cache)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
@@ -159,15 +174,39 @@ def _memory(model, make_cache, tokens, context, steps, device):
             del out
     gc.collect()
     torch.cuda.synchronize(device)
+    _check_filled(cache, context + steps)
     delta = torch.cuda.memory_allocated(device) - base
     peak = torch.cuda.max_memory_allocated(device) - base
     return delta, peak, held_bytes(cache)
 
 
+def _check_filled(cache, expected: int) -> None:
+    """Raise ``RuntimeError`` unless ``cache`` holds ``expected`` tokens: a forward that silently ignored the cache
+    keyword (e.g. ``cache=`` on transformers < 5.24) would leave it empty and time an uncached model."""
+    held = int(cache.get_seq_length())
+    if held != expected:
+        raise RuntimeError(f"{type(cache).__name__} holds {held} tokens after the decode, expected {expected}: the "
+                           f"forward did not use the cache it was given")
+
+
 def run_gpu_bench(size="1b", device="cuda", contexts=(512, 2048), steps=32, repeats=7, warmup=2,
                   mode="reduce-overhead", min_speedup_uncached=3.0, max_growth=1.5, min_speedup_compiled=1.5,
-                  memory_tolerance=0.05) -> dict:
+                  memory_tolerance=0.05, backend="inductor") -> dict:
     """Run the benchmark; return the JSON-serialisable report (see the module docstring).
+
+    Args:
+        size: a key of ``SIZES`` (``"1b"``: TinyLlama's shape; ``"tiny"``: hidden 64, 2 layers).
+        device: ``"cuda"`` (bfloat16, budgets meaningful) or ``"cpu"`` (float32; a smoke run of the code paths).
+        contexts: context lengths in tokens; per-token decode times are compared between the shortest and longest.
+        steps: timed decode steps per round; repeats / warmup: rounds of ``measure_interleaved``.
+        mode: ``torch.compile`` mode on CUDA (CPU compiles without one).
+        min_speedup_uncached, max_growth, min_speedup_compiled: the budgets (ratios of ms/token).
+        memory_tolerance: allowed relative gap between counted bytes, allocator growth and the formula.
+        backend: ``torch.compile`` backend (``"eager"`` exercises dynamo's guards without inductor: fast smoke runs).
+
+    Returns:
+        A JSON-serialisable dict: ``ms_per_token`` (milliseconds per decoded token per target), ``budgets``
+        (``{"value", "budget", "ok"}`` each), ``compile``, ``memory`` (bytes), ``ok``, ``seconds``, environment keys.
 
     Raises:
         RuntimeError: ``device`` is CUDA but CUDA is unavailable (``main`` turns that into a skip).
@@ -198,13 +237,18 @@ def run_gpu_bench(size="1b", device="cuda", contexts=(512, 2048), steps=32, repe
     cudagraphs = mode in ("reduce-overhead", "max-autotune")
     torch.compiler.reset()
     counters.clear()
-    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode, backend=backend)
     compile_start = time.time()
     recompiles, reason = _count_recompiles(model, compiled, subjects["StaticCache"], tokens, contexts[0],
                                            min(steps, 8), cudagraphs)
     compile_s = time.time() - compile_start
+    import transformers
+
+    from kvconform.compat import cache_kwarg
+
     report = {"size": size, "parameters": n_params, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-              "torch": torch.__version__, "mode": mode, "contexts": contexts, "steps": steps, "repeats": repeats,
+              "torch": torch.__version__, "transformers": transformers.__version__, "cache_kwarg": cache_kwarg(model),
+              "mode": mode, "backend": backend, "contexts": contexts, "steps": steps, "repeats": repeats,
               "compile": {"seconds_incl_first_decode": round(compile_s, 1), "recompiles": recompiles,
                           "first_guard": reason}, "ms_per_token": {}, "budgets": {}, "memory": {}}
     if on_cuda:
@@ -237,17 +281,17 @@ def run_gpu_bench(size="1b", device="cuda", contexts=(512, 2048), steps=32, repe
             ms[f"DynamicCache@{context}"] / ms[f"StaticCache+compile@{context}"], ">=", min_speedup_compiled)
     budgets["recompiles after warm-up"] = _budget(recompiles, "<=", 0)
     budgets["cudagraph skips"] = _budget(report["compile"]["cudagraph_skips"], "<=", 0)
-    if on_cuda:
-        text = cfg.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        per_token = 2 * text.num_hidden_layers * 1 * text.num_key_value_heads * head_dim * dtype.itemsize
-        for name, make in subjects.items():
-            delta, peak, counted = _memory(model, make, tokens, hi, steps, device)
-            formula = per_token * (hi + steps)  # dynamic: S = hi + steps; static: max_cache_len = hi + steps
-            report["memory"][name] = {"allocated_delta": delta, "peak_delta": peak, "counted_bytes": counted,
-                                      "formula_bytes": formula, "ratio_counted_formula": round(counted / formula, 4),
-                                      "ratio_allocated_formula": round(delta / formula, 4)}
-            budgets[f"{name} counted bytes == formula"] = _budget(abs(counted / formula - 1), "<=", memory_tolerance)
+    text = cfg.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * 1 * text.num_key_value_heads * head_dim * dtype.itemsize
+    for name, make in subjects.items():
+        delta, peak, counted = _memory(model, make, tokens, hi, steps, device)
+        formula = per_token * (hi + steps)  # dynamic: S = hi + steps; static: max_cache_len = hi + steps
+        report["memory"][name] = {"allocated_delta": delta, "peak_delta": peak, "counted_bytes": counted,
+                                  "formula_bytes": formula, "ratio_counted_formula": round(counted / formula, 4)}
+        budgets[f"{name} counted bytes == formula"] = _budget(abs(counted / formula - 1), "<=", memory_tolerance)
+        if delta is not None:
+            report["memory"][name]["ratio_allocated_formula"] = round(delta / formula, 4)
             budgets[f"{name} allocated delta ~ counted"] = _budget(abs(delta / max(counted, 1) - 1), "<=",
                                                                    memory_tolerance)
     report["ok"] = all(b.get("ok", True) for b in budgets.values())
@@ -260,8 +304,18 @@ def _budget(value, op, bound) -> dict:
     return {"value": round(float(value), 3), "budget": f"{op} {bound}", "ok": bool(ok)}
 
 
+SMOKE = {"size": "tiny", "device": "cpu", "contexts": "16,32", "steps": 2, "repeats": 3, "warmup": 1,
+         "backend": "eager"}
+"""``--smoke``: every code path of the benchmark at tiny size on CPU, in seconds (budgets not enforced)."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvconform.gpu_bench", description=__doc__.splitlines()[0])
+    """Console entry point ``kvconform-gpu-bench``. Returns the exit status: 1 when a budget is violated on CUDA,
+    else 0 (also for a CPU or smoke run, whose timings mean nothing, and for the skip without CUDA)."""
+    parser = argparse.ArgumentParser(prog="kvconform-gpu-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model on CPU, short contexts, eager compile backend: checks the script runs "
+                             "(overrides --size, --device, --contexts, --steps, --repeats, --warmup, --backend)")
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test only)")
     parser.add_argument("--contexts", default="512,2048", help="comma-separated context lengths")
@@ -269,20 +323,27 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--mode", default="reduce-overhead", help="torch.compile mode on CUDA")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (eager: no code generation)")
     parser.add_argument("--min-speedup-uncached", type=float, default=3.0)
     parser.add_argument("--max-growth", type=float, default=1.5)
     parser.add_argument("--min-speedup-compiled", type=float, default=1.5)
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
     try:
-        report = run_gpu_bench(size=args.size, device=args.device,
-                               contexts=tuple(int(c) for c in args.contexts.split(",")), steps=args.steps,
+        contexts = tuple(int(c) for c in args.contexts.split(","))
+    except ValueError:
+        parser.error(f"--contexts {args.contexts!r}: expected comma-separated integers, e.g. 512,2048")
+    try:
+        report = run_gpu_bench(size=args.size, device=args.device, contexts=contexts, steps=args.steps,
                                repeats=args.repeats, warmup=args.warmup, mode=args.mode,
                                min_speedup_uncached=args.min_speedup_uncached, max_growth=args.max_growth,
-                               min_speedup_compiled=args.min_speedup_compiled)
+                               min_speedup_compiled=args.min_speedup_compiled, backend=args.backend)
     except RuntimeError as exc:
         if "requires CUDA" in str(exc):
-            print(f"SKIP: kvconform.gpu_bench {exc}")
+            print(f"SKIP: kvconform-gpu-bench {exc}")
             return 0
         raise
     text = json.dumps(report, indent=2)

@@ -1,60 +1,223 @@
-"""The bundled list of known upstream (transformers) faults, keyed by version range → item pattern → reason.
+"""Known upstream (transformers) faults: which items fail because of a bug in transformers, on which versions.
 
-Data lives in ``known_faults.toml`` next to this module. ``match(...)`` returns the reason for an item, or None.
+Data lives in ``known_faults.toml`` next to this module (extra files: ``--kvconform-known-faults``). A file holds
+``[[fault]]`` tables only, with exactly the keys of ``KEYS``::
+
+    [[fault]]
+    id = "mamba-jamba-chunk-zero-state"   # letters, digits, '_' and '-'; unique over all files
+    transformers = ">=5.5,<5.20"          # PEP 440 specifier of the affected versions
+    subject = "QuantizedCache_*"          # fnmatch pattern or list of patterns; default "*"
+    model = ["mamba", "jamba"]            # zoo names (or the run's checkpoint names)
+    check = "check_chunked_continuation"  # registered check names
+    family = "crop"                       # check families (kvconform.checks.FAMILIES)
+    case = "chunk*"                       # case ids
+    reason = "..."                        # shown in the xfail, or in the failure under --kvconform-strict
+
+Every problem — an unknown key (a typo such as ``checks = ...`` would otherwise widen the entry to every check), a
+missing or duplicate id, a bad specifier, a check / family / model pattern that names nothing known — raises
+``KnownFaultsError`` naming the file, the entry id and the key; the plugin turns it into a usage error (exit 4),
+as for case files.
+
+``match(...)`` gives an item's reason (first matching entry); ``stale(...)`` and the plugin's terminal summary list
+entries that matched no item and xfailed items that passed.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FAULTS_FILE = Path(__file__).with_name("known_faults.toml")
+PATTERN_KEYS = ("subject", "model", "check", "family", "case")
+KEYS = {
+    "id": "short unique id: letters, digits, '_' and '-'",
+    "transformers": "PEP 440 specifier of the affected transformers versions, e.g. '>=5.5,<5.19'",
+    "reason": "what is wrong, in transformers' code (shown in the xfail)",
+    "subject": "fnmatch pattern(s) of subject names (default '*')",
+    "model": "fnmatch pattern(s) of model names: zoo names or the run's checkpoint names (default '*')",
+    "check": "fnmatch pattern(s) of registered check names (default '*')",
+    "family": "fnmatch pattern(s) of check families (default '*')",
+    "case": "fnmatch pattern(s) of case ids (default '*')",
+}
+_ID = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class KnownFaultsError(ValueError):
+    """A known-faults file is malformed. ``str(err)`` names the file, the entry id (or ``#index`` when it has
+    none), the key and what is allowed."""
 
 
 @dataclass(frozen=True)
 class KnownFault:
-    """One entry: the affected ``transformers`` versions (PEP 440 specifier) and fnmatch patterns per field."""
+    """One entry: its ``id``, the affected ``transformers`` versions (PEP 440 specifier string) and a tuple of
+    fnmatch patterns per item field (``PATTERN_KEYS``); ``source`` is the file it came from."""
 
+    id: str
     transformers: str
     reason: str
     subject: tuple = ("*",)
     model: tuple = ("*",)
     check: tuple = ("*",)
+    family: tuple = ("*",)
     case: tuple = ("*",)
+    source: str = ""
+    _specifier: object = field(default=None, compare=False, hash=False, repr=False)
+
+    def applies_to(self, version) -> bool:
+        """Whether ``version`` (a ``packaging.version.Version``) is among the affected versions."""
+        spec = self._specifier
+        if spec is None:
+            from packaging.specifiers import SpecifierSet
+
+            spec = SpecifierSet(self.transformers)
+        return version in spec
+
+    def matches_fields(self, **fields) -> bool:
+        """Whether every given field (``subject=``, ``model=``, ``check=``, ``family=``, ``case=``: names) matches
+        one of this entry's patterns for it; fields not given are not looked at."""
+        return all(any(fnmatch.fnmatchcase(value, p) for p in getattr(self, key)) for key, value in fields.items())
 
     def matches(self, version, **fields) -> bool:
-        from packaging.specifiers import SpecifierSet
-
-        if version not in SpecifierSet(self.transformers):
-            return False
-        return all(any(fnmatch.fnmatchcase(fields[k], p) for p in getattr(self, k)) for k in fields)
+        """``applies_to(version)`` and ``matches_fields(**fields)``."""
+        return self.applies_to(version) and self.matches_fields(**fields)
 
 
-def _patterns(value) -> tuple:
-    return (value,) if isinstance(value, str) else tuple(value)
+def _fail(path, fault_id, key, problem):
+    where = f"fault {fault_id!r}" if not str(fault_id).startswith("#") else f"fault {fault_id}"
+    raise KnownFaultsError(f"{path}: {where}: key {key!r}: {problem}")
 
 
-def load_known_faults(path=FAULTS_FILE) -> list[KnownFault]:
-    """Parse the faults file. Raises ``ValueError`` naming the entry on a malformed one."""
-    with open(path, "rb") as fh:
-        data = tomllib.load(fh)
-    faults = []
-    for i, raw in enumerate(data.get("fault", [])):
+def _patterns(path, fault_id, key, value) -> tuple:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        _fail(path, fault_id, key, f"expected a non-empty pattern or list of patterns, got {value!r}")
+    return tuple(value)
+
+
+def _check_names(path, fault_id, key, patterns, known, what):
+    """Every pattern of ``key`` must match at least one of ``known`` (a pattern matching nothing is a typo)."""
+    if known is None:
+        return
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in known):
+            _fail(path, fault_id, key, f"{pattern!r} matches no {what}; known: {', '.join(sorted(known))}")
+
+
+def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None) -> list[KnownFault]:
+    """Load and validate one known-faults file.
+
+    Args:
+        path: the ``.toml`` file (default: the bundled ``known_faults.toml``).
+        checks: registered check names each ``check`` pattern must match one of (None: not validated).
+        families: check families each ``family`` pattern must match one of (None: not validated).
+        models: model names each ``model`` pattern must match one of (None: not validated).
+
+    Returns:
+        The entries, in file order.
+
+    Raises:
+        KnownFaultsError: unreadable TOML, a top-level table other than ``fault``, an unknown or missing key, a
+            wrong type, a bad id or specifier, a duplicate id, a pattern matching no known name.
+    """
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    path = str(path)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise KnownFaultsError(f"{path}: cannot read known-faults file: {exc}") from None
+    unknown = set(data) - {"fault"}
+    if unknown:
+        raise KnownFaultsError(f"{path}: unknown top-level key(s) {sorted(unknown)}; allowed: 'fault' ([[fault]])")
+    raw_faults = data.get("fault", [])
+    if not isinstance(raw_faults, list):
+        raise KnownFaultsError(f"{path}: 'fault' must be an array of tables ([[fault]])")
+    faults, seen = [], set()
+    for index, raw in enumerate(raw_faults):
+        fault_id = raw.get("id") if isinstance(raw.get("id"), str) and raw.get("id") else f"#{index}"
+        for key in raw:
+            if key not in KEYS:
+                _fail(path, fault_id, key, f"unknown key; allowed keys: {', '.join(KEYS)}")
+        for key in ("id", "transformers", "reason"):
+            if key not in raw:
+                _fail(path, fault_id, key, "missing (required)")
+            if not isinstance(raw[key], str) or not raw[key].strip():
+                _fail(path, fault_id, key, f"expected a non-empty string, got {raw[key]!r}")
+        if not _ID.match(raw["id"]):
+            _fail(path, fault_id, "id", "ids may contain only letters, digits, '_' and '-'")
+        if raw["id"] in seen:
+            _fail(path, fault_id, "id", "duplicate id")
+        seen.add(raw["id"])
         try:
-            faults.append(KnownFault(
-                transformers=raw["transformers"], reason=" ".join(raw["reason"].split()),
-                **{k: _patterns(raw[k]) for k in ("subject", "model", "check", "case") if k in raw},
-            ))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{path}: fault #{i}: {exc}") from None
+            specifier = SpecifierSet(raw["transformers"])
+        except InvalidSpecifier as exc:
+            _fail(path, fault_id, "transformers", f"not a PEP 440 version specifier ({exc}); e.g. '>=5.5,<5.19'")
+        patterns = {k: _patterns(path, fault_id, k, raw[k]) for k in PATTERN_KEYS if k in raw}
+        _check_names(path, fault_id, "check", patterns.get("check", ()), checks, "registered check")
+        _check_names(path, fault_id, "family", patterns.get("family", ()), families, "check family")
+        _check_names(path, fault_id, "model", patterns.get("model", ()), models, "model")
+        faults.append(KnownFault(id=raw["id"], transformers=raw["transformers"],
+                                 reason=" ".join(raw["reason"].split()), source=path, _specifier=specifier,
+                                 **patterns))
     return faults
 
 
-def match(faults, version, subject: str, model: str, check: str, case: str) -> str | None:
-    """The reason of the first fault matching this item on ``version``, or None."""
+def load_all(paths=(), checks=None, families=None, models=None) -> list[KnownFault]:
+    """The bundled file followed by ``paths`` (extra files), validated as in ``load_known_faults``.
+
+    Raises:
+        KnownFaultsError: as ``load_known_faults``, or an id defined in two files (names both).
+    """
+    faults, where = [], {}
+    for path in [FAULTS_FILE, *(paths or ())]:
+        for fault in load_known_faults(path, checks=checks, families=families, models=models):
+            if fault.id in where:
+                _fail(path, fault.id, "id", f"duplicate, already defined in {where[fault.id]}")
+            where[fault.id] = str(path)
+            faults.append(fault)
+    return faults
+
+
+def find(faults, version, subject: str, model: str, check: str, case: str, family: str | None = None):
+    """The first ``KnownFault`` matching this item on ``version``, or None."""
+    fields = dict(subject=subject, model=model, check=check, case=case)
+    if family is not None:
+        fields["family"] = family
     for fault in faults:
-        if fault.matches(version, subject=subject, model=model, check=check, case=case):
-            return fault.reason
+        if fault.matches(version, **fields):
+            return fault
     return None
+
+
+def match(faults, version, subject: str, model: str, check: str, case: str, family: str | None = None) -> str | None:
+    """The reason of the first fault matching this item on ``version``, or None."""
+    fault = find(faults, version, subject, model, check, case, family)
+    return fault.reason if fault is not None else None
+
+
+def stale(faults, version, items, models, subjects=None) -> list[KnownFault]:
+    """Entries that apply to ``version``, to one of ``models`` (names) and to one of ``subjects`` (names; None: any)
+    but match none of ``items``.
+
+    Args:
+        faults: the loaded entries.
+        version: the installed transformers version (``packaging.version.Version``).
+        items: dicts with ``subject``, ``model``, ``check``, ``family``, ``case`` (names) — every item the
+            entries could be meant for (the caller decides the universe: tiers, models, subjects).
+        models: the run's model names; an entry whose ``model`` patterns match none of them is not judged.
+        subjects: the run's subject names (after ``--kvconform-subject``); likewise.
+    """
+    live = [f for f in faults if f.applies_to(version)
+            and any(fnmatch.fnmatchcase(m, p) for m in models for p in f.model)
+            and (subjects is None or any(fnmatch.fnmatchcase(s, p) for s in subjects for p in f.subject))]
+    hit = set()
+    for item in items:
+        for fault in live:
+            if fault.id not in hit and fault.matches_fields(**item):
+                hit.add(fault.id)
+    return [f for f in live if f.id not in hit]

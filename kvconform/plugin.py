@@ -8,8 +8,8 @@ when ``--kvconform`` (or the ``kvconform = true`` ini option) is set. Without it
 from __future__ import annotations
 
 import fnmatch
-
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ PROPERTY = "kvconform"
 OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
 OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
 OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
+OPT_FAULTS, OPT_SUBJECT = "kvconform_known_faults", "kvconform_subject"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
@@ -35,17 +36,23 @@ def pytest_addoption(parser):
     group.addoption("--kvconform-cache", action="append", dest=OPT_CACHE, default=None, metavar="SPEC",
                     help="add a subject: 'pkg.module:Attr' or 'path/file.py:Attr' (a Cache subclass or factory); "
                          "repeatable")
+    group.addoption("--kvconform-subject", action="append", dest=OPT_SUBJECT, default=None, metavar="NAME",
+                    help="run only these subjects (by name, e.g. your own cache's); kvconform's ReferenceCache still "
+                         "gives every failure its oracle line; repeatable")
     group.addoption("--kvconform-model", action="append", dest=OPT_MODEL, default=None, metavar="SPEC",
                     help="limit the run to these models: a zoo name or a local checkpoint folder; repeatable")
     group.addoption("--kvconform-cases", action="append", dest=OPT_CASES, default=None, metavar="PATH",
                     help="extra case files or folders of *.toml (added to the built-in cases); repeatable")
+    group.addoption("--kvconform-known-faults", action="append", dest=OPT_FAULTS, default=None, metavar="PATH",
+                    help="extra known-faults files (same format as kvconform/known_faults.toml), read after the "
+                         "bundled one; repeatable")
     group.addoption("--kvconform-json", dest=OPT_JSON, default=None, metavar="PATH",
                     help="write the JSON report (schema 1) to PATH")
     group.addoption("--kvconform-strict", action="store_true", dest=OPT_STRICT, default=None,
                     help="ignore the bundled list of known upstream faults: they fail instead of xfail")
     group.addoption("--kvconform-full", action="store_true", dest=OPT_FULL, default=None,
-                    help="also run the heavier tier (cases with tier = \"full\": compile on every model, long "
-                         "fuzzing, long contexts); meant for CI")
+                    help="also run the heavier tier (cases with tier = \"full\", default cases on their models_full: "
+                         "compile on every model, long fuzzing, long contexts); meant for CI")
     group.addoption("--kvconform-selftest", action="store_true", dest=OPT_SELFTEST, default=None,
                     help="run kvconform's bundled faulty caches through the suite instead of the subjects, and "
                          "print the share caught per check family")
@@ -56,7 +63,10 @@ def pytest_addoption(parser):
     parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
     parser.addini(OPT_CACHE, "extra subjects (same as --kvconform-cache)", type="linelist", default=[])
     parser.addini(OPT_MODEL, "models to run (same as --kvconform-model)", type="linelist", default=[])
+    parser.addini(OPT_SUBJECT, "subjects to run (same as --kvconform-subject)", type="linelist", default=[])
     parser.addini(OPT_CASES, "extra case files (same as --kvconform-cases)", type="linelist", default=[])
+    parser.addini(OPT_FAULTS, "extra known-faults files (same as --kvconform-known-faults)", type="linelist",
+                  default=[])
     parser.addini(OPT_JSON, "JSON report path (same as --kvconform-json)", default="")
     parser.addini(OPT_STRICT, "known upstream faults fail (same as --kvconform-strict)", type="bool", default=False)
     parser.addini(OPT_FULL, "run the heavier tier (same as --kvconform-full)", type="bool", default=False)
@@ -77,7 +87,7 @@ def _opt(config, name):
     return value
 
 
-_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON)
+_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON, OPT_FAULTS)
 
 
 def _from_ini(base, name: str, value: str) -> str:
@@ -99,6 +109,42 @@ def is_active(config) -> bool:
     return bool(_opt(config, OPT_ACTIVE))
 
 
+_FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OPT_MODEL: "--kvconform-model", OPT_CASES: "--kvconform-cases",
+          OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
+          OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device"}
+
+
+def _refuse_flags_without_kvconform(config) -> None:
+    """A ``--kvconform-*`` flag on the command line without ``--kvconform`` would check nothing and exit 0 with the
+    project's own tests: a usage error (exit 4) instead. Ini settings (``kvconform_cache = ...``) stay allowed — a
+    project may keep them in its ini file for the runs that add ``--kvconform``.
+
+    Raises:
+        pytest.UsageError: naming the flags given and the fix.
+    """
+    given = [flag for dest, flag in _FLAGS.items() if config.getoption(dest) is not None]
+    if given:
+        raise pytest.UsageError(
+            f"kvconform: {', '.join(given)} given without --kvconform, so nothing would be checked; add --kvconform "
+            f"to run the conformance suite (or set kvconform = true in the ini file)")
+
+
+_BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
+_BENCHMARK_SAVING = ("benchmark_save", "benchmark_autosave", "benchmark_compare", "benchmark_compare_fail")
+
+
+def _keep_benchmarks_out_of_the_folder(config) -> None:
+    """pytest-benchmark creates its storage folder (``./.benchmarks``) at configure time, in every run, even when
+    nothing is saved. Under ``--kvconform`` in a folder that has none, and unless the user chose a storage or asked
+    to save or compare runs, point it at a folder under the system temp dir so that a run leaves nothing behind."""
+    storage = getattr(config.option, "benchmark_storage", None)
+    if storage != _BENCHMARK_DEFAULT_STORAGE or Path(".benchmarks").exists():
+        return
+    if any(getattr(config.option, name, None) for name in _BENCHMARK_SAVING):
+        return
+    config.option.benchmark_storage = "file://" + os.path.join(tempfile.gettempdir(), "kvconform-benchmarks")
+
+
 # ------------------------------------------------------------------------------------------------------ configure
 # One marker per check family (kept in sync with kvconform.checks.FAMILIES by tests/test_plugin.py; listed here
 # because importing kvconform.checks would import torch in every pytest run).
@@ -114,26 +160,32 @@ def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
 
 
+# tryfirst: runs before pytest-benchmark's pytest_configure, which creates its storage folder.
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if not is_active(config):
+        _refuse_flags_without_kvconform(config)
         return
     from kvconform.session import build_session
 
+    _keep_benchmarks_out_of_the_folder(config)
     _check_usage(config)
-    hooked = [spec for specs in config.hook.pytest_kvconform_caches(config=config) for spec in specs or ()]
+    hooked = _hooked_specs(config)
     try:
         config.stash[SESSION_KEY] = build_session(
             caches=[*_opt(config, OPT_CACHE), *hooked], models=_opt(config, OPT_MODEL),
             case_paths=_opt(config, OPT_CASES),
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
-            full=bool(_opt(config, OPT_FULL)),
+            full=bool(_opt(config, OPT_FULL)), known_faults=_opt(config, OPT_FAULTS),
+            only_subjects=_opt(config, OPT_SUBJECT),
         )
-    except ValueError as exc:  # SpecError, CaseFileError, bad model spec
+    except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
     config.stash[RESULTS_KEY] = {}
-    if str(SUITE_DIR) not in config.args:
+    suite_ids = _point_suite_node_ids_at_the_suite(config)
+    if not suite_ids and str(SUITE_DIR) not in config.args:
         config.args.append(str(SUITE_DIR))
 
 
@@ -187,6 +239,8 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(session, config, items):
     if not is_active(config):
         return
+    from kvconform.report import encode_property
+
     ours = [it for it in items if PROPERTY in it.keywords and hasattr(it, "callspec")]
     if not ours:
         raise pytest.UsageError(
@@ -194,7 +248,8 @@ def pytest_collection_modifyitems(session, config, items):
             "(was the packaged suite excluded by a collection setting?)")
     for it in ours:
         if "kv_item" in it.callspec.params:
-            it.user_properties.append((PROPERTY, it.callspec.params["kv_item"].describe()))
+            # JSON, so that --junitxml properties are machine-readable (report.py decodes them)
+            it.user_properties.append((PROPERTY, encode_property(it.callspec.params["kv_item"].describe())))
 
 
 # ------------------------------------------------------------------------------------------------------ running
@@ -207,6 +262,47 @@ def kv_session(request):
     from kvconform.session import build_session
 
     return build_session(builtin=False)
+
+
+def _point_suite_node_ids_at_the_suite(config) -> bool:
+    """Let a node id printed by a run (``test_conformance.py::test_conformance[...]`` in a FAILED line, which is
+    relative to the installed suite's folder) be pasted back: such arguments are rewritten to the suite file's
+    path. Returns True when the command line names suite items, so that the whole suite is not added as well."""
+    named = False
+    for i, arg in enumerate(config.args):
+        path, sep, rest = str(arg).partition("::")
+        base = os.path.basename(path)
+        if base not in (SUITE_FILE.name, SELFTEST_FILE.name):
+            continue
+        if os.path.exists(os.path.join(config.invocation_params.dir, path)) and \
+                os.path.abspath(os.path.join(config.invocation_params.dir, path)) not in (str(SUITE_FILE),
+                                                                                            str(SELFTEST_FILE)):
+            continue  # the user's own file of that name
+        config.args[i] = str(SUITE_DIR / base) + sep + rest
+        named = True
+    return named
+
+
+def _hooked_specs(config) -> list:
+    """The subjects every ``pytest_kvconform_caches`` implementation returned, flattened.
+
+    Raises:
+        pytest.UsageError: an implementation returned something else than a list (or tuple) — e.g. one CacheSpec
+            instead of ``[CacheSpec(...)]`` — naming the plugin (the conftest.py) that did.
+    """
+    out = []
+    impls = config.pluginmanager.hook.pytest_kvconform_caches.get_hookimpls()
+    for impl in reversed(impls):  # pluggy's call order
+        specs = impl.function(**({"config": config} if "config" in impl.argnames else {}))
+        if specs is None:
+            continue
+        if not isinstance(specs, (list, tuple)):
+            where = getattr(impl.plugin, "__file__", None) or impl.plugin_name
+            raise pytest.UsageError(
+                f"kvconform: pytest_kvconform_caches in {where} returned a {type(specs).__name__}; it must return a "
+                f"list of subjects, e.g. return [kvconform.CacheSpec(...)]")
+        out.extend(specs)
+    return out
 
 
 def _timeout(config) -> float:
@@ -253,6 +349,7 @@ def kv_runner(kv_session, request):
 
     def run(item):
         from kvconform.checks import CheckSkipped
+        from kvconform.report import encode_property
 
         metrics = {}
         benchmark = None
@@ -272,7 +369,7 @@ def kv_runner(kv_session, request):
             metrics.update(getattr(exc, "metrics", {}) or {})
             raise
         finally:
-            request.node.user_properties.append((PROPERTY + "_metrics", metrics))
+            request.node.user_properties.append((PROPERTY + "_metrics", encode_property(metrics)))
 
     return run
 
@@ -281,9 +378,9 @@ def kv_runner(kv_session, request):
 def pytest_runtest_makereport(item, call):
     report = yield
     if call.excinfo is not None and PROPERTY in item.keywords:
-        from kvconform.checks import ConformanceError
+        from kvconform.checks import ConformanceError, SubjectNotBuilt
 
-        if isinstance(call.excinfo.value, ConformanceError) and report.failed:
+        if isinstance(call.excinfo.value, (ConformanceError, SubjectNotBuilt)) and report.failed:
             report.longrepr = str(call.excinfo.value)
     return report
 
@@ -312,7 +409,7 @@ def pytest_sessionstart(session):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not is_active(config) or RESULTS_KEY not in config.stash:
         return
-    from kvconform.report import write_markdown_summary, write_terminal_matrix
+    from kvconform.report import write_known_fault_summary, write_markdown_summary, write_terminal_matrix
 
     results = config.stash[RESULTS_KEY]
     write_terminal_matrix(terminalreporter, results, config.stash[SESSION_KEY])
@@ -320,7 +417,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         from kvconform.report import write_selftest_summary
 
         write_selftest_summary(terminalreporter)
-    write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"))
+    else:
+        write_known_fault_summary(terminalreporter, results, config.stash[SESSION_KEY])
+    if not hasattr(config, "workerinput"):  # xdist workers: the controller writes the one combined summary
+        write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"), config.stash[SESSION_KEY])
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -47,13 +47,25 @@ def _clean(value):
     return value
 
 
+def encode_property(value: dict) -> str:
+    """A ``user_properties`` value as a JSON object string: what ``--junitxml`` writes as the property's value (CI
+    dashboards parse it) and what travels back from xdist workers. Non-finite floats become strings ("inf", "nan"),
+    other non-JSON values their ``str``."""
+    return json.dumps({k: _clean(v) for k, v in value.items()}, default=str, ensure_ascii=False)
+
+
+def decode_property(value) -> dict:
+    """The dict of a property written by ``encode_property`` (a dict is returned as it is)."""
+    return json.loads(value) if isinstance(value, str) else dict(value or {})
+
+
 def record_report(results: dict, report, props: dict) -> None:
     """Fold one ``TestReport`` into ``results`` (nodeid → record). Later phases refine earlier ones."""
     outcome = _outcome(report)
     if outcome is None:
         return
-    info = props["kvconform"]
-    metrics = {k: _clean(v) for k, v in (props.get("kvconform_metrics") or {}).items()}
+    info = decode_property(props["kvconform"])
+    metrics = {k: _clean(v) for k, v in decode_property(props.get("kvconform_metrics")).items()}
     previous = results.get(report.nodeid)
     if previous is not None and previous["outcome"] in ("failed", "error") and outcome == "error":
         return  # a teardown error does not hide the call's failure
@@ -77,10 +89,25 @@ def _cell(records) -> tuple[str, bool]:
     return text, bad > 0
 
 
-def matrix(results: dict, rows_key: str, cols: list, cols_key: str) -> list[tuple[str, list, bool]]:
-    """Rows of ``(row name, [cell text per column], any failure)``, rows in first-seen order."""
+def _ordered(names, order=None) -> list:
+    """``names`` (deduplicated) in the session's ``order`` (subjects or models as declared), names it does not know
+    after them, sorted: the same in a serial run and under xdist, where reports arrive in any order."""
+    order = list(order or ())
+    rank = {n: i for i, n in enumerate(order)}
+    return sorted(set(names), key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def _session_order(session, key: str) -> list:
+    if session is None:
+        return []
+    items = session.subjects if key == "subject" else session.models if key == "model" else []
+    return [x.name for x in items]
+
+
+def matrix(results: dict, rows_key: str, cols: list, cols_key: str, order=None) -> list[tuple[str, list, bool]]:
+    """Rows of ``(row name, [cell text per column], any failure)``, rows in ``order`` (see ``_ordered``)."""
     records = list(results.values())
-    row_names = list(dict.fromkeys(r[rows_key] for r in records))
+    row_names = _ordered((r[rows_key] for r in records), order)
     out = []
     for name in row_names:
         cells, failed = [], False
@@ -114,32 +141,45 @@ def write_terminal_matrix(tr, results: dict, session) -> None:
         return
     tr.section("kvconform conformance matrix")
     fams = _families(results)
+    subjects = _ordered((r["subject"] for r in results.values()), _session_order(session, "subject"))
     _table(tr, "subjects × check families (passed/ran, xN = known faults xfailed, FN = failed):",
-           ["subject", *fams], matrix(results, "subject", fams, "family"))
-    subjects = list(dict.fromkeys(r["subject"] for r in results.values()))
+           ["subject", *fams], matrix(results, "subject", fams, "family", subjects))
     tr.write_line("")
-    _table(tr, "models × subjects:", ["model", *subjects], matrix(results, "model", subjects, "subject"))
+    _table(tr, "models × subjects:", ["model", *subjects],
+           matrix(results, "model", subjects, "subject", _session_order(session, "model")))
     failed = [r for r in results.values() if r["outcome"] in ("failed", "error")]
     if failed:
         tr.write_line("")
         tr.write_line(f"{len(failed)} non-conforming item(s); first: {failed[0]['nodeid']}", red=True)
 
 
-def markdown(results: dict) -> str:
-    """The subjects × families matrix as a GitHub-flavoured Markdown table."""
+def _status(records) -> str:
+    """A row's mark: ❌ any item failed, ⏭️ nothing ran (every item skipped: nothing was checked), ✅ otherwise."""
+    if any(r["outcome"] in ("failed", "error") for r in records):
+        return "❌"
+    if all(r["outcome"] == "skipped" for r in records):
+        return "⏭️"
+    return "✅"
+
+
+def markdown(results: dict, session=None) -> str:
+    """The subjects × families matrix as a GitHub-flavoured Markdown table; each subject is marked ❌ (a failure),
+    ✅ (items ran, none failed) or ⏭️ (all of its items skipped)."""
     fams = _families(results)
     lines = ["### kvconform conformance matrix", "", "| subject | " + " | ".join(fams) + " |",
              "|---" * (len(fams) + 1) + "|"]
-    for name, cells, failed in matrix(results, "subject", fams, "family"):
-        lines.append(f"| {'❌' if failed else '✅'} {name} | " + " | ".join(cells) + " |")
+    for name, cells, _ in matrix(results, "subject", fams, "family", _session_order(session, "subject")):
+        status = _status([r for r in results.values() if r["subject"] == name])
+        lines.append(f"| {status} {name} | " + " | ".join(cells) + " |")
+    lines += ["", "✅ items ran, none failed · ❌ a non-conforming item · ⏭️ every item skipped (nothing checked)"]
     return "\n".join(lines) + "\n"
 
 
-def write_markdown_summary(results: dict, path: str | None) -> None:
+def write_markdown_summary(results: dict, path: str | None, session=None) -> None:
     """Append the Markdown matrix to ``path`` (``$GITHUB_STEP_SUMMARY``) when set."""
     if path and results:
         with open(path, "a", encoding="utf-8") as fh:
-            fh.write(markdown(results))
+            fh.write(markdown(results, session))
 
 
 def write_json(path: str, results: dict, session) -> None:
@@ -182,6 +222,7 @@ def write_selftest_summary(tr) -> None:
         for report in reports:
             props = dict(getattr(report, "user_properties", None) or ())
             info = props.get("kvconform_selftest")
+            info = decode_property(info) if info else None
             if info and getattr(report, "when", None) == "call":
                 per_family.setdefault(info["family"], []).append(info)
     if not per_family:
@@ -196,3 +237,48 @@ def write_selftest_summary(tr) -> None:
         tr.write_line(f"{family:<12} {n}/{len(infos)} caught" + (f"   missed: {', '.join(missed)}" if missed else ""),
                       green=not missed, red=bool(missed))
     tr.write_line(f"{'all':<12} {caught}/{total} caught ({100 * caught / total:.0f}%)", bold=True)
+
+
+def known_fault_findings(results: dict, session) -> tuple[list, dict]:
+    """What the run says about the known-faults list: ``(stale, passed)``.
+
+    ``stale``: ``KnownFault`` entries that apply to the installed transformers and the run's models but match no
+    planned item (``KVSession.stale_faults``). ``passed``: ``{label: [nodeid, ...]}`` of items expected to fail that
+    passed — XPASS, or under ``--kvconform-strict`` a pass of an item a known fault names; ``label`` is the entry
+    id, or ``"<subject>.expected_failures"`` when the xfail came from the subject's own ``CacheSpec``.
+    """
+    stale = session.stale_faults()
+    subjects = {s.name: s for s in session.subjects}
+    passed: dict = {}
+    for r in sorted(results.values(), key=lambda r: r["nodeid"]):
+        if r["outcome"] not in ("xpassed", "passed") or (r["outcome"] == "passed" and not session.strict):
+            continue
+        subject = subjects.get(r["subject"])
+        own = getattr(subject, "expected_failures", None) or {}
+        if r["outcome"] == "xpassed" and (own.get(f"{r['check']}:{r['case']}") or own.get(r["check"])):
+            label = f"{r['subject']}.expected_failures"
+        else:
+            fault = session.fault_entry(r["subject"], r["model"], r["check"], r["family"], r["case"])
+            if fault is None:
+                continue
+            label = fault.id
+        passed.setdefault(label, []).append(r["nodeid"])
+    return stale, passed
+
+
+def write_known_fault_summary(tr, results: dict, session) -> None:
+    """Print one line per known-fault entry that matched no item (stale) and per entry whose items passed (XPASS),
+    so that the list is kept as strict as the cases. Prints nothing when there is nothing to say."""
+    if not results:
+        return
+    stale, passed = known_fault_findings(results, session)
+    if not stale and not passed:
+        return
+    tr.section("kvconform known faults")
+    for fault in stale:
+        tr.write_line(f"stale: {fault.id!r} (transformers {fault.transformers}; {os.path.basename(fault.source)}) "
+                      f"matched no item of this run's plan", yellow=True)
+    verb = "passed (strict)" if session.strict else "XPASS"
+    for label, nodeids in passed.items():
+        tr.write_line(f"{verb}: {label!r}: {len(nodeids)} item(s) expected to fail passed, e.g. {nodeids[0]}",
+                      yellow=True)

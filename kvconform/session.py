@@ -66,6 +66,12 @@ def model_info(spec: str) -> ModelInfo:
             raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    if zoo.is_checkpoint_spec(spec) and type(config) not in auto._model_mapping:
+        raise ValueError(
+            f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
+            f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
+            f"({auto.__name__} does not map {type(config).__name__}); kvconform checks the KV cache of "
+            f"autoregressive decoding, so it needs a decoder-only or encoder-decoder language model")
     try:
         cls = auto._model_mapping[type(config)]
         import inspect
@@ -106,7 +112,8 @@ class PlanItem:
 
 
 def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
-    """Whether the item exists at all. A case limited to some models (``models``) or model features
+    """Whether the item exists at all. A case limited to some models (``models``; ``models_full`` under
+    ``--kvconform-full``) or model features
     (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
     model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
     ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
@@ -114,7 +121,8 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
 
     if (case.tier == "full" or subject.tier == "full") and not full:
         return False  # opt-in tier: counted in the report header instead of listed as skips
-    if case.models and model.name not in case.models:
+    scope = case.model_scope(full)  # models, or models_full under --kvconform-full
+    if scope and model.name not in scope:
         return False
     if model_requirements_unmet(case, model.features):
         return False
@@ -233,12 +241,40 @@ class KVSession:
         return run_check(item.check.name, ctx)
 
     def known_fault(self, item: PlanItem) -> str | None:
-        """The bundled known-fault reason for ``item`` on the installed transformers (strict or not)."""
+        """The known-fault reason for ``item`` on the installed transformers (strict or not), or None."""
+        fault = self.fault_entry(**item.describe())
+        return fault.reason if fault is not None else None
+
+    def fault_entry(self, subject: str, model: str, check: str, family: str, case: str):
+        """The first ``known_faults.KnownFault`` matching this item (names) on the installed transformers, or None."""
         from kvconform import known_faults
         from kvconform.compat import transformers_version
 
-        return known_faults.match(self.faults, transformers_version(), item.subject.name, item.model.name,
-                                  item.check.name, item.case.id)
+        return known_faults.find(self.faults, transformers_version(), subject, model, check, case, family)
+
+    def stale_faults(self) -> list:
+        """Known-fault entries that apply to the installed transformers and to the run's models but match no item
+        kvconform plans for this run's subjects and cases over the whole zoo plus the run's models, both tiers
+        (so an entry for a full-tier case or for a subject that skips here is not stale; a typo'd case id is).
+
+        Returns:
+            ``known_faults.KnownFault`` objects in file order.
+        """
+        from kvconform import known_faults
+        from kvconform.compat import transformers_version
+
+        names = {m.name for m in self.models}
+        universe = [*self.models, *(model_info(n) for n in zoo.ZOO_NAMES if n not in names)]
+        items = []
+        for case in self.cases:
+            check = self.checks[case.check]
+            for subject in self.subjects:
+                for model in universe:
+                    if in_scope(subject, model, case, full=True):
+                        items.append({"subject": subject.name, "model": model.name, "check": check.name,
+                                      "family": check.family, "case": case.id})
+        return known_faults.stale(self.faults, transformers_version(), items, names,
+                                  {s.name for s in self.subjects})
 
     def environment(self) -> dict:
         import torch
@@ -258,7 +294,8 @@ class KVSession:
             f"device {self.device}, known faults {'fail (strict)' if self.strict else 'xfail'}",
             f"kvconform subjects: {', '.join(s.name for s in self.subjects)}",
             f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}"
-            + ("" if self.full else f" ({sum(c.tier == 'full' for c in self.cases)} in the full tier, not run: "
+            + ("" if self.full else f" (full tier, not run: {sum(c.tier == 'full' for c in self.cases)} cases, "
+                                    f"{sum(c.models_full is not None for c in self.cases)} on more models; "
                                     f"add --kvconform-full)"),
         ]
 
@@ -289,7 +326,7 @@ def _quiet_transformers():
 
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
-                  builtin=True, checks=None, case_ids=None) -> KVSession:
+                  builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=()) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -299,30 +336,40 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         builtin: include the built-in subjects (ReferenceCache, DynamicCache, StaticCache, ...).
         checks: if given, only cases running these check names.
         case_ids: if given, only these case ids.
+        known_faults: extra known-faults files, read after the bundled ``known_faults.toml``.
+        only_subjects: if given, keep only the subjects of these names (built-in or added); the reference cache
+            still runs for the oracle line of each failure.
 
     Raises:
-        ValueError (``SpecError``, ``CaseFileError``): bad input, naming the spec / file and the cause.
+        ValueError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
+            the cause.
     """
     from kvconform.cases import load_cases
-    from kvconform.checks import load_checks
-    from kvconform.known_faults import load_known_faults
-    from kvconform.subjects import as_cache_spec, builtin_subjects, check_factory_builds_cache
+    from kvconform.checks import FAMILIES, load_checks
+    from kvconform.known_faults import load_all
+    from kvconform.subjects import CacheSpec, as_cache_spec, builtin_subjects, check_factory_builds_cache, validate_spec
 
     _quiet_transformers()
     _limit_threads()
     registry = load_checks()
     subjects = builtin_subjects() if builtin else []
+    builtin_names = {s.name for s in subjects}
+    cases = load_cases(case_paths, known_checks=registry)
     for obj in caches or ():
         subject = as_cache_spec(obj)
+        where = f"--kvconform-cache {obj!r}" if isinstance(obj, str) else (
+            f"CacheSpec {subject.name!r} (pytest_kvconform_caches hook or Python)" if isinstance(obj, CacheSpec)
+            else f"{subject.name} (from Python)")
+        validate_spec(subject, where, set(registry), {c.id for c in cases})
         check_factory_builds_cache(subject, zoo.zoo_config("llama"))
         if any(s.name == subject.name for s in subjects):
-            raise ValueError(f"--kvconform-cache {obj!r}: a subject named {subject.name!r} already exists")
+            kind = "a built-in subject" if subject.name in builtin_names else "another subject"
+            raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
     infos = [model_info(m) for m in (models or zoo.ZOO_NAMES)]
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
-    cases = load_cases(case_paths, known_checks=registry)
     for name in checks or ():
         if name not in registry:
             raise ValueError(f"unknown check {name!r}; known: {', '.join(sorted(registry))}")
@@ -333,7 +380,83 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         if unknown:
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
-    return KVSession(subjects, infos, cases, registry, strict, device, load_known_faults(), full)
+    if only_subjects:
+        subjects = _select_subjects(subjects, only_subjects)
+    faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
+                      models={*zoo.ZOO_NAMES, *names})
+    session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
+    for info in infos:
+        if zoo.is_checkpoint_spec(info.spec):  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
+            _refuse_unusable_checkpoint(session, info)
+    return session
+
+
+def _select_subjects(subjects: list, names) -> list:
+    """The subjects named in ``names`` (``--kvconform-subject``), in the run's order.
+
+    Raises:
+        ValueError: a name that is no subject of this run (with the closest name and the list).
+    """
+    import difflib
+
+    known = [s.name for s in subjects]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"--kvconform-subject {name!r}: no such subject{hint} (subjects of this run: "
+                             f"{', '.join(known)}; add yours with --kvconform-cache)")
+    return [s for s in subjects if s.name in set(names)]
+
+
+def causality_gap(zm) -> float:
+    """How much the logits of positions ``0..3`` change when only the tokens after them (positions ``4..7``)
+    change, relative to the logits' size: ``0`` (up to float rounding, ~1e-7) for a causal language model, where a
+    position never sees later tokens; far larger for a bidirectional encoder loaded under a language-model head
+    (e.g. BERT), whose every position attends to every other.
+
+    Returns ``max|Δlogit| / max(1, max|logit|)`` over positions 0..3 of a float32 forward of ``[1, 8]`` random
+    tokens, no cache. Encoder-decoder models return 0: their decoder is causal by construction.
+    """
+    import torch
+
+    if zm.is_encoder_decoder:
+        return 0.0
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, zm.vocab_size, (1, 8), generator=gen)
+    other = ids.clone()
+    other[0, 4:] = 3 + (ids[0, 4:] - 3 + 1) % (zm.vocab_size - 3)
+    device = next(zm.model.parameters()).device
+    with torch.no_grad():
+        a = zm.model(input_ids=ids.to(device), use_cache=False).logits[:, :4].float()
+        b = zm.model(input_ids=other.to(device), use_cache=False).logits[:, :4].float()
+    return float((a - b).abs().max() / max(1.0, float(a.abs().max())))
+
+
+CAUSALITY_TOLERANCE = 1e-4
+"""Relative logit change of earlier positions (``causality_gap``) above which a checkpoint is refused as not
+causal; float32 rounding of a causal model is ~1e-7."""
+
+
+def _refuse_unusable_checkpoint(session, info) -> None:
+    """Load a checkpoint folder (the session keeps it for the items) and check it is a causal language model.
+
+    Raises:
+        ValueError: it cannot be loaded, or changing its last input token changes the logits of earlier positions
+            (a bidirectional encoder): a usage error naming the folder and the measured change.
+    """
+    try:
+        zm = session.zoo_model(info, "float32")
+    except Exception as exc:  # noqa: BLE001 - any loading failure is the user's input problem
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"--kvconform-model {info.spec!r}: loading it failed: {type(exc).__name__}: {first}") from None
+    gap = causality_gap(zm)
+    if not gap <= CAUSALITY_TOLERANCE:
+        raise ValueError(
+            f"--kvconform-model {info.spec!r}: not a causal language model: changing later input tokens changed "
+            f"the logits of earlier positions by {gap:.2g} (relative; a causal model: 0). A bidirectional encoder "
+            f"({zm.config.model_type}) keeps no KV cache between decode steps; kvconform needs a decoder-only or "
+            f"encoder-decoder language model")
 
 
 class ItemTimeout(BaseException):

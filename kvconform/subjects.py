@@ -108,15 +108,59 @@ class SubjectBuildError(Exception):
         self.name, self.kwargs, self.cause = name, kwargs, cause
 
 
-def accepted_kwargs(factory, available: Mapping) -> dict:
-    """The subset of ``available`` that ``factory``'s signature accepts (all of it if it takes ``**kwargs``)."""
+def _named(params) -> set:
+    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"}
+
+
+def _takes_var_keyword(params) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def accepted_names(factory) -> set | None:
+    """The keyword names ``factory`` accepts, or None when it accepts any (or its signature cannot be read).
+
+    A class whose ``__init__`` takes ``**kwargs`` and forwards them to its base (``class MyCache(DynamicCache):
+    def __init__(self, bits=4, **kwargs): super().__init__(**kwargs)``, the usual pattern of third-party caches)
+    accepts its own names plus those of the ``__init__`` methods along its MRO, up to the first that takes no
+    ``**kwargs`` (there ``DynamicCache.__init__``: ``config``, ... but not ``max_cache_len``).
+    """
     try:
-        params = inspect.signature(factory).parameters
+        if not inspect.isclass(factory):
+            params = inspect.signature(factory).parameters
+            return None if _takes_var_keyword(params) else _named(params)
+        names: set = set()
+        for klass in factory.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            if klass is object:
+                return names
+            params = inspect.signature(init).parameters
+            names |= _named(params)
+            if not _takes_var_keyword(params):
+                return names
+        return None
     except (TypeError, ValueError):
-        return dict(available)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(available)
-    return {k: v for k, v in available.items() if k in params}
+        return None
+
+
+def accepted_kwargs(factory, available: Mapping) -> dict:
+    """The subset of ``available`` that ``factory`` accepts (see ``accepted_names``; all of it when any name is)."""
+    names = accepted_names(factory)
+    return dict(available) if names is None else {k: v for k, v in available.items() if k in names}
+
+
+def required_unknown_arguments(factory) -> list[str]:
+    """Required parameters of ``factory`` (of a class: of its ``__init__``) that kvconform never passes (not in
+    ``CONSTRUCTION_KWARGS``): such a subject cannot be built at all."""
+    try:
+        target = factory.__init__ if inspect.isclass(factory) else factory
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items()
+            if n != "self" and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and n not in CONSTRUCTION_KWARGS]
 
 
 # ---------------------------------------------------------------------------------------------------- built-ins
@@ -168,6 +212,12 @@ def builtin_subjects() -> list[CacheSpec]:
 
 # ---------------------------------------------------------------------------------------------------- user specs
 def _import_file(path: str):
+    """Import ``path`` as a module, the way pytest imports a conftest.py (its "prepend" import mode): the file's
+    folder goes first on ``sys.path``, so that the file can import its sibling modules (``from paged_layer import
+    PagedLayer``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     mod_name = "kvconform_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
@@ -176,6 +226,81 @@ def _import_file(path: str):
     sys.modules[mod_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _import_module(target: str):
+    """``importlib.import_module(target)``; when its top-level package is not importable but sits in the current
+    folder (``pytest`` does not put the folder it is started from on ``sys.path``), import it from there, as
+    ``python -m`` would."""
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        top = target.split(".")[0]
+        here = os.getcwd()
+        local = os.path.isfile(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
+        if exc.name != top or not local or here in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(target)
+
+
+def declared_capabilities(obj, where: str) -> frozenset:
+    """The ``kvconform_capabilities`` a Cache subclass or a factory function declares (default: all of
+    ``CAPABILITIES``).
+
+    Raises:
+        SpecError: a name outside ``CAPABILITIES`` (with the closest known name), or not an iterable of names.
+    """
+    declared = getattr(obj, "kvconform_capabilities", None)
+    if declared is None:
+        return frozenset(CAPABILITIES)
+    if isinstance(declared, str) or not all(isinstance(c, str) for c in declared):
+        raise SpecError(f"{where}: kvconform_capabilities must be a set of names from {', '.join(CAPABILITIES)}; "
+                        f"got {declared!r}")
+    caps = frozenset(declared)
+    _check_names(where, "capabilities", caps, CAPABILITIES)
+    return caps
+
+
+def _check_names(where: str, what: str, names, known) -> None:
+    import difflib
+
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        hints = [f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, known, 1)) else repr(u)
+                 for u in unknown]
+        raise SpecError(f"{where}: unknown {what} {', '.join(hints)}; known: {', '.join(sorted(known))}")
+
+
+NAME_PATTERN = r"[A-Za-z0-9_.]+"
+
+
+def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()) -> None:
+    """Check what a ``CacheSpec`` declares, whichever way it came in (``--kvconform-cache``, the
+    ``pytest_kvconform_caches`` hook, ``check_cache``, ``parametrize_with_checks``).
+
+    Args:
+        where: how the user handed it over, for the message (e.g. ``"pytest_kvconform_caches"``).
+        known_checks / known_cases: names that ``expected_failures`` keys (``check`` or ``check:case``) may use.
+
+    Raises:
+        SpecError: a name that is not ``[A-Za-z0-9_.]+`` (it would break ``-k`` selection and ids), unknown
+            capabilities, or ``expected_failures`` naming an unknown check or case (with the closest known name).
+    """
+    import re
+
+    if not isinstance(spec.name, str) or not re.fullmatch(NAME_PATTERN, spec.name):
+        fixed = re.sub(r"[^A-Za-z0-9_.]+", "_", str(spec.name)).strip("_") or "MyCache"
+        raise SpecError(f"{where}: the name {spec.name!r} may use only letters, digits, '_' and '.' (it is "
+                        f"part of every item id and -k expression); e.g. name={fixed!r}")
+    _check_names(where, "capabilities", spec.capabilities, CAPABILITIES)
+    if known_checks:
+        keys = list(spec.expected_failures)
+        _check_names(f"{where}: expected_failures", "checks",
+                     {k.split(":", 1)[0] for k in keys}, known_checks)
+        if known_cases:
+            _check_names(f"{where}: expected_failures", "cases",
+                         {k.split(":", 1)[1] for k in keys if ":" in k}, known_cases)
 
 
 def resolve_cache_spec(spec: str) -> CacheSpec:
@@ -199,11 +324,16 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
                 raise SpecError(f"{spec!r}: file {target!r} does not exist")
             module = _import_file(target)
         else:
-            module = importlib.import_module(target)
+            module = _import_module(target)
     except SpecError:
         raise
     except BaseException as exc:  # noqa: BLE001 - any import failure is the user's spec problem
-        raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}") from None
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError):
+            hint = ("; give the file instead ('path/to/file.py:Attr' — its folder is put on sys.path, so it can "
+                    "import its sibling modules) or make the module importable (pip install -e your package, "
+                    "or PYTHONPATH)")
+        raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}{hint}") from None
     if not hasattr(module, attr):
         raise SpecError(f"{spec!r}: module {target!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
@@ -214,14 +344,9 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
     if inspect.isclass(obj):
         if not issubclass(obj, Cache):
             raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass")
-        declared = getattr(obj, "kvconform_capabilities", None)
-        caps = frozenset(CAPABILITIES) if declared is None else frozenset(declared)
-        unknown = caps - set(CAPABILITIES)
-        if unknown:
-            raise SpecError(f"{spec!r}: unknown capabilities {sorted(unknown)}; known: {', '.join(CAPABILITIES)}")
-        return CacheSpec(attr, obj, capabilities=caps, source=spec)
+        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
     if callable(obj):
-        return CacheSpec(attr, obj, source=spec)
+        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
     raise SpecError(f"{spec!r}: {attr} is a {type(obj).__name__}, not a Cache subclass or a factory")
 
 
@@ -229,11 +354,19 @@ def check_factory_builds_cache(spec: CacheSpec, config) -> None:
     """Build ``spec`` once for ``config`` and make sure the result is a ``transformers.Cache``.
 
     Raises:
-        SpecError: the factory returned something that is not a Cache.
+        SpecError: the factory requires an argument kvconform never passes (``required_unknown_arguments``), or
+            returned something that is not a Cache.
     (An exception raised by the factory itself is left to the items: it fails them, not the session.)
     """
     from transformers import Cache
 
+    missing = required_unknown_arguments(spec.factory)
+    if missing:
+        raise SpecError(
+            f"{spec.source if spec.source != 'python' else spec.name!r}: {spec.name} requires "
+            f"{', '.join(repr(m) for m in missing)}, which kvconform cannot pass (it passes only those of "
+            f"{', '.join(CONSTRUCTION_KWARGS)} that the signature accepts); hand kvconform a factory instead, e.g. "
+            f"def make_{spec.name.lower()}(config): return {spec.name}(config=config, {missing[0]}=...)")
     try:
         built = spec.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
     except Exception:  # noqa: BLE001 - reported per item
@@ -260,6 +393,4 @@ def as_cache_spec(obj, source: str = "python") -> CacheSpec:
         raise SpecError(f"{name}: a class but not a transformers.Cache subclass")
     if not callable(obj) or not name or not name.isidentifier():
         raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
-    declared = getattr(obj, "kvconform_capabilities", None)
-    caps = frozenset(CAPABILITIES) if declared is None else frozenset(declared)
-    return CacheSpec(name, obj, capabilities=caps, source=source)
+    return CacheSpec(name, obj, capabilities=declared_capabilities(obj, name), source=source)

@@ -79,7 +79,7 @@ def test_conftest_hook_adds_subjects(run_kvconform, pytester):
     """)
     result = run_kvconform("--kvconform-model", "gpt2", "-k", "decode_explicit", "--collect-only", "-q")
     assert result.ret == pytest.ExitCode.USAGE_ERROR  # the string names a subject that already exists
-    assert "a subject named 'ReferenceCache' already exists" in result.stderr.str()
+    assert "a built-in subject is already named 'ReferenceCache'" in result.stderr.str()
     pytester.makeconftest("""
         from kvconform import CacheSpec, ReferenceCache
 

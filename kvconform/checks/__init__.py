@@ -20,6 +20,17 @@ class ConformanceError(AssertionError):
         self.metrics = metrics or {}
 
 
+class SubjectNotBuilt(Exception):
+    """The subject's cache could not be built for this item's model. Deliberately *not* an ``AssertionError``: an
+    item whose cache was never built has not shown any fault, known or not, so the xfail of a known upstream fault
+    (``raises=AssertionError``) never applies to it — it fails. ``str(err)`` is the message; ``metrics`` as in
+    ``ConformanceError``."""
+
+    def __init__(self, message: str, metrics: dict | None = None):
+        super().__init__(message)
+        self.metrics = metrics or {}
+
+
 class CheckSkipped(Exception):
     """A check found at run time that it cannot measure here (e.g. benchmarking is disabled). The suite reports
     the item as skipped with ``str(err)`` as the reason — never as passed."""
@@ -268,9 +279,13 @@ def run_check(name: str, ctx: CheckContext) -> dict:
     except SubjectBuildError as exc:
         from kvconform.checks._diagnosis import describe_exception
 
-        ctx.fail([f"building the subject raised {describe_exception(exc.cause)}",
-                  f"called: {exc.name}({', '.join(f'{k}=...' for k in exc.kwargs)}) for {ctx.model.name}",
-                  "likely cause: the cache's constructor (or factory) cannot build a cache for this model from the "
-                  "keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; only those "
-                  "its signature accepts)"], {"raised": type(exc.cause).__name__, "failed_at": "construction"})
+        try:
+            ctx.fail([f"building the subject raised {describe_exception(exc.cause)}",
+                      f"called: {exc.name}({', '.join(f'{k}=...' for k in exc.kwargs)}) for {ctx.model.name}",
+                      "likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
+                      "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
+                      "only those its signature accepts)"],
+                     {"raised": type(exc.cause).__name__, "failed_at": "construction"})
+        except ConformanceError as err:
+            raise SubjectNotBuilt(str(err), err.metrics) from None
     return ctx.metrics

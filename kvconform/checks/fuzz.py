@@ -20,7 +20,9 @@ under ``--kvconform-full``, i.e. ``ctx.full``; CI) draws ``full_examples`` (defa
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 
 from kvconform.cases import Op
 from kvconform.checks import OP_PARAMS, Param, register
@@ -178,6 +180,23 @@ def _applies(subject, model, case, **_):
     return None
 
 
+@contextlib.contextmanager
+def _hypothesis_storage_outside_the_folder():
+    """Hypothesis writes a ``.hypothesis/`` folder into the working directory (a cache of constants found in local
+    code, even with ``database=None``). A conformance run must leave nothing in the user's folder: for the duration
+    of the fuzz run its storage is a folder under the system temp dir, then back to hypothesis' default
+    (``$HYPOTHESIS_STORAGE_DIRECTORY`` or ``./.hypothesis``) for the user's own tests."""
+    import tempfile
+
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "kvconform-hypothesis"))
+    try:
+        yield
+    finally:
+        set_hypothesis_home_dir(None)
+
+
 @register("fuzz", needs=("forward",), applies=_applies, params={
     **OP_PARAMS,
     "max_examples": Param(int, default=8, min=1, doc="programs drawn by a default-tier case"),
@@ -225,7 +244,8 @@ def check_op_sequences(ctx):
         raise ProgramFailed(program, lines, {**metrics, "executed": info.get("done", [])})
 
     try:
-        programs_conform()
+        with _hypothesis_storage_outside_the_folder():
+            programs_conform()
     except ProgramFailed as exc:
         executed = exc.metrics.get("executed") or exc.program
         headline = (f"a random op program fails (shrunk by hypothesis to {len(exc.program)} ops):"

@@ -1,0 +1,163 @@
+"""The known-faults list is held to the same standard as the case files: every entry has an id, every key and name
+is checked at load (a bad file is a usage error, exit 4), and a run lists entries that matched nothing (stale) and
+xfailed items that passed (XPASS)."""
+
+import textwrap
+
+import pytest
+import torch  # noqa: F401 - before pytester snapshots sys.modules (see test_plugin.py)
+
+from kvconform import known_faults
+from kvconform.known_faults import KnownFaultsError
+
+
+def _write(tmp_path, body, name="faults.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _load(path):
+    from kvconform import zoo
+    from kvconform.checks import FAMILIES, load_checks
+
+    return known_faults.load_known_faults(path, checks=set(load_checks()), families=set(FAMILIES),
+                                          models=set(zoo.ZOO_NAMES))
+
+
+GOOD = """
+    [[fault]]
+    id = "ok_1"
+    transformers = ">=5.5,<5.19"
+    subject = "QuantizedCache_*"
+    model = ["llama", "mis*"]
+    check = "check_reorder_*"
+    family = "batch"
+    case = "flush*"
+    reason = "a reason"
+"""
+
+BAD = {
+    # a typo that used to widen the entry to every check
+    "unknown_key": ('checks = "check_prefill_then_decode"', "fault 'e1': key 'checks': unknown key; allowed keys: id"),
+    "bad_specifier": ('transformers = "5.5+"', "fault 'e1': key 'transformers': not a PEP 440 version specifier"),
+    "unknown_check": ('check = "check_prefil_then_decode"',
+                      "fault 'e1': key 'check': 'check_prefil_then_decode' matches no registered check"),
+    "unknown_family": ('family = "crops"', "fault 'e1': key 'family': 'crops' matches no check family"),
+    "unknown_model": ('model = ["llama", "lama"]', "fault 'e1': key 'model': 'lama' matches no model"),
+    "pattern_type": ("case = 3", "fault 'e1': key 'case': expected a non-empty pattern or list of patterns"),
+}
+
+
+def _entry(extra):
+    lines = ['id = "e1"', 'transformers = ">=5.5"', 'reason = "r"']
+    key = extra.split("=")[0].strip()
+    lines = [line for line in lines if not line.startswith(key + " ")]
+    return "[[fault]]\n" + "\n".join([*lines, extra]) + "\n"
+
+
+def test_a_valid_entry_loads_with_its_id_and_patterns(tmp_path):
+    (fault,) = _load(_write(tmp_path, GOOD))
+    assert fault.id == "ok_1" and fault.model == ("llama", "mis*") and fault.family == ("batch",)
+    from packaging.version import Version
+
+    fields = dict(subject="QuantizedCache_quanto4", model="mistral", check="check_reorder_after_flush",
+                  family="batch", case="flush_then_reorder")
+    assert fault.matches(Version("5.16.1"), **fields)
+    assert not fault.matches(Version("5.19.0"), **fields)
+    assert not fault.matches(Version("5.16.1"), **{**fields, "family": "crop"})
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_entry_names_file_entry_and_key(tmp_path, name):
+    extra, message = BAD[name]
+    path = _write(tmp_path, _entry(extra))
+    with pytest.raises(KnownFaultsError) as err:
+        _load(path)
+    assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[[fault]]\ntransformers = ">=5.5"\nreason = "r"\n', "fault #0: key 'id': missing (required)"),
+    ('[[fault]]\nid = "has space"\ntransformers = ">=5.5"\nreason = "r"\n',
+     "key 'id': ids may contain only letters, digits, '_' and '-'"),
+    ('[[fault]]\nid = "a"\ntransformers = ">=5.5"\nreason = "r"\n[[fault]]\nid = "a"\ntransformers = ">=5.5"\n'
+     'reason = "r"\n', "fault 'a': key 'id': duplicate id"),
+    ('[[fault]]\nid = "a"\nreason = "r"\n', "fault 'a': key 'transformers': missing (required)"),
+    ('[[faults]]\nid = "a"\n', "unknown top-level key(s) ['faults']"),
+])
+def test_missing_bad_or_duplicate_ids_and_tables_are_rejected(tmp_path, body, message):
+    with pytest.raises(KnownFaultsError) as err:
+        _load(_write(tmp_path, body))
+    assert message in str(err.value)
+
+
+def test_an_id_defined_in_the_bundled_file_and_an_extra_file_is_rejected(tmp_path):
+    bundled = known_faults.load_known_faults()
+    path = _write(tmp_path, f'[[fault]]\nid = "{bundled[0].id}"\ntransformers = ">=5.5"\nreason = "r"\n')
+    with pytest.raises(KnownFaultsError, match=f"fault '{bundled[0].id}': key 'id': duplicate, already defined in"):
+        known_faults.load_all([path])
+
+
+def test_bundled_file_is_valid_and_no_entry_is_stale_on_the_installed_transformers():
+    """Every bundled entry passes the strict loader (build_session validates names), and each entry that applies to
+    the installed transformers matches at least one item of the default + full plan over the zoo."""
+    from kvconform.session import build_session
+
+    session = build_session()
+    assert session.faults and all(f.id for f in session.faults)
+    assert len({f.id for f in session.faults}) == len(session.faults)
+    assert [f.id for f in session.stale_faults()] == []
+
+
+def test_bad_known_faults_file_is_a_usage_error(run_kvconform, pytester):
+    pytester.makefile(".toml", mine=_entry(BAD["unknown_key"][0]))
+    result = run_kvconform("--kvconform-model", "llama", "--kvconform-known-faults", "mine.toml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "mine.toml: fault 'e1': key 'checks': unknown key" in result.stderr.str()
+
+
+def test_run_lists_stale_entries_and_xpassed_items_by_id(run_kvconform, pytester):
+    pytester.makefile(".toml", mine=textwrap.dedent("""
+        [[fault]]
+        id = "pretend-fault"
+        transformers = ">=5"
+        subject = "DynamicCache"
+        model = "llama"
+        check = "check_prefill_then_decode"
+        case = "decode_explicit_positions"
+        reason = "an entry for an item that conforms"
+
+        [[fault]]
+        id = "typo-in-case"
+        transformers = ">=5"
+        model = "llama"
+        case = "decode_explicit_position"
+        reason = "a case id that does not exist"
+
+        [[fault]]
+        id = "other-model"
+        transformers = ">=5"
+        model = "mamba"
+        case = "no_such_case"
+        reason = "about a model this run does not select: not judged"
+
+        [[fault]]
+        id = "other-version"
+        transformers = "<5"
+        model = "llama"
+        case = "no_such_case"
+        reason = "about a transformers version not installed: not judged"
+    """))
+    result = run_kvconform("--kvconform-model", "llama", "--kvconform-known-faults", "mine.toml",
+                           "-k", "DynamicCache and not offloaded and decode_explicit")
+    result.assert_outcomes(xpassed=1)
+    out = result.stdout.str()
+    assert "kvconform known faults" in out
+    assert "stale: 'typo-in-case' (transformers >=5; mine.toml) matched no item of this run's plan" in out
+    assert ("XPASS: 'pretend-fault': 1 item(s) expected to fail passed, e.g. "
+            "test_conformance.py::test_conformance[DynamicCache-llama-prefill_then_decode-decode_explicit_positions]"
+            in out)
+    assert "other-model" not in out and "other-version" not in out
+    stale_lines = [line for line in out.splitlines() if line.startswith("stale: ")]
+    assert len(stale_lines) == 1  # the bundled entries all match items of the plan
