@@ -33,12 +33,12 @@ def test_import_contracts_are_kept():
 
 
 @pytest.mark.parametrize("module,back_edge,broken", [
-    ("quant.py", "from kvconform.checks import _engine", "kvconform.quant is not allowed to import kvconform.checks"),
+    ("quant.py", "from kvconform.checks import _judge", "kvconform.quant is not allowed to import kvconform.checks"),
     ("timing.py", "from kvconform.checks import CheckSkipped",
      "kvconform.timing is not allowed to import kvconform.checks"),
-    ("checks/_twin.py", "from kvconform.checks._engine import run_ops",
-     "kvconform.checks._twin is not allowed to import kvconform.checks._engine"),
-], ids=["quant->checks", "timing->checks", "_twin->_engine"])
+    ("checks/_twin.py", "from kvconform.checks._interpreter import run_ops",
+     "kvconform.checks._twin is not allowed to import kvconform.checks._interpreter"),
+], ids=["quant->checks", "timing->checks", "_twin->_interpreter"])
 def test_an_upward_import_breaks_the_contract(tmp_path, module, back_edge, broken):
     """The back-edges this contract was written to remove, put back in a copy of the package (inside a function:
     grimp sees function-level imports too), each break it."""

@@ -151,7 +151,8 @@ def llama_ctx():
 def test_runner_tracks_rows_and_lengths_through_every_op(llama_ctx):
     import torch
 
-    from kvconform.checks._engine import Runner, judge
+    from kvconform.checks._interpreter import Runner
+    from kvconform.checks._judge import judge
 
     runner = Runner(llama_ctx, llama_ctx.new_cache())
     runner.feed(6)

@@ -118,7 +118,7 @@ class Param:
 OP_PARAMS = {
     "padding": Param(list, items=int, min=0, doc="left pad tokens per row, with an attention mask (e.g. [0, 3])"),
 }
-"""Keys every op-based check (one that drives ``case.ops`` through ``_engine.Runner``) accepts: merged into their
+"""Keys every op-based check (one that drives ``case.ops`` through ``_interpreter.Runner``) accepts: merged into their
 ``params`` schemas."""
 
 
@@ -275,7 +275,7 @@ def run_check(name: str, ctx: CheckContext) -> dict:
     try:
         info.fn(ctx)
     except SubjectBuildError as exc:
-        from kvconform.checks._engine import describe_exception
+        from kvconform.checks._diagnosis import describe_exception
 
         try:
             ctx.fail([f"building the subject raised {describe_exception(exc.cause)}",

@@ -5,8 +5,8 @@ modules (``quality.check_quality_budget``, ``generate.check_generate_vs_twin``, 
 ``contract.check_crop_refused``, ``prefix.check_deepcopy_refused``); what they share is here, so that no family
 module imports another:
 
-* ``drive``: the op driver of these checks: ``_engine.run_ops``' manual loop plus ``reorder`` (rows reversed, so
-  every row moves) and ``crop``;
+* ``drive``: the op driver of these checks: the interpreter with ``reorder`` reversing the rows (so every row moves)
+  and only the ops ``LOSSY_OPS``;
 * ``oracle_slices``: the oracle and uncached logits of each recorded step;
 * ``judge_twin`` / ``fail_twin`` / ``twin_line`` / ``twin_spec``: comparing with the fake-quant twin;
 * ``lossy_only``: the applicability rule "only subjects with a fake-quant twin";
@@ -15,10 +15,13 @@ module imports another:
 
 from __future__ import annotations
 
-from kvconform import compat
-from kvconform.checks._engine import (SubjectRaised, Step, case_generator, describe_raise, encoder_ids_for,
-                                      forward, random_tokens, seq_length)
+from kvconform.checks._diagnosis import describe_raise
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._interpreter import Runner
 from kvconform.oracle import compare_logits
+
+LOSSY_OPS = ("prefill", "chunk", "decode", "reorder", "crop")
+"""The ops the lossy checks' driver accepts."""
 
 CLEAR_ERRORS = (ValueError, NotImplementedError, RuntimeError, TypeError)
 """Exception types a refused operation may raise (a bare IndexError/AttributeError is an accident, not a refusal)."""
@@ -39,11 +42,10 @@ def beam_index(batch: int):
 
 
 def drive(ctx, cache, position_mode=None, stop_before=None) -> list:
-    """Run ``ctx.case.ops`` on ``cache`` like ``_engine.run_ops``, with ``reorder`` and ``crop`` too.
+    """Run ``ctx.case.ops`` on ``cache`` through the interpreter (``_interpreter.Runner``), without padding, with
+    ``reorder`` reversing the rows (``beam_index``: every row moves) and decode steps after a reorder labelled so.
 
-    ``reorder``: ``cache.reorder_cache(beam_index(B))`` and the held sequence's rows follow. ``crop N``:
-    ``compat.crop(cache, N)`` and the held sequence loses its last N tokens. ``stop_before``: index of an op not to
-    run (the steps so far are returned).
+    ``stop_before``: index of an op not to run (the steps so far are returned).
 
     Returns:
         the recorded ``Step`` list (float64 logits ``[B, k, V]``).
@@ -52,68 +54,32 @@ def drive(ctx, cache, position_mode=None, stop_before=None) -> list:
         SubjectRaised: any exception of the subject (names the op).
         ValueError: an op this driver does not implement (fork, repeat, select, reset).
     """
-    import torch
-
-    case, model = ctx.case, ctx.model
-    position_mode = position_mode or case.position_ids
-    gen = case_generator(case, model.name)
-    encoder_ids = encoder_ids_for(ctx, gen)
-    seq = torch.empty(case.batch, 0, dtype=torch.long)
-    steps: list[Step] = []
-
-    def feed(op_index, label, n):
-        nonlocal seq
-        new = random_tokens(gen, case.batch, n, model.vocab_size)
-        start = seq.shape[1]
-        try:
-            logits = forward(model, cache, new, start, position_mode, encoder_ids)
-        except Exception as exc:  # noqa: BLE001 - the subject's failure
-            raise SubjectRaised(label, exc) from exc
-        seq = torch.cat([seq, new], dim=1)
-        steps.append(Step(len(steps), op_index, label, start, n, logits, seq.clone(), seq_length(cache)))
-
-    for i, op in enumerate(case.ops):
-        if i == stop_before:
-            break
-        if op.name in ("prefill", "chunk"):
-            feed(i, op.label, op.n)
-        elif op.name == "decode":
-            after = " after reorder" if any(o.name == "reorder" for o in case.ops[:i]) else ""
-            for s in range(op.n):
-                feed(i, f"decode {s + 1}{after}", 1)
-        elif op.name == "reorder":
-            idx = beam_index(case.batch)
-            try:
-                cache.reorder_cache(idx)
-            except Exception as exc:  # noqa: BLE001
-                raise SubjectRaised("reorder", exc) from exc
-            seq = seq[idx]
-        elif op.name == "crop":
-            try:
-                compat.crop(cache, op.n, seq.shape[1])
-            except Exception as exc:  # noqa: BLE001
-                raise SubjectRaised(op.label, exc) from exc
-            seq = seq[:, : seq.shape[1] - op.n]
-        else:
-            raise ValueError(f"op {op.name!r} is not supported by {ctx.check_name} (case {case.id})")
-    ctx.encoder_ids = encoder_ids
-    return steps
+    ops = ctx.case.ops if stop_before is None else ctx.case.ops[:stop_before]
+    runner = Runner(ctx, cache, position_mode, padding=[], allowed_ops=LOSSY_OPS, beam="reverse",
+                    decode_suffix_after_reorder=True)
+    runner.run(ops, parked=False)
+    ctx.encoder_ids = runner.steps[0].encoder_ids if runner.steps else runner.encoder_ids
+    return runner.steps
 
 
 def oracle_slices(ctx, steps) -> dict:
-    """``{step.index: (oracle, uncached)}`` logits ``[B, k, V]`` of each step. When every step's sequence is a prefix
-    of the last one (no reorder or crop in between), one oracle forward of the last sequence serves them all
-    (causality); otherwise one per step."""
+    """``{step.index: (oracle, uncached)}`` logits ``[B, k, V]`` of each step. When every step's sequence (and
+    encoder input) is a prefix of the last one (no reorder or crop in between), one oracle forward of the last
+    sequence serves them all (causality); otherwise one per step."""
     import torch
 
-    enc = getattr(ctx, "encoder_ids", None)
-    last = steps[-1].seq
-    if all(torch.equal(s.seq, last[:, : s.seq.shape[1]]) for s in steps):
-        full_o, full_u = ctx.oracle.logits(last, encoder_ids=enc), ctx.oracle.uncached(last, encoder_ids=enc)
+    def enc(s):
+        return s.encoder_ids if s.encoder_ids is not None else getattr(ctx, "encoder_ids", None)
+
+    last, last_enc = steps[-1].seq, enc(steps[-1])
+    if all(torch.equal(s.seq, last[:, : s.seq.shape[1]]) and (last_enc is None or torch.equal(enc(s), last_enc))
+           for s in steps):
+        full_o = ctx.oracle.logits(last, encoder_ids=last_enc)
+        full_u = ctx.oracle.uncached(last, encoder_ids=last_enc)
         return {s.index: (full_o[:, s.start:s.start + s.length], full_u[:, s.start:s.start + s.length])
                 for s in steps}
-    return {s.index: (ctx.oracle.logits(s.seq, encoder_ids=enc)[:, s.start:s.start + s.length],
-                      ctx.oracle.uncached(s.seq, encoder_ids=enc)[:, s.start:s.start + s.length]) for s in steps}
+    return {s.index: (ctx.oracle.logits(s.seq, encoder_ids=enc(s))[:, s.start:s.start + s.length],
+                      ctx.oracle.uncached(s.seq, encoder_ids=enc(s))[:, s.start:s.start + s.length]) for s in steps}
 
 
 def twin_line(ctx) -> str:

@@ -1,36 +1,36 @@
-"""``run_observed``: the manual forward loop (prefill / chunk / decode) with a probe after every forward, shared by
+"""``run_observed``: the interpreter over prefill / chunk / decode ops with a probe after every forward, shared by
 ``contract.check_encoder_decoder_subcaches`` (sub-cache lengths) and ``memory.check_offloaded_matches`` (GPU
 peak)."""
 
 from __future__ import annotations
 
-from kvconform.checks._engine import SubjectRaised, case_generator, random_tokens
+from kvconform.checks._interpreter import Runner
+
+FORWARD_OPS = ("prefill", "chunk", "decode")
+"""The ops ``run_observed`` accepts."""
+
+
+class AfterForward:
+    """Observer calling ``fn(step)`` after every forward of a ``Runner``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def after_forward(self, runner, step):
+        """Call the probe with the ``Step`` just recorded."""
+        self.fn(step)
 
 
 def run_observed(ctx, cache, after_step):
-    """``run_ops``' loop (prefill / chunk / decode) calling ``after_step(step)`` after every forward (probes of the
-    cache's state or of GPU memory). Raises ``SubjectRaised`` on the subject's exceptions."""
-    from kvconform.checks._engine import Step, encoder_ids_for, forward, seq_length
+    """The case's ops (prefill / chunk / decode only, no padding) on ``cache`` through the interpreter, calling
+    ``after_step(step)`` after every forward (probes of the cache's state or of GPU memory); returns the steps and
+    sets ``ctx.encoder_ids``.
 
-    import torch
-
-    gen = case_generator(ctx.case, ctx.model.name)
-    enc = encoder_ids_for(ctx, gen)
-    seq = torch.empty(ctx.case.batch, 0, dtype=torch.long)
-    steps = []
-    for i, op in enumerate(ctx.case.ops):
-        sizes = [op.n] if op.name in ("prefill", "chunk") else [1] * op.n if op.name == "decode" else None
-        if sizes is None:
-            raise ValueError(f"op {op.name!r} is not supported by {ctx.check_name}")
-        for s, n in enumerate(sizes):
-            label = f"decode {s + 1}" if op.name == "decode" else op.label
-            new = random_tokens(gen, ctx.case.batch, n, ctx.model.vocab_size)
-            try:
-                logits = forward(ctx.model, cache, new, seq.shape[1], ctx.case.position_ids, enc)
-            except Exception as exc:  # noqa: BLE001 - the subject's failure
-                raise SubjectRaised(label, exc) from exc
-            seq = torch.cat([seq, new], dim=1)
-            steps.append(Step(len(steps), i, label, seq.shape[1] - n, n, logits, seq.clone(), seq_length(cache)))
-            after_step(steps[-1])
-    ctx.encoder_ids = enc
+    Raises:
+        SubjectRaised: the subject's exceptions (names the op).
+        ValueError: an op other than prefill / chunk / decode.
+    """
+    runner = Runner(ctx, cache, padding=[], observers=[AfterForward(after_step)], allowed_ops=FORWARD_OPS)
+    steps = runner.run(parked=False)
+    ctx.encoder_ids = runner.encoder_ids
     return steps

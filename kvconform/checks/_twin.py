@@ -1,7 +1,7 @@
 """Twin targets: the judge's target for a lossy subject, its fake-quant twin run on the same ops.
 
 The bottom of the checks package's private modules: it imports nothing from ``kvconform.checks``. The op runner
-that replays a case on the twin is passed in (``driver``) by the caller — ``_engine.judge`` passes ``run_ops`` —
+that replays a case on the twin is passed in (``driver``) by the caller — ``_judge.judge`` passes ``_interpreter.run_ops`` —
 so that this module stays below the engine (see ARCHITECTURE.md and the import contract in pyproject.toml).
 """
 
@@ -17,7 +17,7 @@ def twin_targets(ctx, spec, steps, driver) -> dict:
     """``{step.index: (target, floor_reference)}`` for judging a lossy subject, both ``[B, length, V]`` float64.
 
     ``driver``: ``fn(ctx, cache) -> steps``, how the twin replays the ops that produced ``steps`` (the checks pass
-    ``_engine.run_ops`` or their own driver).
+    ``_interpreter.run_ops`` or their own driver).
 
     ``target``: the twin's logits from the same ops (``driver``) on a fresh twin, with
     the same model in the same dtype on the same device — a faithful subject reproduces them (measured: bit for bit

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (SubjectRaised, case_generator, describe_exception, fail_raised, fail_verdict,
-                                      judge, record_verdict, token_mismatch, lossy_generate_rule, random_tokens, run_ops)
+from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
+from kvconform.checks._interpreter import run_ops
+from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._lossy import drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
 
 _OP_CAUSE = {
@@ -77,16 +79,13 @@ def check_select_then_decode(ctx):
 
 
 def _beam(m, prompt, mask, n, beams, cache_kwargs):
-    """Beam search with ``m`` (a ``PreTrainedModel``); returns (sequences, sequence scores float64) on CPU."""
+    """Beam search with ``m`` (a ``PreTrainedModel``) through ``_drive.generate``; returns (sequences, sequence
+    scores float64) on CPU."""
     import torch
 
-    device = next(m.parameters()).device
-    kwargs = dict(attention_mask=mask.to(device)) if mask is not None else {}
-    with torch.no_grad():
-        out = m.generate(prompt.to(device), max_new_tokens=n, min_new_tokens=n, num_beams=beams, do_sample=False,
-                         early_stopping=False, length_penalty=1.0, return_dict_in_generate=True, output_scores=True,
-                         **kwargs, **cache_kwargs)
-    return out.sequences.cpu(), out.sequences_scores.detach().to("cpu", torch.float64)
+    seq, _, out = generate(m, prompt, n, cache_kwargs, mask, num_beams=beams, early_stopping=False,
+                           length_penalty=1.0, output_scores=True)
+    return seq, out.sequences_scores.detach().to("cpu", torch.float64)
 
 
 @register("batch", needs=("generate", "reorder"), applies=lossy_generate_rule,

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvconform.checks import Param, register
-from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, fail_raised, forward_kwargs
+from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs
+from kvconform.checks._diagnosis import fail_raised
 
 _RECOMPILE = "Detected recompile"
 _GUARD = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(?P<guard>.+?)\s*(?:#\s*(?P<src>.*))?$")

@@ -22,8 +22,9 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, register
-from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, fail_raised
-from kvconform.checks._engine import describe_raise, seq_length
+from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised
+from kvconform.checks._drive import SubjectRaised, seq_length
+from kvconform.checks._interpreter import Runner, StopRun
 from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised, oracle_slices
 from kvconform.checks._observe import run_observed
 from kvconform.checks.crop import CROP_WORDS, clear_error
@@ -216,6 +217,93 @@ def _windows(ctx):
     return [kw.get("sliding_window") if t in SLIDING_TYPES else None for t, kw in zip(types, kwargs)]
 
 
+class Bookkeeping:
+    """Observer of ``check_length_bookkeeping``: before every forward it asks ``get_mask_sizes`` of each attention
+    layer, after it compares with what ``update`` returned (``UpdateSpy``); after every op it compares
+    ``get_seq_length()`` with the tokens held and checks ``get_max_length()`` is stable. ``problems`` collects
+    message lines; the first op with a problem ends the run (``StopRun``)."""
+
+    def __init__(self, ctx, cache, skipped):
+        self.ctx, self.cache, self.skipped = ctx, cache, skipped
+        self.spy = UpdateSpy(cache)
+        self.layers, self.windows = _attention_layers(ctx), _windows(ctx)
+        self.problems, self.trail = [], []
+        self.max_first = None
+        self.held, self.predicted = 0, {}
+
+    def before_forward(self, runner, label, n):
+        """Ask ``get_mask_sizes(n, layer)`` of each attention layer."""
+        self.held, self.predicted = runner.length, {}
+        for i in self.layers:
+            try:
+                self.predicted[i] = tuple(int(x) for x in self.spy.target.get_mask_sizes(n, i))
+            except Exception as exc:  # noqa: BLE001
+                self.problems.append(f"get_mask_sizes({n}, {i}) raised {describe_exception(exc)}")
+        self.spy.calls.clear()
+
+    def after_forward(self, runner, step):
+        """Compare each ``update`` call's returned key count with the prediction."""
+        held = self.held
+        for layer_idx, q, returned in self.spy.calls:
+            if layer_idx not in self.predicted:
+                continue
+            kv_len, kv_off = self.predicted[layer_idx]
+            window = self.windows[layer_idx] if layer_idx < len(self.windows) else None
+            first_needed = 0 if window is None else max(held - window + 1, 0)
+            if returned != kv_len:
+                self.problems.append(f"at {step.label}: layer {layer_idx} update() returned {returned} keys, but "
+                                     f"get_mask_sizes({q}) said kv_length={kv_len}")
+            elif kv_off > first_needed or kv_off + kv_len < held + q:
+                self.problems.append(f"at {step.label}: layer {layer_idx} get_mask_sizes({q}) = "
+                                     f"(kv_length={kv_len}, kv_offset={kv_off}) does not cover positions "
+                                     f"{first_needed}..{held + q - 1}")
+
+    def after_op(self, runner, op, op_index):
+        """``get_seq_length()`` against the tokens held, ``get_max_length()`` stable; stop at the first problem."""
+        cache, trail, problems = self.cache, self.trail, self.problems
+        trail.append(op.label)
+        if self.layers:
+            try:
+                reported = int(cache.get_seq_length())
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"after {' → '.join(trail)}: get_seq_length() raised {describe_exception(exc)}")
+                raise StopRun from exc
+            if reported != runner.length:
+                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache holds "
+                                f"{runner.length} tokens")
+        try:
+            value = compat.max_length(cache)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"after {' → '.join(trail)}: get_max_length() raised {describe_exception(exc)}")
+            raise StopRun from exc
+        if self.max_first is None:
+            self.max_first = value
+            if value == 0 or value < -1:
+                problems.append(f"get_max_length() = {value}: should be -1 (unbounded) or the capacity")
+        elif value != self.max_first:
+            problems.append(f"after {' → '.join(trail)}: get_max_length() = {value}, was {self.max_first}")
+        if problems:
+            raise StopRun
+
+    def on_raise(self, runner, op, op_index, exc) -> bool:
+        """An op the cache refuses (clearly) or lacks is the crop / batch / contract families' finding: note it and
+        go on (unless a refused crop changed the length); any other exception fails the item."""
+        refused = op.name not in ("prefill", "decode", "chunk") and (
+            isinstance(exc.cause, (AttributeError, NotImplementedError, TypeError))
+            or clear_error(exc.cause, CROP_WORDS))
+        if not refused:
+            fail_raised(self.ctx, exc, "the cache does not support this sequence of calls (see the exception)",
+                        " → ".join(self.trail + [op.label]))
+        self.trail.append(op.label + " (refused)")
+        self.skipped.append(op.label + " (refused)")
+        if op.name == "crop" and _lengths_differ(self.cache, runner):
+            self.problems.append(f"after {' → '.join(self.trail)}: the refused crop changed get_seq_length() to "
+                                 f"{int(self.cache.get_seq_length())}, but the cache should still hold "
+                                 f"{runner.length}")
+            return False
+        return True
+
+
 @register("contract", needs=("forward",), params=OP_PARAMS)
 def check_length_bookkeeping(ctx):
     """After every op, ``get_seq_length()`` equals the tokens held and ``get_max_length()`` is stable; at every
@@ -227,81 +315,9 @@ def check_length_bookkeeping(ctx):
         raise ValueError(f"case {ctx.case.id}: check_length_bookkeeping spies on update(); a fork would share the "
                          f"spy between copies")
     cache = ctx.new_cache()
-    runner = Runner(ctx, cache)
-    spy = UpdateSpy(cache)
-    layers = _attention_layers(ctx)
-    windows = _windows(ctx)
-    problems = []
-    max_first = None
-    original_feed = runner.feed
-
-    def feed(n, label=None, tokens=None):
-        held = runner.length
-        predicted = {}
-        for i in layers:
-            try:
-                predicted[i] = tuple(int(x) for x in spy.target.get_mask_sizes(n, i))
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"get_mask_sizes({n}, {i}) raised {describe_exception(exc)}")
-        spy.calls.clear()
-        step = original_feed(n, label, tokens)
-        for layer_idx, q, returned in spy.calls:
-            if layer_idx not in predicted:
-                continue
-            kv_len, kv_off = predicted[layer_idx]
-            window = windows[layer_idx] if layer_idx < len(windows) else None
-            first_needed = 0 if window is None else max(held - window + 1, 0)
-            if returned != kv_len:
-                problems.append(f"at {step.label}: layer {layer_idx} update() returned {returned} keys, but "
-                                f"get_mask_sizes({q}) said kv_length={kv_len}")
-            elif kv_off > first_needed or kv_off + kv_len < held + q:
-                problems.append(f"at {step.label}: layer {layer_idx} get_mask_sizes({q}) = (kv_length={kv_len}, "
-                                f"kv_offset={kv_off}) does not cover positions {first_needed}..{held + q - 1}")
-        return step
-
-    runner.feed = feed
-    trail = []
-    for i, op in enumerate(ops):
-        try:
-            runner.apply(op, i)
-        except SubjectRaised as exc:
-            refused = op.name not in ("prefill", "decode", "chunk") and (
-                isinstance(exc.cause, (AttributeError, NotImplementedError, TypeError))
-                or clear_error(exc.cause, CROP_WORDS))
-            if not refused:
-                fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)",
-                            " → ".join(trail + [op.label]))
-            # an op the cache refuses (clearly) or lacks is the crop / batch / contract families' finding
-            trail.append(op.label + " (refused)")
-            skipped.append(op.label + " (refused)")
-            if op.name == "crop" and _lengths_differ(cache, runner):
-                problems.append(f"after {' → '.join(trail)}: the refused crop changed get_seq_length() to "
-                                f"{int(cache.get_seq_length())}, but the cache should still hold {runner.length}")
-                break
-            continue
-        trail.append(op.label)
-        if layers:
-            try:
-                reported = int(cache.get_seq_length())
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"after {' → '.join(trail)}: get_seq_length() raised {describe_exception(exc)}")
-                break
-            if reported != runner.length:
-                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache holds "
-                                f"{runner.length} tokens")
-        try:
-            value = compat.max_length(cache)
-        except Exception as exc:  # noqa: BLE001
-            problems.append(f"after {' → '.join(trail)}: get_max_length() raised {describe_exception(exc)}")
-            break
-        if max_first is None:
-            max_first = value
-            if value == 0 or value < -1:
-                problems.append(f"get_max_length() = {value}: should be -1 (unbounded) or the capacity")
-        elif value != max_first:
-            problems.append(f"after {' → '.join(trail)}: get_max_length() = {value}, was {max_first}")
-        if problems:
-            break
+    book = Bookkeeping(ctx, cache, skipped)
+    Runner(ctx, cache, observers=[book]).run(ops, parked=False, on_raise=book.on_raise)
+    problems = book.problems
     ctx.metrics.update(ops=len(ops), skipped_ops=skipped, update_calls_checked=True)
     if problems:
         cause = ("get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "

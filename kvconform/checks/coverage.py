@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import Param, register
-from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens
+from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
+from kvconform.checks._diagnosis import describe_raise
 from kvconform.oracle import compare_logits
 
 
@@ -39,20 +40,12 @@ def _reference_row(subject, model, case, device="cpu"):
 
 def _generate(ctx, **kwargs):
     """Greedy generate of ``case.max_new_tokens`` after a seeded prompt; ``(prompt, sequences, step logits, out)``."""
-    import torch
-
     model, case = ctx.model, ctx.case
     gen = case_generator(case, model.name)
     n = case.encoder_len if model.is_encoder_decoder else case.prompt
     prompt = random_tokens(gen, case.batch, n, model.vocab_size)
-    device = next(model.model.parameters()).device
-    with torch.no_grad():
-        out = model.model.generate(
-            prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
-            max_new_tokens=case.max_new_tokens, min_new_tokens=case.max_new_tokens, do_sample=False,
-            return_dict_in_generate=True, output_logits=True, **kwargs)
-    logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)
-    return prompt, out.sequences.cpu(), logits, out
+    seq, logits, out = generate(model, prompt, case.max_new_tokens, kwargs)
+    return prompt, seq, logits, out
 
 
 def _layer_classes(cache) -> tuple:

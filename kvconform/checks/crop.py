@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_verdict, judge,
-                                      seq_length, tensors_of, record_verdict)
+from kvconform.checks._drive import SubjectRaised, seq_length, tensors_of
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_verdict
 
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
 CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",
@@ -92,10 +94,9 @@ def run_crop_case(ctx, cache, records=None):
         runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
         runner.trail.append("activate_past_recording()")
     records = [] if records is None else records
-    for i, op in enumerate(ctx.case.ops):
-        if op.name != "crop":
-            runner.apply(op, i)
-            continue
+
+    def crop(runner, op):
+        """The crop under test: refusals judged, positive arguments, lengths after."""
         positive = bool(params.get("positive"))
         label = f"crop({op.n})" if positive or op.n == 0 else op.label
         rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
@@ -111,7 +112,7 @@ def run_crop_case(ctx, cache, records=None):
         runner.trail.append(label + (" (refused)" if rec.refused is not None else ""))
         if rec.refused is not None:
             _judge_refusal(ctx, runner, rec, before)
-            continue
+            return
         keep = rec.held - op.n if not positive or positive_crop_contract() == "raise" else op.n
         if positive and positive_crop_contract() == "raise":
             ctx.fail([f"crop({op.n}) with a positive argument was accepted on a {rec.held}-token cache, but should "
@@ -132,7 +133,9 @@ def run_crop_case(ctx, cache, records=None):
                                           if rec.reported_after < 0 else
                                           "crop() removed a different number of tokens than asked")],
                      {"flag": rec.flag, "reported_length": rec.reported_after, "expected_length": keep})
-    runner.check_parked()
+
+    runner.handlers["crop"] = crop
+    runner.run()
     return runner, records
 
 

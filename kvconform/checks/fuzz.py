@@ -26,7 +26,10 @@ import os
 
 from kvconform.cases import Op
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import Runner, SubjectRaised, describe_exception, judge
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge
+from kvconform.checks._diagnosis import describe_exception
 
 MAX_BATCH = 8
 OPS = ("decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
@@ -68,8 +71,10 @@ def run_program(ctx, cache, program, info=None):
     limit = ctx.max_cache_len - 1
     if "crop" in {name for name, _ in program} and hasattr(cache, "activate_past_recording"):
         runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
-    for i, (name, n) in enumerate(program):
-        op = Op(name, n)
+
+    def plan(runner, op, i):
+        """Skip what a careful caller would not do in this state; clamp a crop to the tokens held."""
+        name, n = op.name, op.n
         if name in ("prefill", "decode", "chunk"):
             skip = runner.length + n > limit
         elif name == "crop":
@@ -80,18 +85,13 @@ def run_program(ctx, cache, program, info=None):
         else:
             skip = name in ("reorder", "select", "fork") and runner.length == 0
         if skip:
-            continue
+            return None
         done.append((op.name, op.n))
-        runner.op_index = i
-        if name == "decode":
-            for s in range(n):
-                runner.feed(1, f"decode {s + 1}")
-        elif name in ("prefill", "chunk"):
-            runner.feed(n, f"prefill({n})" if runner.length == 0 else op.label)
-        else:
-            runner.apply(op, i)
-    runner.check_parked()
-    return runner.steps
+        if name in ("prefill", "chunk"):  # a feed into an empty cache is a prefill, whatever the program says
+            return Op("prefill" if runner.length == 0 else name, n)
+        return op
+
+    return runner.run([Op(name, n) for name, n in program], plan=plan)
 
 
 def _outcome(ctx, spec, program):

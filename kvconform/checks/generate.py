@@ -9,27 +9,23 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import register
-from kvconform.checks._engine import SubjectRaised, case_generator, describe_raise, random_tokens, token_mismatch
+from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
+from kvconform.checks._diagnosis import describe_raise, token_mismatch
 from kvconform.checks._lossy import fail_subject_raised, lossy_only, twin_line, twin_spec
 from kvconform.oracle import compare_logits
 
 
-def _generate(ctx, cache_kwargs):
-    import torch
-
+def _generate(ctx, cache_kwargs, prompt_len=None):
+    """Greedy ``generate`` (``_drive.generate``) of ``case.max_new_tokens`` after a seeded prompt of ``prompt_len``
+    tokens (default: ``case.encoder_len`` for encoder-decoder models, else ``case.prompt``); returns ``(prompt
+    [B, S], sequences [B, L], step logits [B, N, V] float64)``."""
     model, case = ctx.model, ctx.case
     gen = case_generator(case, model.name)
-    prompt = random_tokens(gen, case.batch, case.encoder_len if model.is_encoder_decoder else case.prompt,
-                           model.vocab_size)
-    device = next(model.model.parameters()).device
-    with torch.no_grad():
-        out = model.model.generate(
-            prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
-            max_new_tokens=case.max_new_tokens, min_new_tokens=case.max_new_tokens, do_sample=False,
-            return_dict_in_generate=True, output_logits=True, **cache_kwargs,
-        )
-    logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)  # [B, N, V]
-    return prompt, out.sequences.cpu(), logits
+    if prompt_len is None:
+        prompt_len = case.encoder_len if model.is_encoder_decoder else case.prompt
+    prompt = random_tokens(gen, case.batch, prompt_len, model.vocab_size)
+    seq, logits, _ = generate(model, prompt, case.max_new_tokens, cache_kwargs)  # logits [B, N, V]
+    return prompt, seq, logits
 
 
 @register("generate", needs=("generate",))
@@ -76,19 +72,8 @@ def check_generate_greedy(ctx):
 
 # ------------------------------------------------------------------------------------------ generate vs twin
 def _generate_with(ctx, cache):
-    import torch
-
-    model, case = ctx.model, ctx.case
-    gen = case_generator(case, model.name)
-    prompt = random_tokens(gen, case.batch, case.prompt, model.vocab_size)
-    device = next(model.model.parameters()).device
-    with torch.no_grad():
-        out = model.model.generate(
-            prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
-            max_new_tokens=case.max_new_tokens, min_new_tokens=case.max_new_tokens, do_sample=False,
-            return_dict_in_generate=True, output_logits=True, **compat.generate_cache_kwargs(cache, model.model))
-    logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)  # [B, N, V]
-    return prompt, out.sequences.cpu(), logits
+    """``_generate`` with ``cache`` and a ``case.prompt``-token prompt."""
+    return _generate(ctx, compat.generate_cache_kwargs(cache, ctx.model.model), ctx.case.prompt)
 
 
 @register("generate", needs=("generate",), applies=lossy_only)

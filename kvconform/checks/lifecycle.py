@@ -11,27 +11,39 @@
 from __future__ import annotations
 
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (Runner, SubjectRaised, describe_exception, fail_raised, fail_verdict, judge,
-                                      tensors_of, record_verdict)
+from kvconform.checks._drive import SubjectRaised, tensors_of
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict
 from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
 
 
 # ------------------------------------------------------------------------------------------------ reset
+class ResetPointers:
+    """Observer: ``{name: data_ptr}`` of the cache's tensors before every ``reset`` (``befores``) and the names of the
+    ops begun so far (``done``)."""
+
+    def __init__(self):
+        self.befores, self.done = [], []
+
+    def before_op(self, runner, op, op_index):
+        """Record the pointers before a reset, and the op's name."""
+        if op.name == "reset":
+            self.befores.append({k: t.data_ptr() for k, t in tensors_of(runner.cache).items()})
+        self.done.append(op.name)
+
+
 def run_reset_case(ctx, cache, info=None):
     """Run the case's ops; around every ``reset`` record ``{name: data_ptr}`` of the cache's tensors before the
     reset and after the whole run (``info["pointers"] = [(before, after)]``). Returns the steps."""
-    runner = Runner(ctx, cache)
-    befores = []
-    for i, op in enumerate(ctx.case.ops):
-        if op.name == "reset":
-            befores.append({k: t.data_ptr() for k, t in tensors_of(runner.cache).items()})
-        if info is not None:
-            info.setdefault("done", []).append(op.name)
-        runner.apply(op, i)
-    runner.check_parked()
+    probe = ResetPointers()
+    runner = Runner(ctx, cache, observers=[probe])
+    if info is not None:
+        info["done"] = probe.done
+    runner.run()
     if info is not None:
         after = {k: t.data_ptr() for k, t in tensors_of(runner.cache).items()}
-        info["pointers"] = [(b, after) for b in befores]
+        info["pointers"] = [(b, after) for b in probe.befores]
         info["compileable"] = bool(getattr(runner.cache, "is_compileable", False))
     return runner.steps
 
@@ -77,6 +89,26 @@ def check_reset_then_reuse(ctx):
 CAPACITY_WORDS = ("max_cache_len", "capacity", "full", "exceed", "maximum", "too many", "too long", "overflow")
 
 
+class Overflow:
+    """Observer: at the first forward that would hold more than ``cap`` tokens, snapshot the cache (``before``) and
+    remember the forward (``pending = (label, held)``); after it, record ``info["overflow"] = (label, held, None,
+    [])``."""
+
+    def __init__(self, cap: int, info):
+        self.cap, self.info, self.pending, self.before = cap, info, None, None
+
+    def before_forward(self, runner, label, n):
+        """Snapshot before the first overflowing forward."""
+        if self.info is not None and "overflow" not in self.info and self.pending is None \
+                and runner.length + n > self.cap:
+            self.before, self.pending = snapshot(runner.cache), (label, runner.length)
+
+    def after_forward(self, runner, step):
+        """The overflowing forward went through: record it."""
+        if self.pending is not None and "overflow" not in self.info:
+            self.info["overflow"] = (*self.pending, None, [])
+
+
 def run_capacity_case(ctx, cache=None, info=None):
     """Build the subject with ``max_cache_len = params.max_cache_len`` (default 12), run the ops; at the first
     forward that would hold more than that many tokens, snapshot the cache and record what happens
@@ -85,25 +117,14 @@ def run_capacity_case(ctx, cache=None, info=None):
     cap = int(ctx.case.params.get("max_cache_len", 12))
     cache = ctx.subject.build(ctx.model, max_cache_len=cap, batch_size=ctx.case.batch,
                               encoder_len=ctx.case.encoder_len)
-    runner = Runner(ctx, cache)
-    for i, op in enumerate(ctx.case.ops):
-        if op.name not in ("decode", "prefill", "chunk"):
-            runner.apply(op, i)
-            continue
-        count, size = (op.n, 1) if op.name == "decode" else (1, op.n)
-        for s in range(count):
-            label = f"decode {s + 1}" if op.name == "decode" else op.label
-            runner.op_index = i
-            if info is not None and "overflow" not in info and runner.length + size > cap:
-                before = snapshot(runner.cache)
-                try:
-                    runner.feed(size, label)
-                except SubjectRaised as exc:
-                    info["overflow"] = (label, runner.length, exc.cause, changed(before, snapshot(runner.cache)))
-                    return runner.steps
-                info["overflow"] = (label, runner.length - size, None, [])
-            else:
-                runner.feed(size, label)
+    probe = Overflow(cap, info)
+    runner = Runner(ctx, cache, observers=[probe])
+    try:
+        runner.run(parked=False)
+    except SubjectRaised as exc:
+        if probe.pending is None or "overflow" in info or exc.where != probe.pending[0]:
+            raise
+        info["overflow"] = (*probe.pending, exc.cause, changed(probe.before, snapshot(runner.cache)))
     return runner.steps
 
 

@@ -15,8 +15,10 @@ import inspect
 import sys
 
 from kvconform.checks import OP_PARAMS, register
-from kvconform.checks._engine import (SubjectRaised, describe_raise, fail_raised, fail_verdict, judge, positions_label, run_ops,
-                                      record_verdict)
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._interpreter import run_ops
+from kvconform.checks._judge import judge, record_verdict
+from kvconform.checks._diagnosis import describe_raise, fail_raised, fail_verdict, positions_label
 
 
 def _length_note(steps, upto) -> str | None:

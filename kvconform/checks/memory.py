@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 
 from kvconform import compat
 from kvconform.checks import Param, register
-from kvconform.checks._engine import FIRST_TOKEN, SubjectRaised, case_generator, describe_raise, fail_raised
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import run_observed
 from kvconform.oracle import Tolerance
 
@@ -256,49 +258,44 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expecta
 
 
 # ------------------------------------------------------------------------------------------------ driving the ops
-def _feed(ctx, cache, tokens, start, encoder_ids):
-    import torch
+class MemoryCheckpoints:
+    """Observer of the memory checks: refuses ops outside ``MEMORY_OPS`` (``ValueError``) and, after each
+    token-feeding op, calls ``on_checkpoint(label, tokens_held, after_reset)``."""
 
-    from kvconform.checks._engine import forward_kwargs
+    def __init__(self, on_checkpoint):
+        self.on_checkpoint, self.after_reset, self.current = on_checkpoint, False, None
 
-    m = ctx.model.model
-    with torch.no_grad():
-        m(**forward_kwargs(m, cache, tokens, start, encoder_ids if ctx.model.is_encoder_decoder else None))
+    def before_op(self, runner, op, op_index):
+        """Refuse an op the memory checks cannot account for."""
+        if op.name not in MEMORY_OPS:
+            raise ValueError(f"case {runner.ctx.case.id}: op {op.name!r} is not supported by the memory checks "
+                             f"(allowed: {', '.join(MEMORY_OPS)})")
+        self.current = op
+
+    def after_op(self, runner, op, op_index):
+        """A checkpoint after every op but ``reset``."""
+        if op.name == "reset":
+            self.after_reset = True
+        else:
+            self.on_checkpoint(op.label, runner.length, self.after_reset)
 
 
 def run_memory_ops(ctx, cache, on_checkpoint):
-    """Run the case's ops on ``cache``; after each token-feeding op call ``on_checkpoint(label, tokens_held,
-    after_reset)``.
+    """Run the case's ops on ``cache`` through the interpreter (explicit positions, no padding); after each
+    token-feeding op call ``on_checkpoint(label, tokens_held, after_reset)``. Returns the first encoder input
+    ``[B, E]`` (None for decoder-only models).
 
     Raises:
         SubjectRaised: the subject raised during an op (names the op).
         ValueError: an op outside ``MEMORY_OPS``.
     """
-    import torch
-
-    case, model = ctx.case, ctx.model
-    gen = case_generator(case, model.name)
-    encoder_ids = (torch.randint(FIRST_TOKEN, model.vocab_size, (case.batch, case.encoder_len), generator=gen)
-                   if model.is_encoder_decoder else None)
-    seq_len, after_reset = 0, False
-    for op in case.ops:
-        if op.name not in MEMORY_OPS:
-            raise ValueError(f"case {case.id}: op {op.name!r} is not supported by the memory checks "
-                             f"(allowed: {', '.join(MEMORY_OPS)})")
-        try:
-            if op.name == "reset":
-                cache.reset()
-                seq_len, after_reset = 0, True
-                continue
-            steps = op.n if op.name == "decode" else 1
-            width = 1 if op.name == "decode" else op.n
-            for _ in range(steps):
-                new = torch.randint(FIRST_TOKEN, model.vocab_size, (case.batch, width), generator=gen)
-                _feed(ctx, cache, new, seq_len, encoder_ids)
-                seq_len += width
-        except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on the item
-            raise SubjectRaised(op.label, exc) from exc
-        on_checkpoint(op.label, seq_len, after_reset)
+    probe = MemoryCheckpoints(on_checkpoint)
+    runner = Runner(ctx, cache, "explicit", padding=[], observers=[probe])
+    encoder_ids = runner.encoder_ids
+    try:
+        runner.run(parked=False)
+    except SubjectRaised as exc:  # name the op, not the step within it
+        raise SubjectRaised(probe.current.label, exc.cause) from exc.cause
     return encoder_ids
 
 

@@ -20,10 +20,12 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._engine import (Runner, SubjectRaised, case_generator, describe_exception, fail_raised,
-                                      fail_verdict, generate, judge, lossy_generate_rule, random_tokens,
-                                      record_verdict, token_mismatch)
-from kvconform.checks._engine import describe_raise, forward, seq_length
+from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
+from kvconform.checks._interpreter import Runner
+from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
+from kvconform.checks._drive import forward, seq_length
+from kvconform.checks._diagnosis import describe_raise
 from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised
 from kvconform.checks.crop import changed, snapshot
 from kvconform.oracle import compare_logits
@@ -45,20 +47,17 @@ def run_fork_case(ctx, cache, info=None):
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
     forks = int(ctx.case.params.get("forks", 2))
     runner = Runner(ctx, cache)
-    for i, op in enumerate(prefix_ops):
-        runner.apply(op, i)
+    runner.run(prefix_ops, parked=False)
     before = snapshot(runner.cache)
     for f in range(forks):
         copied = runner._call(f"copy.deepcopy #{f + 1}", copy.deepcopy, runner.cache)
         branch = runner.branch(copied, f"copy {f + 1}", gen=case_generator(ctx.case, ctx.model.name, f"/copy{f}"))
-        for op in suffix_ops:
-            branch.apply(op)
+        branch.run(suffix_ops, parked=False, index_ops=False)
     diff = changed(before, snapshot(runner.cache))
     if info is not None:
         info.update(changed=diff, held=runner.length, before=before["get_seq_length()"])
     original = runner.branch(runner.cache, "original", gen=case_generator(ctx.case, ctx.model.name, "/original"))
-    for op in suffix_ops:
-        original.apply(op)
+    original.run(suffix_ops, parked=False, index_ops=False)
     return runner.steps
 
 

@@ -9,7 +9,7 @@ The other checks of lossy subjects live in their families' modules; their shared
 from __future__ import annotations
 
 from kvconform.checks import Param, register
-from kvconform.checks._engine import SubjectRaised
+from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._lossy import drive, fail_subject_raised, lossy_only, oracle_slices, twin_spec
 
 

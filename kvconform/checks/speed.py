@@ -26,7 +26,7 @@ items before they run (parallel workers share the CPU, so timings would be meani
 from __future__ import annotations
 
 from kvconform.checks import Param, register
-from kvconform.checks._engine import FIRST_TOKEN, case_generator, forward_kwargs
+from kvconform.checks._drive import FIRST_TOKEN, case_generator, forward_kwargs
 from kvconform.timing import Target, measure_interleaved
 
 DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_steps": 1, "repeats": 5, "warmup": 1,

@@ -1,0 +1,102 @@
+"""The failure messages of the checks and their "likely cause" diagnosis: ``fail_verdict`` (a failed verdict, with
+the reference cache's run on the same case as the ``oracle:`` line), ``fail_raised`` (the subject raised),
+``describe_exception``, ``token_mismatch``, ``positions_label`` and ``MODEL_AT_FAULT``.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from kvconform import compat
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._judge import Verdict, run_and_judge
+
+
+MODEL_AT_FAULT = "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
+"""The likely cause when kvconform's ReferenceCache fails the same case too: the fault is in the model."""
+
+
+def token_mismatch(seq, ref_seq, what: str, reference: str) -> str:
+    """One message line saying where two token sequences (``(batch, length)`` int64) first differ, or that their
+    shapes differ. ``what`` names the subject's output, ``reference`` the uncached run it should equal."""
+    if tuple(seq.shape) != tuple(ref_seq.shape):
+        return f"{what} of shape {tuple(seq.shape)}, but {reference} gave {tuple(ref_seq.shape)}"
+    b, i = (seq != ref_seq).nonzero()[0].tolist()
+    return f"{what} differ from {reference} at batch={b} index={i}: {seq[b, i].item()} vs {ref_seq[b, i].item()}"
+
+
+
+def describe_raise(exc: SubjectRaised) -> str:
+    """``"IndexError: ... (at cache_utils.py:512 in update)"`` — the innermost frame of the subject's exception."""
+    return describe_exception(exc.cause)
+
+
+def describe_exception(cause: BaseException) -> str:
+    """``"Type: first line (at file.py:line in function)"`` for any exception."""
+    tb = traceback.extract_tb(cause.__traceback__)
+    where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    text = str(cause).strip().splitlines()
+    first = text[0][:200] if text else ""
+    return f"{type(cause).__name__}: {first}{where}"
+
+
+def oracle_line(ctx, position_mode=None, driver=None) -> tuple[str, bool]:
+    """Run the same case (or ``driver``) on the reference subject; return (message line, model_at_fault)."""
+    ref = ctx.reference
+    if ref is None:
+        return "", False
+    if ref.name == ctx.subject.name:
+        # The reference cache is the simplest correct cache (proven by kvconform's own tests): when it fails,
+        # the model's code is at fault.
+        return (f"oracle: {ref.name} is kvconform's reference cache → the fault is in the model, "
+                f"not the cache"), True
+    try:
+        v = run_and_judge(ctx, ref, position_mode, driver)
+    except SubjectRaised as exc:
+        return f"oracle: {ref.name} on the same case raised {describe_raise(exc)}", False
+    _, cmp = v.first_fail or v.worst
+    if v.passed:
+        return f"oracle: {ref.name} on the same case: {cmp.max_abs:.1e} → the fault is in the subject", False
+    return (f"oracle: {ref.name} on the same case fails too ({cmp.max_abs:.1e}) → the fault is in the model, "
+            f"not the cache"), True
+
+
+def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=None, driver=None):
+    """Raise the failure message of a failed verdict (what was observed, where, the ops, the reference cache's
+    run on the same case, the likely cause). ``cause_fn(step, cmp) -> str`` gives the likely cause in the
+    subject; it is consulted only when kvconform's ReferenceCache passes the same case (else the cause is
+    ``MODEL_AT_FAULT``)."""
+    step, cmp = verdict.first_fail
+    b, offset = cmp.worst
+    position = step.start + offset
+    ref_line, model_at_fault = oracle_line(ctx, position_mode, driver)
+    observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
+    tol_text = ctx.tolerance().describe(cmp.floor)
+    ctx.fail([
+        f"max|Δlogit| = {observed}{' vs its fake-quant twin' if getattr(ctx.subject, 'twin', None) else ''}, "
+        f"but should be ≤ {cmp.tol:.1e} ({tol_text})",
+        f"worst at batch={b} step={step.index} position={position}",
+        f"ops: {ops_text or ctx.case.ops_label()}   [failed at {step.label}]"
+        + f"; {positions_label(ctx)}",
+        ref_line,
+        "likely cause: " + (MODEL_AT_FAULT if model_at_fault else cause_fn(step, cmp)),
+    ], {"max_abs": cmp.max_abs, "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label,
+        "position": position, "model_at_fault": model_at_fault})
+
+
+def positions_label(ctx) -> str:
+    """How positions were given: explicit ``position_ids`` or derived by the model from the cache."""
+    explicit = ctx.case.position_ids != "implicit" and compat.accepts_position_ids(ctx.model.model)
+    if ctx.case.params.get("padding") and not ctx.model.is_encoder_decoder:
+        return "left-padded batch, attention_mask and explicit position_ids"
+    return "explicit position_ids" if explicit else "no position_ids (derived from the cache)"
+
+
+def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
+    """Fail the item because the subject raised: the exception (innermost frame), the ops with the op that raised
+    (``ops_text``, default the case's), and ``cause`` as the likely cause."""
+    ctx.fail([
+        f"the subject raised {describe_raise(exc)}",
+        f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",
+        "likely cause: " + cause,
+    ], {"raised": type(exc.cause).__name__, "failed_at": exc.where})

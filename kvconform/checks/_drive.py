@@ -1,0 +1,175 @@
+"""Driving a transformers model the way real callers do: one cached forward (``forward``, ``forward_kwargs``),
+``model.generate`` (``generate``), seeded random tokens, and reading what a cache holds (``seq_length``,
+``tensors_of``).
+
+This is the lowest layer of the checks' machinery (``_drive`` < ``_interpreter`` < ``_judge`` < ``_diagnosis`` <
+family modules, see ARCHITECTURE.md): it imports none of the others.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from kvconform import compat
+from kvconform.oracle import padded_position_ids
+
+FIRST_TOKEN = 3  # ids 0..2 are pad / bos / eos in the zoo
+PAD_TOKEN = 0
+
+
+class SubjectRaised(Exception):
+    """The subject (or the model through it) raised; ``where`` is the op label, ``cause`` the exception."""
+
+    def __init__(self, where, cause):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.where = where
+        self.cause = cause
+
+
+def case_generator(case, model_name: str, salt: str = ""):
+    """A ``torch.Generator`` seeded from the case id, the model name, ``case.seed`` and ``salt`` (stable across
+    runs)."""
+    import torch
+
+    seed = zlib.crc32(f"{case.id}/{model_name}/{case.seed}{salt}".encode())
+    return torch.Generator().manual_seed(seed)
+
+
+def random_tokens(gen, batch: int, n: int, vocab: int):
+    """``[batch, n]`` int64 tokens in ``[FIRST_TOKEN, vocab)``."""
+    import torch
+
+    return torch.randint(FIRST_TOKEN, vocab, (batch, n), generator=gen)
+
+
+def encoder_ids_for(ctx, gen, batch=None):
+    """Random encoder input ``[batch, case.encoder_len]`` for encoder-decoder models, else None."""
+    return random_tokens(gen, batch or ctx.case.batch, ctx.case.encoder_len, ctx.model.vocab_size) \
+        if ctx.model.is_encoder_decoder else None
+
+
+def seq_length(cache):
+    """``cache.get_seq_length()`` as an int, or None where it is undefined (an all-linear-attention cache raises)."""
+    try:
+        return int(cache.get_seq_length())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_MASK_ON_WARM_STEPS: dict = {}
+
+
+def wants_mask_after_prefill(model) -> bool:
+    """Whether ``model`` takes the 2D attention mask on steps after the prefill, as ``generate`` passes it.
+
+    Attention models take a mask over past + new tokens on every step. Mamba (v1) takes one over the new tokens
+    only, and its ``prepare_inputs_for_generation`` drops the mask after the first iteration; we ask the model's own
+    ``prepare_inputs_for_generation`` (no forward runs) instead of keeping a list of model types.
+    """
+    import torch
+
+    key = type(model)
+    if key not in _MASK_ON_WARM_STEPS:
+        ids = torch.full((1, 2), FIRST_TOKEN, dtype=torch.long)
+        try:
+            inputs = model.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                                                         is_first_iteration=False, next_sequence_length=1)
+            _MASK_ON_WARM_STEPS[key] = inputs.get("attention_mask") is not None
+        except Exception:  # noqa: BLE001 - unknown architecture: pass the mask like attention models want it
+            _MASK_ON_WARM_STEPS[key] = True
+    return _MASK_ON_WARM_STEPS[key]
+
+
+def forward_kwargs(m, cache, new_tokens, start: int, encoder_ids=None, positions: bool = True) -> dict:
+    """Keyword arguments of one forward of the transformers model ``m`` over ``new_tokens`` ``[B, k]`` (int64) at
+    sequence offsets ``start..start+k-1``: the cache under the installed forward's keyword (``compat.cache_kwarg``;
+    ``cache=None`` → ``use_cache=False``, the uncached forward), ``input_ids`` (encoder-decoder models:
+    ``encoder_ids`` ``[B, S_enc]`` as ``input_ids`` and the tokens as ``decoder_input_ids``) and, where the forward
+    takes them and ``positions`` is true, explicit ``position_ids`` ``[B, k]``. Tensors are moved to ``m``'s device."""
+    import torch
+
+    device = next(m.parameters()).device
+    kwargs = {"use_cache": False} if cache is None else {compat.cache_kwarg(m): cache, "use_cache": True}
+    if encoder_ids is not None:
+        kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=new_tokens.to(device))
+    else:
+        kwargs["input_ids"] = new_tokens.to(device)
+    if positions and compat.accepts_position_ids(m):
+        k = new_tokens.shape[1]
+        kwargs["position_ids"] = torch.arange(start, start + k, device=device).expand(new_tokens.shape[0], k)
+    return kwargs
+
+
+def forward(model, cache, new_tokens, start: int, position_mode: str, encoder_ids=None, mask=None, first=True):
+    """One cached forward of ``new_tokens`` ``[B, k]`` at sequence offsets ``start..start+k-1``.
+
+    Args:
+        mask: the attention mask ``[B, start + k]`` of a left-padded batch (None: no padding). Positions are then
+            ``cumsum(mask) - 1`` (what ``generate`` uses) and always passed explicitly where the model accepts them.
+        first: this forward goes into an empty cache (the prefill), which decides whether a Mamba-style model gets
+            the mask (see ``wants_mask_after_prefill``).
+
+    Returns float64 logits ``[B, k, V]`` on CPU.
+    """
+    import torch
+
+    m = model.model
+    device = next(m.parameters()).device
+    kwargs = forward_kwargs(m, cache, new_tokens, start, encoder_ids if model.is_encoder_decoder else None,
+                            positions=mask is None and position_mode in ("explicit", "auto"))
+    if mask is not None:
+        k = new_tokens.shape[1]
+        if first or wants_mask_after_prefill(m):
+            kwargs["attention_mask"] = mask.to(device)
+        if compat.accepts_position_ids(m):
+            kwargs["position_ids"] = padded_position_ids(mask)[:, start:start + k].to(device)
+    with torch.no_grad():
+        out = m(**kwargs)
+    return out.logits.detach().to("cpu", torch.float64)
+
+
+def tensors_of(cache) -> dict:
+    """``{name: tensor}`` of every tensor a cache holds in its layers (keys, values, length counters, conv and
+    recurrent states), found by walking each layer's attributes, dicts and lists one level deep. For
+    ``EncoderDecoderCache`` both halves are walked. Used to check data pointers and "nothing was written"."""
+    import torch
+
+    out = {}
+    halves = [("self.", cache.self_attention_cache), ("cross.", cache.cross_attention_cache)] \
+        if hasattr(cache, "self_attention_cache") else [("", cache)]
+    for prefix, c in halves:
+        for i, layer in enumerate(getattr(c, "layers", ()) or ()):
+            for attr, value in sorted(vars(layer).items()):
+                items = value.items() if isinstance(value, dict) else enumerate(value) \
+                    if isinstance(value, (list, tuple)) else [(None, value)]
+                for key, t in items:
+                    if isinstance(t, torch.Tensor) and not attr.startswith("_"):
+                        out[f"{prefix}layers[{i}].{attr}" + ("" if key is None else f"[{key}]")] = t
+    return out
+
+
+def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attention_mask=None, **extra):
+    """``model.generate`` of exactly ``max_new_tokens`` tokens, greedy unless ``extra`` says otherwise (e.g.
+    ``num_beams``); the one ``generate`` wrapper of the checks. Returns ``(sequences [B', L] int64 CPU, step logits
+    [B', max_new_tokens, V] float64 CPU, output)`` (``B'``: rows × beams for beam search).
+
+    Args:
+        model: a zoo model (its ``.model`` is used) or a transformers ``PreTrainedModel`` (e.g. the float64 oracle
+            model).
+        input_ids: the prompt ``[B, S]`` int64.
+        cache_kwargs: ``compat.generate_cache_kwargs`` or ``{"use_cache": False}``.
+        attention_mask: ``[B, S]`` (default: all ones).
+        extra: more ``generate`` keyword arguments (``num_beams``, ``output_scores``...).
+    """
+    import torch
+
+    m = model if isinstance(model, torch.nn.Module) else model.model
+    device = next(m.parameters()).device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        out = m.generate(input_ids.to(device), attention_mask=attention_mask.to(device),
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, **cache_kwargs, **extra)
+    logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)
+    return out.sequences.cpu(), logits, out

@@ -1,0 +1,422 @@
+"""The op interpreter: drive one cache (and, where a check needs it, a second cache in lock-step) through a
+case's ops, the way real callers do, recording a ``Step`` per forward and calling observers around every op and
+forward.
+
+A ``Runner`` keeps the token sequence the cache is supposed to hold (``seq``, ``[B, T]`` int64), the attention mask
+of a left-padded batch (``mask``, ``[B, T]`` int64, or None when nothing is padded) and, for encoder-decoder models,
+the encoder input (``[B, E]``). Ops (``cases.Op``):
+
+* ``prefill N`` / ``chunk N``: one forward of N new tokens (random, seeded, distinct per row). A prefill into an
+  empty cache left-pads row ``b`` with ``padding[b]`` pad tokens (decoder-only models) when the case asks for it.
+* ``decode N``: N single-token forwards.
+* ``crop N``: ``cache.crop(-N)`` (through ``compat.crop``); the sequence loses its last N tokens (all of them when
+  N is larger, the edge case a cache must handle by emptying itself or refusing clearly).
+* ``fork``: ``copy.deepcopy(cache)``; the run continues on the copy and the original is *parked*: at the end every
+  parked original gets one more decode step, which must still match the oracle of its own sequence.
+* ``reorder``: ``cache.reorder_cache(perm)`` with a non-identity permutation (rows rolled by one).
+* ``repeat R``: ``cache.batch_repeat_interleave(R)`` (rows ``[b0, b0, b1, b1, ...]``).
+* ``select``: ``cache.batch_select_indices(idx)`` keeping every row but the first (the only row for batch 1).
+* ``reset``: ``cache.reset()``; the next op starts a new sequence.
+
+Checks observe a run instead of writing their own op loop: an observer is any object with some of the methods
+``before_op(runner, op, op_index)``, ``after_op(runner, op, op_index)``, ``before_forward(runner, label, n)`` and
+``after_forward(runner, step)`` (missing ones are skipped); ``Runner.observe`` adds one. A lock-step run
+(``Runner(..., lockstep=cache2)``) applies every op to a second cache with the same tokens, recording its forwards
+in ``Runner.lockstep_steps`` (same indices as ``steps``).
+
+``_judge.judge`` compares each step with the oracle of the sequence as it was at that step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from kvconform import compat
+from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, case_generator, encoder_ids_for, forward,
+                                     random_tokens, seq_length, tensors_of)
+
+
+class StopRun(Exception):
+    """Raised by an observer to end ``Runner.run`` early (what it has seen is enough for its verdict)."""
+
+
+class LengthTrace:
+    """Observer: after every op, ``(op label, tokens the runner says are held, cache.get_seq_length() or None)`` in
+    ``rows`` — the bookkeeping a cache reports next to what it was fed."""
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+
+    def after_op(self, runner, op, op_index):
+        """Record the lengths after ``op``."""
+        self.rows.append((op.label, runner.length, seq_length(runner.cache)))
+
+
+class PointerTrace:
+    """Observer: after every forward, ``{tensor name: data_ptr}`` of every tensor the cache holds (``tensors_of``),
+    in ``rows`` as ``(step label, pointers)`` — which buffers a cache reallocates, and when."""
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+
+    def after_forward(self, runner, step):
+        """Record the cache's data pointers after ``step``."""
+        self.rows.append((step.label, {k: t.data_ptr() for k, t in tensors_of(runner.cache).items()}))
+
+
+@dataclass
+class Step:
+    """One forward: ``logits`` float64 ``[B, length, V]`` for positions ``start .. start+length-1`` of ``seq``.
+
+    ``seq`` ``[B, T]`` is the whole sequence the cache holds after the step, ``mask`` its attention mask (``[B, T]``,
+    None: no padding), ``encoder_ids`` the encoder input (encoder-decoder models), ``reported_length`` what
+    ``cache.get_seq_length()`` said after the step (None where undefined).
+    """
+
+    index: int
+    op_index: int
+    label: str
+    start: int
+    length: int
+    logits: object
+    seq: object
+    reported_length: int | None
+    mask: object = None
+    encoder_ids: object = None
+
+
+class Runner:
+    """Drive one cache through ops; record a ``Step`` per forward.
+
+    Args:
+        ctx: the ``CheckContext``.
+        cache: the subject's cache (fresh).
+        position_mode: ``"auto"``, ``"explicit"`` or ``"implicit"`` (default: the case's).
+        gen: token generator (default: seeded from the case and model, see ``case_generator``).
+        padding: pad counts per row for a prefill into an empty cache (decoder-only models; default: the case's
+            ``params.padding``, none); applied while the batch has one count per row (not after a repeat/select
+            changed the batch size).
+        observers: objects called around every op and forward (see the module docstring); more with ``observe``.
+        lockstep: a second cache run in lock-step: every op is applied to it too, with the same tokens, and its
+            forwards are recorded in ``lockstep_steps`` (labels prefixed by ``lockstep_label``).
+        allowed_ops: op names this run accepts (default: all); another op raises ``ValueError`` naming
+            ``ctx.check_name`` before anything runs.
+        beam: ``reorder`` default permutation: ``"roll"`` (rows rolled by one) or ``"reverse"`` (rows reversed, so
+            every row moves).
+        decode_suffix_after_reorder: label decode steps that follow a reorder ``"decode k after reorder"``.
+        handlers: ``{op name: fn(runner, op)}`` replacing the interpreter's own implementation of that op, for the
+            check whose subject is that op (the crop family's crop: refusals judged, positive arguments); the
+            handler keeps ``seq`` / ``mask`` and ``trail`` up to date itself.
+
+    Every method raises ``SubjectRaised`` naming the op when the subject (or the model through it) raises.
+    """
+
+    def __init__(self, ctx, cache, position_mode=None, gen=None, padding=None, observers=(), lockstep=None,
+                 lockstep_label="lockstep", allowed_ops=None, beam="roll", decode_suffix_after_reorder=False,
+                 handlers=None):
+        import torch
+
+        self.ctx, self.cache, self.model = ctx, cache, ctx.model
+        self.position_mode = position_mode or ctx.case.position_ids
+        self.gen = gen or case_generator(ctx.case, ctx.model.name)
+        if padding is None:
+            padding = ctx.case.params.get("padding")
+        self.padding = None if (ctx.model.is_encoder_decoder or not padding) else [int(p) for p in padding]
+        self.batch = ctx.case.batch
+        self.encoder_ids = encoder_ids_for(ctx, self.gen)
+        self.seq = torch.empty(self.batch, 0, dtype=torch.long)
+        self.mask = None
+        self.steps: list[Step] = []
+        self.trail: list[str] = []
+        self.op_names: list[str] = []
+        self.parked: list[tuple] = []
+        self.op_index = 0
+        self.prefix = ""
+        self.observers = list(observers)
+        self.allowed_ops = None if allowed_ops is None else tuple(allowed_ops)
+        self.beam = beam
+        self.decode_suffix = decode_suffix_after_reorder
+        self.handlers = dict(handlers or {})
+        self.partner = None
+        if lockstep is not None:
+            self.partner = self.branch(lockstep, lockstep_label)
+            self.partner.steps, self.partner.observers = [], []
+
+    @property
+    def lockstep_steps(self) -> list:
+        """The lock-step cache's ``Step`` records (same order as ``steps``; empty without a lock-step cache)."""
+        return [] if self.partner is None else self.partner.steps
+
+    def observe(self, observer) -> "Runner":
+        """Add an observer (see the module docstring); returns the runner."""
+        self.observers.append(observer)
+        return self
+
+    def _notify(self, hook: str, *args) -> None:
+        for obs in self.observers:
+            fn = getattr(obs, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
+    def _mirror(self, method: str, *args, **kwargs) -> None:
+        if self.partner is not None:
+            getattr(self.partner, method)(*args, **kwargs)
+
+    def branch(self, cache, label: str, gen=None) -> "Runner":
+        """A runner that continues this one's sequence on ``cache`` (a copy of this cache, typically), recording into
+        the same ``steps`` list with step labels prefixed by ``label``; ``gen`` draws its tokens (default: shared)."""
+        other = copy.copy(self)
+        other.cache, other.gen, other.prefix = cache, gen or self.gen, f"{label}: "
+        other.seq, other.mask, other.encoder_ids, other.batch = self._state()
+        other.trail, other.op_names, other.parked = list(self.trail), list(self.op_names), []
+        other.observers, other.partner = list(self.observers), None
+        return other
+
+    # ------------------------------------------------------------------------------------------ helpers
+    @property
+    def length(self) -> int:
+        """Tokens the cache should hold (pads included)."""
+        return int(self.seq.shape[1])
+
+    def _call(self, where, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
+            raise SubjectRaised(where, exc) from exc
+
+    def _new_tokens(self, n):
+        import torch
+
+        new = random_tokens(self.gen, self.batch, n, self.model.vocab_size)
+        if self.length == 0 and self.padding and len(self.padding) == self.batch:
+            mask = torch.ones(self.batch, n, dtype=torch.long)
+            for b in range(self.batch):
+                p = min(self.padding[b], n - 1)
+                new[b, :p] = PAD_TOKEN
+                mask[b, :p] = 0
+            return new, mask
+        return new, None
+
+    # ------------------------------------------------------------------------------------------ ops
+    def feed(self, n: int, label: str | None = None, tokens=None, tokens_mask=None) -> Step:
+        """One forward of ``n`` new tokens (or the given ``tokens`` ``[B, n]`` int64, with their pad mask
+        ``tokens_mask`` ``[B, n]`` or None); returns its ``Step``. Observers see ``before_forward(runner, label, n)``
+        and ``after_forward(runner, step)``; a lock-step cache gets the same tokens."""
+        import torch
+
+        plain = label
+        label = self.prefix + (label or (f"prefill({n})" if self.length == 0 else f"chunk({n})" if n > 1
+                                         else "decode"))
+        first = self.length == 0
+        if tokens is None:
+            new, new_mask = self._new_tokens(n)
+        else:
+            new, new_mask = tokens, tokens_mask
+        self._notify("before_forward", label, n)
+        if self.mask is not None or new_mask is not None:
+            grown = torch.ones(self.batch, n, dtype=torch.long) if new_mask is None else new_mask
+            mask = grown if first else torch.cat([self.mask, grown], dim=1)
+        else:
+            mask = None
+        start = self.length
+        logits = self._call(label, forward, self.model, self.cache, new, start, self.position_mode,
+                            self.encoder_ids, mask, first)
+        self.seq = torch.cat([self.seq, new], dim=1)
+        self.mask = mask
+        step = Step(len(self.steps), self.op_index, label, start, n, logits, self.seq.clone(),
+                    seq_length(self.cache), None if mask is None else mask.clone(),
+                    None if self.encoder_ids is None else self.encoder_ids.clone())
+        self.steps.append(step)
+        self._notify("after_forward", step)
+        self._mirror("feed", n, plain, tokens=new, tokens_mask=new_mask)
+        return step
+
+    def crop(self, n: int, label: str | None = None) -> None:
+        """``crop(-n)`` through ``compat.crop``; the sequence loses its last ``n`` tokens (all, if fewer)."""
+        label = label or f"crop(-{n})"
+        self._call(label, compat.crop, self.cache, n, self.length)
+        keep = max(self.length - n, 0)
+        self.seq = self.seq[:, :keep]
+        self.mask = None if self.mask is None or keep == 0 else self.mask[:, :keep]
+        self._mirror("crop", n, label)
+
+    def fork(self, label: str = "fork"):
+        """``copy.deepcopy(cache)``; continue on the copy, park the original (checked by ``check_parked``)."""
+        copied = self._call(label, copy.deepcopy, self.cache)
+        self.parked.append((f"original of {label} #{len(self.parked) + 1}", self.cache, self._state()))
+        self.cache = copied
+        self._mirror("fork", label)
+        return copied
+
+    def _state(self):
+        return (self.seq.clone(), None if self.mask is None else self.mask.clone(),
+                None if self.encoder_ids is None else self.encoder_ids.clone(), self.batch)
+
+    def _rows(self, index):
+        self.seq = self.seq[index]
+        self.mask = None if self.mask is None else self.mask[index]
+        self.encoder_ids = None if self.encoder_ids is None else self.encoder_ids[index]
+        self.batch = int(self.seq.shape[0])
+
+    def reorder(self, perm=None, label: str = "reorder"):
+        """``reorder_cache(perm)``; default ``perm``: rows rolled by one (non-identity for batch ≥ 2), or reversed
+        when the runner's ``beam`` is ``"reverse"``."""
+        import torch
+
+        if perm is None:
+            perm = torch.arange(self.batch - 1, -1, -1) if self.beam == "reverse" else torch.arange(self.batch).roll(1)
+        perm = torch.as_tensor(perm, dtype=torch.long)
+        self._call(label, lambda: self.cache.reorder_cache(perm.to(self._device())))
+        self._rows(perm)
+        self._mirror("reorder", perm, label)
+
+    def repeat(self, r: int, label: str | None = None):
+        """``batch_repeat_interleave(r)``: row ``b`` becomes rows ``b·r … b·r + r − 1``."""
+        import torch
+
+        self._call(label or f"repeat({r})", lambda: self.cache.batch_repeat_interleave(r))
+        self._rows(torch.arange(self.batch).repeat_interleave(r))
+        self._mirror("repeat", r, label)
+
+    def select(self, indices=None, label: str = "select"):
+        """``batch_select_indices(indices)``; default: every row but the first (row 0 for batch 1)."""
+        import torch
+
+        if indices is None:
+            indices = torch.arange(1, self.batch) if self.batch > 1 else torch.zeros(1, dtype=torch.long)
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        self._call(label, lambda: self.cache.batch_select_indices(indices.to(self._device())))
+        self._rows(indices)
+        self._mirror("select", indices, label)
+
+    def reset(self, label: str = "reset", encoder_ids=None):
+        """``cache.reset()``; the next forward starts a new sequence (with a new encoder input: ``encoder_ids``
+        ``[B, E]``, default drawn from the runner's generator)."""
+        import torch
+
+        self._call(label, lambda: self.cache.reset())
+        self.seq = torch.empty(self.batch, 0, dtype=torch.long)
+        self.mask = None
+        if self.encoder_ids is not None:
+            self.encoder_ids = encoder_ids_for(self.ctx, self.gen, self.batch) if encoder_ids is None \
+                else encoder_ids
+        self._mirror("reset", label, self.encoder_ids)
+
+    def _device(self):
+        return next(self.model.model.parameters()).device
+
+    def apply(self, op, op_index: int | None = None) -> None:
+        """Run one ``cases.Op`` (observers see ``before_op(runner, op, op_index)`` and ``after_op(...)``).
+
+        Raises:
+            SubjectRaised: the subject (or the model through it) raised.
+            ValueError: an op the interpreter does not implement, or one outside ``allowed_ops``.
+        """
+        if op_index is not None:
+            self.op_index = op_index
+            if self.partner is not None:
+                self.partner.op_index = op_index
+        if self.allowed_ops is not None and op.name not in self.allowed_ops:
+            raise ValueError(f"op {op.name!r} is not supported by {self.ctx.check_name} (case {self.ctx.case.id})")
+        self._notify("before_op", op, self.op_index)
+        if op.name in self.handlers:
+            self.handlers[op.name](self, op)
+            self.op_names.append(op.name)
+            self._notify("after_op", op, self.op_index)
+            return
+        if op.name in ("prefill", "chunk"):
+            self.feed(op.n, op.label)
+        elif op.name == "decode":
+            after = " after reorder" if self.decode_suffix and "reorder" in self.op_names else ""
+            for s in range(op.n):
+                self.feed(1, f"decode {s + 1}{after}")
+        elif op.name == "crop":
+            self.crop(op.n, op.label)
+        elif op.name == "fork":
+            self.fork()
+        elif op.name == "reorder":
+            self.reorder()
+        elif op.name == "repeat":
+            self.repeat(op.n, op.label)
+        elif op.name == "select":
+            self.select()
+        elif op.name == "reset":
+            self.reset()
+        else:
+            raise ValueError(f"op {op.name!r} is not supported by the engine (case {self.ctx.case.id})")
+        self.trail.append(op.label)
+        self.op_names.append(op.name)
+        if self.partner is not None:
+            self.partner.trail.append(op.label)
+        self._notify("after_op", op, self.op_index)
+
+    def run(self, ops=None, parked: bool = True, on_raise=None, plan=None, index_ops: bool = True) -> list:
+        """Apply ``ops`` (default: the case's) in order, then (``parked``) check the parked originals of forks;
+        returns ``steps``. An observer ends the run early by raising ``StopRun`` (then nothing more runs).
+
+        ``plan(runner, op, op_index)``: decides each op in the runner's current state: returns the ``Op`` to apply
+        (the same one, or a changed one) or None to skip it (a fuzzer keeping its random program valid).
+        ``index_ops``: record each op's position in ``ops`` as its steps' ``op_index`` (False: keep the runner's
+        current ``op_index``, e.g. for a branch continuing after the op that forked it).
+
+        ``on_raise(runner, op, op_index, exc)``: called when an op raises ``SubjectRaised``; it returns True to go on
+        with the next op (the refused op changed nothing the runner tracks), False to end the run, or raises.
+        Without it the ``SubjectRaised`` propagates, like any other exception of ``apply``.
+        """
+        try:
+            for i, op in enumerate(self.ctx.case.ops if ops is None else ops):
+                if plan is not None:
+                    op = plan(self, op, i)
+                    if op is None:
+                        continue
+                try:
+                    self.apply(op, i if index_ops else None)
+                except SubjectRaised as exc:
+                    if on_raise is None:
+                        raise
+                    if not on_raise(self, op, i, exc):
+                        return self.steps
+            if parked:
+                self.check_parked()
+        except StopRun:
+            pass
+        return self.steps
+
+    def check_parked(self) -> None:
+        """Feed one decode step into every parked original (forks): it must still hold its own sequence. A lock-step
+        cache's parked originals get the same token."""
+        partner, self.partner = self.partner, None  # the partner follows its own parked originals, below
+        try:
+            current = (self.cache, self._state())
+            mirror = None if partner is None else (partner.cache, partner._state())
+            for k, (label, cache, state) in enumerate(self.parked):
+                self.cache = cache
+                self.seq, self.mask, self.encoder_ids, self.batch = state
+                if self.seq.shape[1] == 0:  # forked before any token: nothing to compare yet
+                    continue
+                step = self.feed(1, f"{label}: decode")
+                if partner is not None:
+                    plabel, partner.cache, pstate = partner.parked[k]
+                    partner.seq, partner.mask, partner.encoder_ids, partner.batch = pstate
+                    partner.feed(1, f"{plabel}: decode", tokens=step.seq[:, -1:])
+            self.cache, (self.seq, self.mask, self.encoder_ids, self.batch) = current[0], current[1]
+            self.parked = []
+            if partner is not None:
+                partner.cache, (partner.seq, partner.mask, partner.encoder_ids, partner.batch) = mirror
+                partner.parked = []
+        finally:
+            self.partner = partner
+
+
+def run_ops(ctx, cache, position_mode: str | None = None, ops=None) -> list[Step]:
+    """Execute ``ops`` (default ``ctx.case.ops``) on ``cache``, then check the parked originals of forks; return
+    the recorded steps. Also sets ``ctx.encoder_ids`` (the first encoder input) for older callers.
+
+    Raises:
+        SubjectRaised: any exception during an op (names the op).
+        ValueError: an op the engine does not implement.
+    """
+    runner = Runner(ctx, cache, position_mode)
+    ctx.encoder_ids = runner.encoder_ids
+    return runner.run(ops)

@@ -1,0 +1,179 @@
+"""Judging recorded steps against the oracle: ``PrefixOracle`` (many steps, few oracle forwards), ``compare_step``
+(one step, pad positions excluded), ``judge`` → ``Verdict``, ``record_verdict`` (the item's metrics) and
+``run_and_judge`` (a fresh cache of a subject through the interpreter, judged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvconform.checks._interpreter import run_ops
+from kvconform.oracle import compare_logits
+
+
+@dataclass
+class Verdict:
+    """Comparison of all steps: ``first_fail`` (step, Comparison) or None, and the ``worst`` pair overall."""
+
+    first_fail: tuple | None
+    worst: tuple
+
+    @property
+    def passed(self) -> bool:
+        return self.first_fail is None
+
+
+class PrefixOracle:
+    """The oracle of many steps with few forwards: by causality the logits of a sequence's first ``T`` positions
+    are those of any longer sequence that starts with it (same rows, same mask prefix, same encoder input), so each
+    query is answered from the longest known sequence extending it (``ctx.oracle`` memoises that one forward).
+
+    Args:
+        oracle: the model's ``Oracle``.
+        queries: ``(tokens [B, T], mask [B, T] or None, encoder_ids or None)`` the comparisons will ask for.
+    """
+
+    def __init__(self, oracle, queries):
+        self.oracle = oracle
+        self.known = sorted(queries, key=lambda q: -q[0].shape[1])
+
+    @staticmethod
+    def _extends(longer, query) -> bool:
+        import torch
+
+        (lt, lm, le), (qt, qm, qe) = longer, query
+        t = qt.shape[1]
+        if lt.shape[0] != qt.shape[0] or lt.shape[1] < t or not torch.equal(lt[:, :t], qt):
+            return False
+        if (lm is None) != (qm is None) or (qm is not None and not torch.equal(lm[:, :t], qm)):
+            return False
+        return (le is None and qe is None) or (le is not None and qe is not None and torch.equal(le, qe))
+
+    def _longest(self, query):
+        return next((k for k in self.known if self._extends(k, query)), query)
+
+    def logits(self, tokens, attention_mask=None, encoder_ids=None):
+        """float64 oracle logits ``[B, T, V]`` of ``tokens`` (sliced from the longest known extension)."""
+        lt, lm, le = self._longest((tokens, attention_mask, encoder_ids))
+        return self.oracle.logits(lt, attention_mask=lm, encoder_ids=le)[:, :tokens.shape[1]]
+
+    def uncached(self, tokens, attention_mask=None, encoder_ids=None):
+        """Case-dtype uncached logits ``[B, T, V]`` (as float64), the noise-floor reference, sliced likewise."""
+        lt, lm, le = self._longest((tokens, attention_mask, encoder_ids))
+        return self.oracle.uncached(lt, attention_mask=lm, encoder_ids=le)[:, :tokens.shape[1]]
+
+
+def _encoder_of(ctx, step):
+    return step.encoder_ids if step.encoder_ids is not None else getattr(ctx, "encoder_ids", None)
+
+
+def prefix_oracle(ctx, steps) -> PrefixOracle:
+    """A ``PrefixOracle`` over every sequence the ``steps`` will be compared on (the whole batch, or each row of a
+    left-padded step without its pads; see ``compare_step``)."""
+    queries = []
+    for step in steps:
+        if step.mask is None or bool(step.mask.all()):
+            queries.append((step.seq, step.mask, _encoder_of(ctx, step)))
+        else:
+            queries += [(step.seq[b][step.mask[b].bool()].unsqueeze(0), None, None)
+                        for b in range(step.seq.shape[0])]
+    return PrefixOracle(ctx.oracle, queries)
+
+
+def compare_step(ctx, step, tol, oracle=None, uncached=None, source=None):
+    """Compare one step with the oracle (or the given ``oracle`` / ``uncached`` targets), pad positions excluded.
+
+    A left-padded row is compared with the oracle of the same row *without* its pads (its valid tokens at positions
+    0, 1, ...): a padded batch row must equal the prompt run alone. This also keeps the float64 oracle away from
+    fully masked pad rows, which some models' eager attention turns into NaN in float64 (gemma2 computes its
+    softmax in float32, where float64's mask minimum becomes -inf). ``source``: where oracle logits come from
+    (default ``ctx.oracle``; ``judge`` passes a ``PrefixOracle``).
+    """
+    import torch
+
+    source = source or ctx.oracle
+    sl = slice(step.start, step.start + step.length)
+    enc = _encoder_of(ctx, step)
+    padded = step.mask is not None and not bool(step.mask.all())
+    if oracle is None and not padded:
+        oracle = source.logits(step.seq, attention_mask=step.mask, encoder_ids=enc)[:, sl]
+        uncached = source.uncached(step.seq, attention_mask=step.mask, encoder_ids=enc)[:, sl]
+    elif oracle is None:
+        rows_o, rows_u = [], []
+        for b in range(step.seq.shape[0]):
+            valid = step.mask[b].bool()
+            toks = step.seq[b][valid].unsqueeze(0)
+            full_o = torch.zeros(1, step.seq.shape[1], step.logits.shape[-1], dtype=torch.float64)
+            full_u = full_o.clone()
+            full_o[:, valid] = source.logits(toks)
+            full_u[:, valid] = source.uncached(toks)
+            rows_o.append(full_o[:, sl])
+            rows_u.append(full_u[:, sl])
+        oracle, uncached = torch.cat(rows_o), torch.cat(rows_u)
+    observed = step.logits
+    if padded and not bool(step.mask[:, sl].all()):
+        pad = ~step.mask[:, sl].bool()
+        observed, oracle, uncached = observed.clone(), oracle.clone(), uncached.clone()
+        oracle[pad] = 0.0
+        observed[pad] = 0.0
+        uncached[pad] = 0.0
+    return compare_logits(observed, oracle, uncached, tol)
+
+
+def judge(ctx, steps, spec=None, driver=None) -> Verdict:
+    """Compare every step with the oracle under ``ctx.tolerance()``.
+
+    ``spec`` is the subject that produced ``steps`` (default: ``ctx.subject``). A lossy subject (``spec.twin``) is
+    compared with its fake-quant twin run on the same ops instead (``kvconform.checks._twin.twin_targets``); ``driver``
+    (``fn(ctx, cache) -> steps``, default ``run_ops``) is how the twin replays them.
+    """
+    tol = ctx.tolerance()
+    first_fail = worst = None
+    spec = spec or ctx.subject
+    twin = None
+    if getattr(spec, "twin", None) is not None:  # lossy subject: the twin's float64 run is the target
+        from kvconform.checks._interpreter import run_ops
+        from kvconform.checks._twin import twin_targets
+
+        twin = twin_targets(ctx, spec, steps, driver or run_ops)
+    source = prefix_oracle(ctx, steps) if twin is None else None
+    for step in steps:
+        if twin is not None:
+            cmp = compare_step(ctx, step, tol, *twin[step.index])
+        else:
+            cmp = compare_step(ctx, step, tol, source=source)
+        if worst is None or cmp.max_abs > worst[1].max_abs:
+            worst = (step, cmp)
+        if first_fail is None and not cmp.passed:
+            first_fail = (step, cmp)
+    return Verdict(first_fail, worst)
+
+
+def record_verdict(ctx, verdict: Verdict, steps: int, **extra) -> None:
+    """Put a verdict's numbers in the item's metrics (JSON report): ``max_abs``, ``tolerance`` and ``noise_floor``
+    (logit units) of the first failing step, else of the worst one, ``steps`` judged, plus ``extra``."""
+    _, cmp = verdict.first_fail or verdict.worst
+    ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=steps, **extra)
+
+
+
+def run_and_judge(ctx, spec=None, position_mode=None, driver=None) -> Verdict:
+    """Build a fresh cache of ``spec`` (default: the subject), run the case (or ``driver(ctx, cache)``), judge it."""
+    import copy as _copy
+
+    spec = spec or ctx.subject
+    if driver is None:
+        cache = ctx.new_cache(spec)
+        return judge(ctx, run_ops(ctx, cache, position_mode), spec)
+    sctx = _copy.copy(ctx)
+    sctx.subject, sctx.metrics = spec, {}
+    return judge(sctx, driver(sctx, sctx.new_cache()), spec, driver)
+
+
+def lossy_generate_rule(subject, model, case, **_):
+    """Applicability rule for checks comparing ``generate`` tokens with the exact model: a lossy subject (one with a
+    fake-quant ``twin``) is not held to that (``@register(..., applies=lossy_generate_rule)``)."""
+    if getattr(subject, "twin", None) is not None:
+        return (f"{subject.name} is lossy: its generate() tokens are not compared token for token with the exact "
+                f"model")
+    return None

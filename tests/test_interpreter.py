@@ -1,0 +1,174 @@
+"""The op interpreter (``kvconform.checks._interpreter.Runner``) directly: observers see every op and forward in
+order, a lock-step cache gets the same tokens and ops, and ``Runner.run``'s hooks (``plan``, ``on_raise``,
+``StopRun``, op ``handlers``) steer a run the way the checks use them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvconform.cases import Op
+
+OPS = [Op("prefill", 6), Op("decode", 2), Op("reorder"), Op("crop", 2), Op("decode", 1), Op("fork"), Op("decode", 1),
+       Op("reset"), Op("prefill", 3)]
+
+
+@pytest.fixture(scope="module")
+def llama_ctx():
+    import torch
+
+    from kvconform.cases import Case
+    from kvconform.checks import CheckContext
+    from kvconform.oracle import Oracle
+    from kvconform.subjects import builtin_subjects
+    from kvconform.zoo import build_zoo_model
+
+    torch.set_num_threads(1)
+    zm = build_zoo_model("llama")
+    subjects = {s.name: s for s in builtin_subjects()}
+    case = Case(id="unit", check="check_reorder_then_decode", source="test", batch=3, params={"padding": [0, 2, 3]})
+    return CheckContext(subjects["DynamicCache"], zm, case, Oracle(zm), reference=subjects["ReferenceCache"])
+
+
+class Recorder:
+    """Observer writing every hook call as a short event string."""
+
+    def __init__(self):
+        self.events = []
+
+    def before_op(self, runner, op, op_index):
+        self.events.append(f"before {op.label} #{op_index}")
+
+    def after_op(self, runner, op, op_index):
+        self.events.append(f"after {op.label} #{op_index} held={runner.length}")
+
+    def before_forward(self, runner, label, n):
+        self.events.append(f"forward {label} n={n} at {runner.length}")
+
+    def after_forward(self, runner, step):
+        self.events.append(f"step {step.index} {step.label} held={step.seq.shape[1]}")
+
+
+def test_observers_see_every_op_and_forward_in_order(llama_ctx):
+    from kvconform.checks._interpreter import Runner
+
+    rec = Recorder()
+    runner = Runner(llama_ctx, llama_ctx.new_cache(), observers=[rec])
+    steps = runner.run(OPS)
+    assert rec.events[:6] == ["before prefill(6) #0", "forward prefill(6) n=6 at 0", "step 0 prefill(6) held=6",
+                              "after prefill(6) #0 held=6", "before decode×2 #1", "forward decode 1 n=1 at 6"]
+    assert "after crop(-2) #3 held=6" in rec.events
+    assert rec.events[-2:] == ["forward original of fork #1: decode n=1 at 7",  # the parked original's check
+                               f"step {len(steps) - 1} original of fork #1: decode held=8"]
+    assert sum(e.startswith("step ") for e in rec.events) == len(steps) == 7
+
+
+def test_lockstep_cache_gets_the_same_tokens_and_ops(llama_ctx):
+    import torch
+
+    from kvconform.checks._interpreter import Runner
+    from kvconform.checks._judge import judge
+
+    runner = Runner(llama_ctx, llama_ctx.new_cache(), lockstep=llama_ctx.new_cache(), lockstep_label="fresh")
+    steps = runner.run(OPS)
+    twin = runner.lockstep_steps
+    assert len(twin) == len(steps) == 7
+    for a, b in zip(steps, twin):
+        assert b.label == f"fresh: {a.label}" and (a.start, a.length, a.op_index) == (b.start, b.length, b.op_index)
+        assert torch.equal(a.seq, b.seq)
+        assert torch.equal(a.logits, b.logits)  # a fresh instance of the same exact class, same ops: bit-equal
+    assert runner.partner.cache is not runner.cache and runner.partner.length == runner.length
+    assert judge(llama_ctx, twin).passed
+
+
+def test_lockstep_does_not_change_the_subjects_run(llama_ctx):
+    import torch
+
+    from kvconform.checks._interpreter import Runner
+
+    alone = Runner(llama_ctx, llama_ctx.new_cache()).run(OPS)
+    paired = Runner(llama_ctx, llama_ctx.new_cache(), lockstep=llama_ctx.new_cache()).run(OPS)
+    assert [s.label for s in alone] == [s.label for s in paired]
+    assert all(torch.equal(a.seq, b.seq) and torch.equal(a.logits, b.logits) for a, b in zip(alone, paired))
+
+
+def test_plan_skips_and_rewrites_ops(llama_ctx):
+    from kvconform.checks._interpreter import Runner
+
+    def plan(runner, op, i):
+        if op.name == "reorder":
+            return None
+        return Op("chunk", 2) if op.name == "decode" and op.n == 2 else op
+
+    runner = Runner(llama_ctx, llama_ctx.new_cache())
+    steps = runner.run(OPS[:3], plan=plan)
+    assert [s.label for s in steps] == ["prefill(6)", "chunk(2)"]
+    assert runner.trail == ["prefill(6)", "chunk(2)"]
+
+
+class NoReorderCache:
+    """A DynamicCache whose reorder_cache refuses (as a cache without beam search support does)."""
+
+    def __new__(cls, config):
+        from transformers import DynamicCache
+
+        class _NoReorder(DynamicCache):
+            def reorder_cache(self, beam_idx):
+                raise NotImplementedError("reorder_cache is not supported by this cache")
+
+        return _NoReorder(config=config)
+
+
+def test_on_raise_goes_on_or_stops_and_stoprun_ends_the_run(llama_ctx):
+    from kvconform.checks._drive import SubjectRaised
+    from kvconform.checks._interpreter import Runner, StopRun
+
+    def new():
+        return NoReorderCache(llama_ctx.model.model.config)
+
+    with pytest.raises(SubjectRaised) as info:
+        Runner(llama_ctx, new()).run(OPS)
+    assert info.value.where == "reorder" and isinstance(info.value.cause, NotImplementedError)
+
+    refused = []
+    steps = Runner(llama_ctx, new()).run(OPS[:5], on_raise=lambda r, op, i, exc: refused.append(op.label) or True)
+    assert refused == ["reorder"] and [s.label for s in steps][-1] == "decode 1"
+
+    steps = Runner(llama_ctx, new()).run(OPS, on_raise=lambda *_: False)
+    assert len(steps) == 3  # prefill, decode 1, decode 2; nothing after the refused reorder
+
+    class StopAfterFirstDecode:
+        def after_forward(self, runner, step):
+            if step.label == "decode 1":
+                raise StopRun
+
+    steps = Runner(llama_ctx, llama_ctx.new_cache(), observers=[StopAfterFirstDecode()]).run(OPS)
+    assert [s.label for s in steps] == ["prefill(6)", "decode 1"]
+
+
+def test_handler_replaces_an_op(llama_ctx):
+    from kvconform.checks._interpreter import Runner
+
+    seen = []
+
+    def crop(runner, op):
+        seen.append((op.n, runner.length))
+        runner.trail.append("crop (handled)")
+
+    runner = Runner(llama_ctx, llama_ctx.new_cache(), handlers={"crop": crop})
+    runner.run(OPS[:5])
+    assert seen == [(2, 8)] and "crop (handled)" in runner.trail
+    assert runner.length == 9  # the handler kept the sequence: 8 held, one more decode
+
+
+def test_length_and_pointer_traces(llama_ctx):
+    from kvconform.checks._interpreter import LengthTrace, PointerTrace, Runner
+
+    lengths, pointers = LengthTrace(), PointerTrace()
+    ops = [Op("prefill", 6), Op("decode", 2), Op("crop", 3), Op("reset"), Op("prefill", 4)]
+    Runner(llama_ctx, llama_ctx.new_cache(), observers=[lengths, pointers]).run(ops)
+    assert lengths.rows == [("prefill(6)", 6, 6), ("decode×2", 8, 8), ("crop(-3)", 5, 5), ("reset", 0, 0),
+                            ("prefill(4)", 4, 4)]
+    assert [label for label, _ in pointers.rows] == ["prefill(6)", "decode 1", "decode 2", "prefill(4)"]
+    assert all(any(name.endswith(".keys") for name in ptrs) for _, ptrs in pointers.rows)
+    # DynamicCache concatenates: every decode step allocates new key buffers
+    assert pointers.rows[1][1]["layers[0].keys"] != pointers.rows[2][1]["layers[0].keys"]
