@@ -320,9 +320,16 @@ def _limit_threads():
 def _quiet_transformers():
     """transformers logs a warning per kernel fallback ("causal_conv1d is not installed ...") in every Mamba item;
     keep its logger at ERROR during a kvconform run so failures stay readable."""
+    import warnings
+
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    # transformers.cache_utils imports hqq when it is installed, and hqq's import-time torch.jit.script calls emit
+    # 14 DeprecationWarnings that say nothing about any cache: import it once here, with them silenced.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import transformers.cache_utils  # noqa: F401
 
 
 def _import_backends_quietly(subjects) -> None:

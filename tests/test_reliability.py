@@ -170,4 +170,4 @@ def test_optional_backends_import_without_deprecation_noise(run_kvconform):
     pytest.importorskip("hqq")
     result = run_kvconform("--kvconform-model", "llama", "-k", "QuantizedCache_hqq4 and decode_explicit")
     result.assert_outcomes(passed=1)
-    assert "DeprecationWarning" not in result.stdout.str()
+    assert "DeprecationWarning" not in result.stdout.str() + result.stderr.str()
