@@ -1,9 +1,12 @@
 """The model zoo: 14 tiny model families built offline from configs, plus loading a local checkpoint.
 
 Every zoo model has hidden size 64, 2 layers, 4 attention heads (2 KV heads where the family has GQA) and a
-vocabulary of 128 tokens, and is initialised with ``torch.manual_seed(seed)`` and ``initializer_range=0.1``:
-with the transformers default of 0.02 the top-1 margins of a tiny model are ~1e-3, so token-level comparisons
-flip on float noise (measured on the zoo). Families with a sliding window use a window of 8 tokens, and
+vocabulary of 128 tokens, with deliberate asymmetries so that a cache cannot get its sizes from the wrong config
+field and still pass: bart's decoder is deeper than its encoder (3 vs 2 layers) and t5's encoder deeper than its
+decoder (3 vs 2), t5's key/value size (``d_kv`` 8) and gemma3's ``head_dim`` (32) differ from hidden / heads (16),
+and the GQA families have fewer key/value heads than query heads. All of them are initialised with
+``torch.manual_seed(seed)`` and ``initializer_range=0.1``: with the transformers default of 0.02 the top-1 margins
+of a tiny model are ~1e-3, so token-level comparisons flip on float noise (measured on the zoo). Families with a sliding window use a window of 8 tokens, and
 the cases feed prompts longer than that, so the window is really exercised.
 
 Nothing is downloaded: configs come from ``AutoConfig.for_model`` and weights from the seeded initialiser.
@@ -38,7 +41,7 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2": ("qwen2", dict(_COMMON, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1,
                             layer_types=["full_attention", "sliding_attention"])),
     "gemma2": ("gemma2", dict(_COMMON, sliding_window=SLIDING_WINDOW, head_dim=16)),
-    "gemma3": ("gemma3_text", dict(_COMMON, sliding_window=SLIDING_WINDOW, head_dim=16,
+    "gemma3": ("gemma3_text", dict(_COMMON, sliding_window=SLIDING_WINDOW, head_dim=32,
                                    layer_types=["sliding_attention", "full_attention"])),
     "gpt2": ("gpt2", dict(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                           initializer_range=0.1)),
@@ -53,9 +56,9 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
                             mamba_expand=2, mamba_dt_rank=8)),
     "bamba": ("bamba", dict(_COMMON, attn_layer_indices=[1], **_MAMBA2_MIXER)),
     "falcon_h1": ("falcon_h1", dict(_COMMON, mamba_d_ssm=128, head_dim=16, **_MAMBA2_MIXER)),
-    "t5": ("t5", dict(vocab_size=VOCAB_SIZE, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+    "t5": ("t5", dict(vocab_size=VOCAB_SIZE, d_model=64, d_kv=8, d_ff=128, num_layers=3, num_decoder_layers=2,
                       num_heads=4, initializer_factor=1.0)),
-    "bart": ("bart", dict(vocab_size=VOCAB_SIZE, d_model=64, encoder_layers=2, decoder_layers=2,
+    "bart": ("bart", dict(vocab_size=VOCAB_SIZE, d_model=64, encoder_layers=2, decoder_layers=3,
                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                           decoder_ffn_dim=128, max_position_embeddings=512, init_std=0.1)),
 }
