@@ -6,6 +6,8 @@ and ids contain no addresses). Models and oracles are built lazily, once per (mo
 
 from __future__ import annotations
 
+import functools
+
 import platform
 from dataclasses import dataclass, field
 
@@ -122,11 +124,28 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
     if (case.tier == "full" or subject.tier == "full") and not full:
         return False  # opt-in tier: counted in the report header instead of listed as skips
     scope = case.model_scope(full)  # models, or models_full under --kvconform-full
-    if scope and model.name not in scope:
+    if scope and model.name not in scope and not stands_in_for(model, scope):
         return False
     if model_requirements_unmet(case, model.features):
         return False
     return subject.applies_to is None or subject.applies_to(model) is None
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_features(name: str) -> frozenset:
+    """The features (``ModelInfo.features``) of a zoo family, from its config (no weights built)."""
+    return frozenset(model_info(name).features)
+
+
+def stands_in_for(model: ModelInfo, scope) -> bool:
+    """Whether a checkpoint takes the place of the zoo models a case is limited to: cases list a few representative
+    zoo families to keep the run short, and a checkpoint of the same kind — the same features (decoder-only or
+    encoder-decoder, attention, sliding window, linear-attention state) as one of them — gets that case too, so a
+    user's checkpoint is checked by every family that applies to its architecture. Zoo models never stand in."""
+    if not zoo.is_checkpoint_spec(model.spec):
+        return False
+    features = frozenset(model.features)
+    return any(name in zoo.ZOO_NAMES and zoo_features(name) == features for name in scope)
 
 
 def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, device: str = "cpu") -> str | None:
@@ -243,6 +262,14 @@ class KVSession:
     def known_fault(self, item: PlanItem) -> str | None:
         """The known-fault reason for ``item`` on the installed transformers (strict or not), or None."""
         fault = self.fault_entry(**item.describe())
+        if fault is None and zoo.is_checkpoint_spec(item.model.spec):
+            # A fault known on *every* zoo model of the checkpoint's kind (same features) is a fault of that kind of
+            # model or cache, not of one family's modeling code: it is the checkpoint's too. A fault known on only
+            # some of them (Jamba's chunked continuation) says nothing about another architecture.
+            kind = [n for n in zoo.ZOO_NAMES if zoo_features(n) == frozenset(item.model.features)]
+            found = [self.fault_entry(**{**item.describe(), "model": name}) for name in kind]
+            if kind and all(f is not None for f in found):
+                return f"{found[0].reason} (known on every zoo model of this kind: {', '.join(kind)})"
         return fault.reason if fault is not None else None
 
     def fault_entry(self, subject: str, model: str, check: str, family: str, case: str):
@@ -297,7 +324,28 @@ class KVSession:
             + ("" if self.full else f" (full tier, not run: {sum(c.tier == 'full' for c in self.cases)} cases, "
                                     f"{sum(c.models_full is not None for c in self.cases)} on more models; "
                                     f"add --kvconform-full)"),
+            *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
         ]
+
+    def _checkpoint_coverage(self, model: ModelInfo) -> str:
+        """One header line per checkpoint: how many cases apply to it, and why the others do not."""
+        from kvconform.cases import model_requirements_unmet
+
+        left = {"other kinds of model": 0, "features it lacks": 0, "the full tier": 0}
+        applies = 0
+        for case in self.cases:
+            scope = case.model_scope(self.full)
+            if (case.tier == "full") and not self.full:
+                left["the full tier"] += 1
+            elif scope and model.name not in scope and not stands_in_for(model, scope):
+                left["other kinds of model"] += 1
+            elif model_requirements_unmet(case, model.features):
+                left["features it lacks"] += 1
+            else:
+                applies += 1
+        why = ", ".join(f"{n} for {reason}" for reason, n in left.items() if n)
+        return (f"kvconform checkpoint {model.name} ({', '.join(sorted(model.features))}): {applies} of "
+                f"{len(self.cases)} cases apply" + (f"; left out: {why}" if why else ""))
 
 
 def _reference_spec():
