@@ -62,6 +62,8 @@ class Op:
             return f"decode×{self.n}"
         if self.name == "crop":
             return f"crop(-{self.n})"
+        if self.name == "reset" and self.n:
+            return f"reset(then batch {self.n})"
         return f"{self.name}({self.n})" if self.name in OPS_WITH_COUNT else self.name
 
     @property
@@ -153,6 +155,10 @@ def _parse_op(path, case_id, text) -> Op:
     if name in OPS_WITH_COUNT:
         if len(parts) != 2 or not parts[1].isdigit() or int(parts[1]) < (0 if name == "crop" else 1):
             _fail(path, case_id, "ops", f"op {text!r} needs one positive count, e.g. '{name} 4'")
+        return Op(name, int(parts[1]))
+    if name == "reset" and len(parts) == 2:  # reset B: the next sequence has batch size B
+        if not parts[1].isdigit() or int(parts[1]) < 1:
+            _fail(path, case_id, "ops", f"op {text!r}: 'reset' takes an optional batch size ≥ 1, e.g. 'reset 2'")
         return Op(name, int(parts[1]))
     if len(parts) != 1:
         _fail(path, case_id, "ops", f"op {name!r} takes no count (got {text!r})")

@@ -290,18 +290,20 @@ class Runner:
         self._rows(indices)
         self._mirror("select", indices, label)
 
-    def reset(self, label: str = "reset", encoder_ids=None):
+    def reset(self, label: str = "reset", encoder_ids=None, batch: int | None = None):
         """``cache.reset()``; the next forward starts a new sequence (with a new encoder input: ``encoder_ids``
-        ``[B, E]``, default drawn from the runner's generator)."""
+        ``[B, E]``, default drawn from the runner's generator) of ``batch`` rows (default: the current batch size;
+        op ``reset B`` — reusing a cache object for a batch of another size)."""
         import torch
 
         self._call(label, lambda: self.cache.reset())
+        self.batch = int(batch or self.batch)
         self.seq = torch.empty(self.batch, 0, dtype=torch.long)
         self.mask = None
         if self.encoder_ids is not None:
             self.encoder_ids = encoder_ids_for(self.ctx, self.gen, self.batch) if encoder_ids is None \
                 else encoder_ids
-        self._mirror("reset", label, self.encoder_ids)
+        self._mirror("reset", label, self.encoder_ids, self.batch)
 
     def _device(self):
         return next(self.model.model.parameters()).device
@@ -342,7 +344,7 @@ class Runner:
         elif op.name == "select":
             self.select()
         elif op.name == "reset":
-            self.reset()
+            self.reset(op.label, batch=op.n or None)
         else:
             raise ValueError(f"op {op.name!r} is not supported by the engine (case {self.ctx.case.id})")
         self.trail.append(op.label)

@@ -2,7 +2,8 @@
 
 * ``check_reset_then_reuse``: ``reset()`` then a new sequence equals a fresh cache (the oracle); a cache that says
   ``is_compileable`` keeps the same data pointers for every tensor it held (CUDA graphs and ``torch.compile``
-  captured those addresses).
+  captured those addresses). After ``reset B`` (the next sequence has batch size ``B``) the cache must work, or its
+  first forward must raise a clear error naming the batch size (a raw tensor-op error fails).
 * ``check_capacity``: a cache built with ``max_cache_len = M`` and fed past ``M`` tokens either keeps working
   exactly (an unbounded or window-only cache) or raises a clear error *before writing anything* (a fixed-size cache);
   a raw ``IndexError`` from a tensor op, a write before the error, or silently wrong logits fail.
@@ -16,6 +17,9 @@ from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict
 from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
+
+BATCH_WORDS = ("batch",)
+"""A clear refusal of reuse with another batch size names it."""
 
 
 # ------------------------------------------------------------------------------------------------ reset
@@ -59,7 +63,14 @@ def check_reset_then_reuse(ctx):
         steps = run_reset_case(ctx, ctx.new_cache(), info)
     except SubjectRaised as exc:
         after_reset = "reset" in info.get("done", [])[:-1] or exc.where == "reset"
-        fail_raised(ctx, exc, "reset() leaves the cache in a state its next update cannot handle"
+        resized = after_reset and any(op.name == "reset" and op.n and op.n != ctx.case.batch for op in ctx.case.ops)
+        if resized and exc.where != "reset" and clear_error(exc.cause, BATCH_WORDS):
+            # reusing a cache object for a batch of another size may be refused, clearly, by the first forward
+            ctx.metrics.update(refused=describe_exception(exc.cause), refused_at=exc.where)
+            return
+        fail_raised(ctx, exc, ("after reset() the cache still has buffers sized for the previous batch: reuse with "
+                               "another batch size must work, or raise a clear error that names the batch size")
+                    if resized else "reset() leaves the cache in a state its next update cannot handle"
                     if after_reset else "the cache does not support this sequence of calls (see the exception)")
     verdict = judge(ctx, steps, driver=run_reset_case)
     record_verdict(ctx, verdict, len(steps), compileable=info["compileable"])
