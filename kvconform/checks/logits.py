@@ -14,7 +14,7 @@ import importlib.util
 import inspect
 import sys
 
-from kvconform.checks import OP_PARAMS, register
+from kvconform.checks import OP_PARAMS, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
@@ -30,11 +30,35 @@ def _length_note(steps, upto) -> str | None:
     return None
 
 
-def _decode_cause(ctx, steps):
+def _unmasked_slots_note(ctx, cache, step) -> str | None:
+    """Evidence that a fixed-size cache was attended without its attention mask: it reports a capacity larger than
+    the tokens it held at ``step`` while saying ``is_compileable = False`` — then the model's SDPA path drops the
+    mask of 1-token steps (it keeps it only for compileable caches) and attends the empty slots."""
+    from kvconform import compat
+
+    try:
+        capacity = compat.max_length(cache)
+    except Exception:  # noqa: BLE001 - no capacity: an unbounded cache
+        capacity = -1
+    # hybrid layers (a linear-attention state next to a fixed-size attention part) report no capacity as a whole
+    capacity = max([capacity, *(int(getattr(layer, "max_cache_len", -1) or -1)
+                                for layer in getattr(cache, "layers", ()) or ())])
+    held = step.start + step.length
+    if capacity > held and step.length == 1 and not getattr(cache, "is_compileable", False):
+        return (f"the cache has {capacity} slots for {held} tokens but says is_compileable = False, so the model "
+                f"drops the attention mask of single-token steps and the {capacity - held} empty slots are "
+                f"attended (a fixed-size cache must stay compileable, or keep the mask)")
+    return None
+
+
+def _decode_cause(ctx, steps, cache=None):
     def cause(step, cmp):
         note = _length_note(steps, step)
         if note and not positions_label(ctx).startswith("explicit"):
             return note
+        unmasked = _unmasked_slots_note(ctx, cache, step) if cache is not None else None
+        if unmasked:
+            return unmasked
         if step.label in ("decode 1",) or step.label.startswith("chunk") and step.index == 1:
             return "the prefill's keys/values (or states) were not stored intact: a dropped, shifted or stale token"
         if step.label.startswith("prefill"):
@@ -50,19 +74,37 @@ def _decode_cause(ctx, steps):
     return cause
 
 
+def run_recorded(ctx, cache):
+    """``run_ops`` after ``activate_past_recording()`` when the case asks for it (``params.record``), as
+    speculative-decoding callers do before any crop; the same driver replays the case on the reference and twins."""
+    if ctx.case.params.get("record"):
+        if not hasattr(cache, "activate_past_recording"):
+            from kvconform.outcomes import CheckSkipped
+            raise CheckSkipped(f"{type(cache).__name__} has no activate_past_recording() (the installed "
+                               f"transformers has no past recording)")
+        try:
+            cache.activate_past_recording()
+        except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
+            raise SubjectRaised("activate_past_recording()", exc) from exc
+    return run_ops(ctx, cache)
+
+
 def _run(ctx, cause_for):
     cache = ctx.new_cache()
     try:
-        steps = run_ops(ctx, cache)
+        steps = run_recorded(ctx, cache)
     except SubjectRaised as exc:
         fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
-    verdict = judge(ctx, steps)
+    verdict = judge(ctx, steps, driver=run_recorded)
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
-        fail_verdict(ctx, verdict, cause_for(ctx, steps))
+        fail_verdict(ctx, verdict, cause_for(ctx, steps, cache), driver=run_recorded)
 
 
-@register("logits", needs=("forward",), params=OP_PARAMS)
+RECORD = Param(bool, default=False, doc="call activate_past_recording() before the first op (no crop follows)")
+
+
+@register("logits", needs=("forward",), params={**OP_PARAMS, "record": RECORD})
 def check_prefill_then_decode(ctx):
     """Prefill, then single-token decode steps: every step's logits equal the oracle's."""
     if not ctx.case.ops or ctx.case.ops[0].name != "prefill":
@@ -70,8 +112,8 @@ def check_prefill_then_decode(ctx):
     _run(ctx, _decode_cause)
 
 
-def _chunk_cause(ctx, steps):
-    base = _decode_cause(ctx, steps)
+def _chunk_cause(ctx, steps, cache=None):
+    base = _decode_cause(ctx, steps, cache)
 
     def cause(step, cmp):
         if step.label.startswith("chunk") and step.index > 0:
