@@ -41,8 +41,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from kvconform.checks import Param, register
-from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs
+from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, tensors_of
+from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import fail_raised
 
 _RECOMPILE = "Detected recompile"
@@ -453,3 +454,48 @@ def check_compile_claim(ctx):
             "likely cause: under torch.compile the cache's state goes stale (a side effect dynamo does not replay): "
             "a user compiling the model gets silently wrong logits",
         ], {"max_abs": worst, "tolerance": tol})
+
+
+# ------------------------------------------------------------------------------------------------ static addresses
+class BufferAddresses:
+    """Observer: after every forward, ``{tensor name: (data_ptr, storage data_ptr)}`` of every tensor the cache holds
+    (``tensors_of``), as ``(step label, addresses)`` in ``rows``."""
+
+    def __init__(self):
+        self.rows: list[tuple] = []
+
+    def after_forward(self, runner, step):
+        """Record the cache's buffer addresses after ``step``."""
+        self.rows.append((step.label, {k: (t.data_ptr(), t.untyped_storage().data_ptr())
+                                       for k, t in tensors_of(runner.cache).items()}))
+
+
+@register("compile", needs=("forward",), applies=_applies(True), params=OP_PARAMS)
+def check_static_addresses(ctx):
+    """A cache that says ``is_compileable`` keeps every buffer at the same address at every step: ``update()`` writes
+    into the tensors allocated by the first forward, in place. CUDA graphs replay the addresses they captured and
+    ``torch.compile`` guards on them, so a buffer that moves (an out-of-place ``update``, a ``torch.cat``, a fresh
+    tensor assigned each step) breaks them even where an eager run, or a compiled run on CPU, looks right."""
+    probe = BufferAddresses()
+    runner = Runner(ctx, ctx.new_cache(), observers=[probe])
+    try:
+        runner.run()
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    if not probe.rows:
+        raise ValueError(f"case {ctx.case.id}: check_static_addresses needs forwards (prefill, decode)")
+    first_label, first = probe.rows[0]
+    ctx.metrics.update(steps=len(probe.rows), buffers=len(first))
+    for label, addresses in probe.rows[1:]:
+        moved = sorted(k for k in first if k in addresses and addresses[k] != first[k])
+        appeared = sorted(set(addresses) - set(first))
+        if moved or appeared:
+            ctx.fail([
+                f"is_compileable is True, but after {label} {len(moved)} buffer(s) are at another address than after "
+                f"{first_label}" + (f" and {len(appeared)} new one(s) appeared" if appeared else "")
+                + f": {', '.join((moved + appeared)[:4])}{' ...' if len(moved) + len(appeared) > 4 else ''}",
+                f"ops: {ctx.case.ops_label()}   [moved at {label}]",
+                "likely cause: update() writes out of place (x = torch.cat(...), x = x.index_copy(...), a new "
+                "tensor per step) instead of into the buffers it allocated (x.index_copy_(...), x[..., i] = ...); "
+                "CUDA graphs and torch.compile captured the first addresses",
+            ], {"moved": moved, "appeared": appeared, "failed_at": label})

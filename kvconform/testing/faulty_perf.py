@@ -31,7 +31,8 @@ class _NoCrop:
 class _CarefulStaticLayer(_NoCrop, StaticLayer):
     """A StaticLayer done right everywhere the faults below do not touch: ``get_seq_length()`` returns a snapshot
     (not the live length tensor), and writing past ``max_cache_len`` raises a clear error before anything changes
-    (checked eagerly only: under torch.compile the check would be a data-dependent branch)."""
+    (checked eagerly only: under torch.compile the check would be a data-dependent branch); a batch of another size
+    than the one its buffers were allocated for is refused clearly (a static shape: no graph break)."""
 
     def get_seq_length(self):
         return self.cumulative_length.clone() if self.is_initialized else 0
@@ -43,6 +44,9 @@ class _CarefulStaticLayer(_NoCrop, StaticLayer):
                                  f"max_cache_len {self.max_cache_len}")
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.is_initialized and key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"batch size {key_states.shape[0]} differs from the batch size {self.keys.shape[0]} "
+                             f"this static cache was allocated for; build a new cache for another batch size")
         self._check_capacity(key_states.shape[-2])
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -96,6 +100,27 @@ class UpdateCounterStaticCache(Cache):
 
 
 # ------------------------------------------------------------------------------------------------------ memory
+class _OutOfPlaceStaticLayer(_CarefulStaticLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        # BUG: "functional" bookkeeping: the buffers are re-allocated after every write (a copy per step, as
+        # x = x.index_copy(...) instead of x.index_copy_(...) would): the returned keys/values are right, but the
+        # addresses CUDA graphs and torch.compile captured are stale from the second step on
+        self.keys, self.values = self.keys.clone(), self.values.clone()
+        return keys, values
+
+
+class OutOfPlaceStaticCache(Cache):
+    """A static cache that declares ``is_compileable`` but re-allocates its key/value buffers at every update:
+    exact logits eagerly (and compiled on CPU), stale addresses for CUDA graphs."""
+
+    kvconform_capabilities = ("forward", "generate", "reset", "compile")
+
+    def __init__(self, config, max_cache_len=64, **kwargs):
+        types, _ = layer_types_and_kwargs(_text_config(config))
+        super().__init__(layers=[_OutOfPlaceStaticLayer(max_cache_len=int(max_cache_len)) for _ in types])
+
+
 class _RepeatedKVLayer(_NoCrop, DynamicLayer):
     def __init__(self, n_rep: int = 1):
         super().__init__()
@@ -174,6 +199,14 @@ class DefragmentEveryStepCache(Cache):
 
 
 FAULTY = [
+    FaultyCache(
+        name="out_of_place_static", attr="OutOfPlaceStaticCache", module=__name__, family="compile",
+        check="check_static_addresses", model="llama",
+        message=("check_static_addresses failed: OutOfPlaceStaticCache on llama",
+                 "is_compileable is True, but after decode 1", "buffer(s) are at another address than after prefill",
+                 "likely cause: update() writes out of place"),
+        also_caught_by=("lifecycle",),  # reset_reuse sees the moved buffers too
+    ),
     FaultyCache(
         name="bounds_checked_static", attr="BoundsCheckedStaticCache", module=__name__, family="compile",
         check="check_compile_static_decode", model="llama",
