@@ -65,7 +65,9 @@ def test_bad_subjects_fail_their_own_items_and_the_session_goes_on(run_kvconform
                                                           "HangingCache"))
     out = result.stdout.str()
     assert "the subject raised RuntimeError: boom from update" in out
-    assert "max|Δlogit| = NaN/inf" in out
+    # measured on what update() returned, not on the logits: fused CPU attention kernels differ in what NaN keys
+    # become (AVX-512 builds turn them into zeros, so the logits can stay finite)
+    assert "update(layer_idx=0) returned NaN/inf keys[batch 0, head 0, position 0]" in out
     assert "WrongShapeCache on llama" in out and "the subject raised RuntimeError" in out
     assert "no result after 5 s (per-item timeout, --kvconform-timeout)" in out
 

@@ -78,10 +78,21 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
         f"worst at batch={b} step={step.index} position={position}",
         f"ops: {ops_text or ctx.case.ops_label()}   [failed at {step.label}]"
         + f"; {positions_label(ctx)}",
+        f"measured in the cache at {step.label}: {step.nonfinite}" if getattr(step, "nonfinite", None) else "",
         ref_line,
-        "likely cause: " + (MODEL_AT_FAULT if model_at_fault else cause_fn(step, cmp)),
-    ], {"max_abs": cmp.max_abs, "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label,
+        "likely cause: " + (MODEL_AT_FAULT if model_at_fault else _cache_fault_cause(step.nonfinite)
+                            if getattr(step, "nonfinite", None) else cause_fn(step, cmp)),
+    ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label,
         "position": position, "model_at_fault": model_at_fault})
+
+
+def _cache_fault_cause(fault: str) -> str:
+    """The likely cause of a fault measured in the cache itself (``Step.nonfinite``)."""
+    if "wrote into" in fault:
+        return ("update() modifies the caller's key/value tensors in place (e.g. scaling or quantizing them where "
+                "they lie) instead of working on its own copy: the model may still read them")
+    return ("update() returns or stores non-finite keys/values (or states): an overflow, a division by a zero scale, "
+            "or uninitialised memory read back")
 
 
 def positions_label(ctx) -> str:

@@ -173,3 +173,90 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
                          return_dict_in_generate=True, output_logits=True, **cache_kwargs, **extra)
     logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)
     return out.sequences.cpu(), logits, out
+
+
+def nonfinite_in(cache) -> str | None:
+    """Where the first NaN/inf is among the floating-point tensors a cache holds (``tensors_of``), e.g.
+    ``"layers[1].keys[batch 0, head 1, position 5]"`` for a ``[B, H, T, D]`` key/value tensor (else the index), or None
+    when all are finite. Measured in the cache itself, whatever the attention kernel later makes of it (some fused CPU
+    attention kernels turn NaN keys into zeros, so the logits alone can look finite)."""
+    import torch
+
+    for name, t in tensors_of(cache).items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t.detach())
+        if not bool(bad.any()):
+            continue
+        return _describe_index(name, t, bad)
+    return None
+
+
+def _describe_index(name: str, t, bad) -> str:
+    index = [int(i) for i in bad.nonzero()[0].tolist()]
+    if t.dim() == 4:
+        return f"{name}[batch {index[0]}, head {index[1]}, position {index[2]}]"
+    return f"{name}{index}"
+
+
+class UpdateWatch:
+    """Watches every ``update()`` call of a cache during one forward, from outside: the runner puts a wrapper on the
+    cache *instance* (and on both halves of an ``EncoderDecoderCache``) for the duration of the forward and removes it
+    after; the class and the tensors are untouched.
+
+    Records in ``fault`` the first of:
+
+    * ``update(layer_idx=i)`` returned NaN/inf keys or values (where: batch, head, position) — measured on what the
+      cache hands to attention, whatever the attention kernel then makes of it;
+    * ``update()`` wrote into the ``key_states`` / ``value_states`` it was given (the caller's tensors, which the
+      model may still use: e.g. for the next layer's input or a draft model in speculative decoding).
+    """
+
+    def __init__(self, cache):
+        self.fault: str | None = None
+        self._targets = [c for c in (getattr(cache, "self_attention_cache", None),
+                                     getattr(cache, "cross_attention_cache", None)) if c is not None] or [cache]
+
+    def _wrap(self, target):
+        import torch
+
+        original = target.update
+
+        def update(key_states, value_states, layer_idx, *args, **kwargs):
+            before = (key_states.detach().clone(), value_states.detach().clone()) \
+                if self.fault is None and isinstance(key_states, torch.Tensor) else None
+            out = original(key_states, value_states, layer_idx, *args, **kwargs)
+            if self.fault is None and before is not None:
+                for what, given, kept in (("key_states", key_states, before[0]),
+                                          ("value_states", value_states, before[1])):
+                    if given.shape == kept.shape and not torch.equal(given.detach(), kept):
+                        self.fault = (f"update(layer_idx={layer_idx}) wrote into the {what} it was given (the "
+                                      f"caller's tensor changed during the call)")
+                        break
+            if self.fault is None and isinstance(out, (tuple, list)):
+                for what, t in zip(("keys", "values"), out):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
+                        bad = ~torch.isfinite(t.detach())
+                        if bool(bad.any()):
+                            self.fault = (f"update(layer_idx={layer_idx}) returned NaN/inf "
+                                          f"{_describe_index(what, t, bad)}")
+                            break
+            return out
+
+        return update
+
+    def __enter__(self):
+        self._saved = []
+        for target in self._targets:
+            self._saved.append((target, target.__dict__.get("update")))
+            target.update = self._wrap(target)
+        return self
+
+    def __exit__(self, *exc):
+        for target, previous in self._saved:
+            if previous is None:
+                target.__dict__.pop("update", None)
+            else:
+                target.update = previous
+        return False
+

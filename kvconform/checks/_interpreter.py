@@ -33,8 +33,8 @@ import copy
 from dataclasses import dataclass
 
 from kvconform import compat
-from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, case_generator, encoder_ids_for, forward,
-                                     random_tokens, seq_length, tensors_of)
+from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
+                                     forward, nonfinite_in, random_tokens, seq_length, tensors_of)
 
 
 class StopRun(Exception):
@@ -84,6 +84,10 @@ class Step:
     reported_length: int | None
     mask: object = None
     encoder_ids: object = None
+    nonfinite: str | None = None
+    """A fault measured in the cache itself at this step, or None: ``update()`` returned NaN/inf or wrote into its
+    inputs (``_drive.UpdateWatch``), or the cache holds NaN/inf (``_drive.nonfinite_in``). It fails the step even
+    where the logits look right (``_judge.judge``)."""
 
 
 class Runner:
@@ -220,13 +224,15 @@ class Runner:
         else:
             mask = None
         start = self.length
-        logits = self._call(label, forward, self.model, self.cache, new, start, self.position_mode,
-                            self.encoder_ids, mask, first)
+        with UpdateWatch(self.cache) as watch:
+            logits = self._call(label, forward, self.model, self.cache, new, start, self.position_mode,
+                                self.encoder_ids, mask, first)
         self.seq = torch.cat([self.seq, new], dim=1)
         self.mask = mask
         step = Step(len(self.steps), self.op_index, label, start, n, logits, self.seq.clone(),
                     seq_length(self.cache), None if mask is None else mask.clone(),
-                    None if self.encoder_ids is None else self.encoder_ids.clone())
+                    None if self.encoder_ids is None else self.encoder_ids.clone(),
+                    watch.fault or nonfinite_in(self.cache))
         self.steps.append(step)
         self._notify("after_forward", step)
         self._mirror("feed", n, plain, tokens=new, tokens_mask=new_mask)

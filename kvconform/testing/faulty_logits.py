@@ -51,7 +51,62 @@ class ChunkTailOnlyCache(Cache):
         super().__init__(layers=[_ChunkTailLayer() for _ in types])
 
 
+class _ScalesInputsLayer(DynamicLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states.clone(), value_states.clone(), *args, **kwargs)
+        # BUG: "normalises" the caller's tensors in place after storing its own copies: what the cache holds and
+        # returns is right, the model's key_states are not (harmless here, wrong for whoever reads them next)
+        key_states.mul_(0.5)
+        return keys, values
+
+
+class ScalesInputsCache(Cache):
+    """Stores exact copies of the keys/values it is given, then scales the caller's ``key_states`` in place: the
+    logits are exact, the caller's tensors are not."""
+
+    kvconform_capabilities = ("forward", "generate", "reset")
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_ScalesInputsLayer() for _ in types])
+
+
+class _NaNStoredLayer(DynamicLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if keys.shape[-2] > 12:
+            # BUG: an overflowed "compressed" slot: position 12 of head 0 holds inf from the first decode on
+            self.keys[:, 0, 12, :] = float("inf")
+        return self.keys, self.values
+
+
+class NonFiniteSlotCache(Cache):
+    """Writes inf into one stored key (head 0, position 12) once the cache holds more than 12 tokens."""
+
+    kvconform_capabilities = ("forward", "generate", "reset")
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_NaNStoredLayer() for _ in types])
+
+
 FAULTY = [
+    FaultyCache(
+        name="scales_inputs", attr="ScalesInputsCache", module=__name__, family="logits",
+        check="check_prefill_then_decode", model="llama",
+        message=("check_prefill_then_decode failed: ScalesInputsCache on llama",
+                 "update(layer_idx=0) wrote into the key_states it was given",
+                 "likely cause: update() modifies the caller's key/value tensors in place"),
+        also_caught_by=("generate", "prefix", "lifecycle", "fuzz", "contract", "memory", "batch", "crop"),
+    ),
+    FaultyCache(
+        name="non_finite_slot", attr="NonFiniteSlotCache", module=__name__, family="logits",
+        check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
+        message=("check_prefill_then_decode failed: NonFiniteSlotCache on llama",
+                 "update(layer_idx=0) returned NaN/inf keys[batch 0, head 0, position 12]",
+                 "likely cause: update() returns or stores non-finite keys/values"),
+        also_caught_by=("generate", "prefix", "lifecycle", "fuzz", "contract", "memory", "batch", "crop"),
+    ),
     FaultyCache(
         name="hidden_window_16", attr="HiddenWindowCache", module=__name__, family="logits",
         check="check_prefill_then_decode", model="llama",
