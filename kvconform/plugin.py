@@ -183,6 +183,7 @@ def pytest_configure(config):
         )
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
+    config.stash[SESSION_KEY].reproduce_args = _reproduce_args(config)
     config.stash[RESULTS_KEY] = {}
     suite_ids = _point_suite_node_ids_at_the_suite(config)
     if not suite_ids and str(SUITE_DIR) not in config.args:
@@ -283,6 +284,29 @@ def _point_suite_node_ids_at_the_suite(config) -> bool:
     return named
 
 
+def _reproduce_args(config) -> tuple:
+    """The flags of this run that change what an item does, shell-quoted, for its ``reproduce:`` line (paths made
+    absolute, so that the line works from any folder)."""
+    import shlex
+
+    args = []
+    for path in _opt(config, OPT_CASES) or ():
+        args += ["--kvconform-cases", shlex.quote(os.path.abspath(path))]
+    for path in _opt(config, OPT_FAULTS) or ():
+        args += ["--kvconform-known-faults", shlex.quote(os.path.abspath(path))]
+    if _opt(config, OPT_STRICT):
+        args.append("--kvconform-strict")
+    if _opt(config, OPT_FULL):
+        args.append("--kvconform-full")
+    timeout = _timeout(config)
+    if timeout != 300:
+        args += ["--kvconform-timeout", f"{timeout:g}"]
+    device = _opt(config, OPT_DEVICE) or "cpu"
+    if device != "cpu":
+        args += ["--kvconform-device", shlex.quote(device)]
+    return tuple(args)
+
+
 def _hooked_specs(config) -> list:
     """The subjects every ``pytest_kvconform_caches`` implementation returned, flattened.
 
@@ -361,7 +385,7 @@ def kv_runner(kv_session, request):
             if request.config.pluginmanager.hasplugin("benchmark"):
                 benchmark = request.getfixturevalue("benchmark")
         try:
-            with item_timeout(_timeout(request.config), item):
+            with item_timeout(_timeout(request.config), item, kv_session.reproduce_args):
                 metrics.update(kv_session.run(item, benchmark=benchmark))
         except CheckSkipped as exc:
             pytest.skip(str(exc))

@@ -206,6 +206,10 @@ class KVSession:
     device: str
     faults: list
     full: bool = False
+    reproduce_args: tuple = ()
+    """The run's own flags (already shell-quoted) that a ``reproduce:`` line must repeat to reproduce an item:
+    ``--kvconform-cases``, ``--kvconform-strict``, ``--kvconform-full``, ``--kvconform-timeout``,
+    ``--kvconform-device``, ``--kvconform-known-faults`` (set by the plugin)."""
     _built: dict = field(default_factory=dict)
     _oracles: dict = field(default_factory=dict)
 
@@ -256,7 +260,8 @@ class KVSession:
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,
-                           known_fault=self.known_fault(item), full=self.full, benchmark=benchmark)
+                           known_fault=self.known_fault(item), full=self.full, benchmark=benchmark,
+                           reproduce_args=tuple(self.reproduce_args))
         return run_check(item.check.name, ctx)
 
     def known_fault(self, item: PlanItem) -> str | None:
@@ -543,7 +548,7 @@ class ItemTimeout(BaseException):
     BaseException, so that the checks' ``except Exception`` around subject calls does not swallow it."""
 
 
-def item_timeout(seconds: float, item: PlanItem):
+def item_timeout(seconds: float, item: PlanItem, reproduce_args=()):
     """Context manager failing ``item`` with a ConformanceError after ``seconds`` (POSIX main thread only; a hang
     inside one native call is interrupted when it returns to Python). ``seconds <= 0`` disables it."""
     import contextlib
@@ -572,7 +577,8 @@ def item_timeout(seconds: float, item: PlanItem):
                 f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}\n"
                 f"  no result after {seconds:g} s (per-item timeout, --kvconform-timeout)\n"
                 f"  likely cause: the subject hangs (an endless loop, a lock) or is pathologically slow\n"
-                f"  {reproduce_line(item.subject, item.model.spec, item.id)}", {"timeout_s": seconds}) from None
+                f"  {reproduce_line(item.subject, item.model.spec, item.id, reproduce_args)}",
+                {"timeout_s": seconds}) from None
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)

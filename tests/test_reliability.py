@@ -1,6 +1,7 @@
 """Misuse is named (exit 4), runs leave nothing behind, reports are machine-readable and the same under xdist."""
 
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -171,3 +172,52 @@ def test_optional_backends_import_without_deprecation_noise(run_kvconform):
     result = run_kvconform("--kvconform-model", "llama", "-k", "QuantizedCache_hqq4 and decode_explicit")
     result.assert_outcomes(passed=1)
     assert "DeprecationWarning" not in result.stdout.str() + result.stderr.str()
+
+
+SLOW = """
+import time
+from kvconform import ReferenceCache
+
+
+class SlowCache(ReferenceCache):
+    def update(self, *args, **kwargs):
+        time.sleep(30)
+        return super().update(*args, **kwargs)
+"""
+
+CASE = """
+[[case]]
+id = "mine_decode"
+check = "check_prefill_then_decode"
+ops = ["prefill 20", "decode 3"]
+models = ["llama"]
+"""
+
+
+def _reproduce(result) -> list[str]:
+    lines = [line.strip() for line in result.stdout.lines if line.strip().startswith("reproduce: ")]
+    assert lines, result.stdout.str()
+    return shlex.split(lines[0].removeprefix("reproduce: "))
+
+
+def test_reproduce_lines_carry_the_run_options_and_reproduce(run_kvconform, pytester):
+    """Case files, strict, timeout: a reproduce line repeats what changes an item, and re-running it gives the same
+    item with the same outcome (a timed-out item times out again instead of passing under the default timeout)."""
+    pytester.makepyfile(slow=SLOW)
+    (pytester.path / "mine.toml").write_text(CASE)
+    result = run_kvconform("--kvconform-cache", "kvconform.testing.faulty_logits:HiddenWindowCache",
+                           "--kvconform-model", "llama", "--kvconform-cases", "mine.toml", "--kvconform-strict",
+                           "-k", "HiddenWindowCache and mine_decode")
+    result.assert_outcomes(failed=1)
+    args = _reproduce(result)
+    assert "--kvconform-cases" in args and "--kvconform-strict" in args
+    assert args[args.index("--kvconform-cases") + 1] == str(pytester.path / "mine.toml")
+    again = run_kvconform(*args[2:])  # drop "pytest --kvconform": run_kvconform adds them
+    again.assert_outcomes(failed=1)
+    assert "mine_decode" in again.stdout.str()
+    result = run_kvconform("--kvconform-cache", "slow.py:SlowCache", "--kvconform-model", "llama",
+                           "--kvconform-timeout", "2", "-k", "SlowCache and decode_explicit_positions")
+    result.assert_outcomes(failed=1)
+    args = _reproduce(result)
+    assert args[args.index("--kvconform-timeout") + 1] == "2"
+    run_kvconform(*args[2:]).assert_outcomes(failed=1)

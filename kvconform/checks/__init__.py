@@ -198,6 +198,7 @@ class CheckContext:
         check_name: the running check's name (set by ``run_check``).
         known_fault: the bundled known-upstream-fault reason matching this item, if any (named in the message).
         full: True under ``--kvconform-full`` (checks may then use their heavier profile).
+        reproduce_args: the run's flags a reproduce line repeats (``KVSession.reproduce_args``).
         benchmark: the pytest-benchmark fixture for ``speed`` items when the plugin is installed, else None
             (``kvconform.timing`` then times with its own loop).
     """
@@ -212,6 +213,7 @@ class CheckContext:
     known_fault: str | None = None
     full: bool = False
     benchmark: object = None
+    reproduce_args: tuple = ()
 
     def tolerance(self):
         from kvconform.oracle import DEFAULT_ABS_MIN, DEFAULT_FACTOR, Tolerance
@@ -237,7 +239,8 @@ class CheckContext:
     def reproduce(self) -> str:
         name = self.check_name.removeprefix("check_")
         model = self.model.name if self.model.source == "zoo" else self.model.source
-        return reproduce_line(self.subject, model, f"{name} and {self.case.id} and {self.subject.name}")
+        return reproduce_line(self.subject, model, f"{name} and {self.case.id} and {self.subject.name}",
+                              self.reproduce_args)
 
     def fail(self, lines, metrics=None):
         """Raise ``ConformanceError`` with the headline, ``lines`` (indented) and the reproduce line."""
@@ -250,18 +253,20 @@ class CheckContext:
         raise ConformanceError("\n".join(body), dict(self.metrics))
 
 
-def reproduce_line(subject, model_spec: str, selection: str) -> str:
-    """The ``reproduce:`` line of a failure message: a command that runs just this item again —
-    ``pytest --kvconform [--kvconform-cache SPEC] --kvconform-model MODEL -k "SELECTION"``. A subject given as a
-    ``module:attr`` / ``file.py:attr`` spec is named with ``--kvconform-cache``; one declared in Python (conftest
-    hook, ``parametrize_with_checks``, ``check_cache``) is said to need that code."""
+def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
+    """The ``reproduce:`` line of a failure message: a command that runs just this item again, under the same run
+    options — ``pytest --kvconform [--kvconform-cache SPEC] --kvconform-model MODEL [OPTIONS] -k "SELECTION"``.
+    ``options``: the run's own flags that change what an item does (``KVSession.reproduce_args``: case files,
+    strict, full tier, timeout, device, known-faults files). A subject given as a ``module:attr`` / ``file.py:attr``
+    spec is named with ``--kvconform-cache``; one declared in Python (conftest hook, ``parametrize_with_checks``,
+    ``check_cache``) is said to need that code."""
     import shlex
 
     args = ["pytest", "--kvconform"]
     source = getattr(subject, "source", "builtin")
     if ":" in source:
         args += ["--kvconform-cache", shlex.quote(source)]
-    args += ["--kvconform-model", shlex.quote(model_spec), "-k", f'"{selection}"']
+    args += ["--kvconform-model", shlex.quote(model_spec), *options, "-k", f'"{selection}"']
     where = "" if source == "builtin" or ":" in source else f"   (where your code declares {subject.name})"
     return "reproduce: " + " ".join(args) + where
 
