@@ -21,7 +21,7 @@ PROPERTY = "kvconform"
 OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
 OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
 OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
-OPT_FAULTS, OPT_SUBJECT = "kvconform_known_faults", "kvconform_subject"
+OPT_FAULTS, OPT_SUBJECT, OPT_SEED = "kvconform_known_faults", "kvconform_subject", "kvconform_fuzz_seed"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
@@ -58,6 +58,9 @@ def pytest_addoption(parser):
                          "print the share caught per check family")
     group.addoption("--kvconform-timeout", dest=OPT_TIMEOUT, default=None, type=float, metavar="SECONDS",
                     help="fail an item whose subject runs longer than this (default 300; 0 disables)")
+    group.addoption("--kvconform-fuzz-seed", dest=OPT_SEED, default=None, metavar="N|random",
+                    help="draw other random op programs in the fuzz family (default: fixed seeds, the same programs "
+                         "every run); 'random' picks N and prints it in the header to replay")
     group.addoption("--kvconform-device", dest=OPT_DEVICE, default=None, metavar="DEVICE",
                     help="torch device for the models under test (default: cpu)")
     parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
@@ -111,7 +114,8 @@ def is_active(config) -> bool:
 
 _FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OPT_MODEL: "--kvconform-model", OPT_CASES: "--kvconform-cases",
           OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
-          OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device"}
+          OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device",
+          OPT_SEED: "--kvconform-fuzz-seed"}
 
 
 def _refuse_flags_without_kvconform(config) -> None:
@@ -183,6 +187,7 @@ def pytest_configure(config):
         )
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
+    config.stash[SESSION_KEY].fuzz_seed = _fuzz_seed(config)
     config.stash[SESSION_KEY].reproduce_args = _reproduce_args(config)
     config.stash[RESULTS_KEY] = {}
     suite_ids = _point_suite_node_ids_at_the_suite(config)
@@ -284,6 +289,39 @@ def _point_suite_node_ids_at_the_suite(config) -> bool:
     return named
 
 
+def _fuzz_seed(config) -> int | None:
+    """``--kvconform-fuzz-seed``: None (fixed seeds), an int, or a random int for ``random`` (the header prints it).
+    Under xdist the controller draws it and the workers read it back from their ``workerinput``.
+
+    Raises:
+        pytest.UsageError: neither an integer ≥ 0 nor ``random``.
+    """
+    value = config.getoption(OPT_SEED)
+    worker = getattr(config, "workerinput", None)
+    if worker is not None and "kvconform_fuzz_seed" in worker:
+        return worker["kvconform_fuzz_seed"]
+    if value is None:
+        return None
+    if value == "random":
+        import random
+
+        seed = random.SystemRandom().randrange(2 ** 31)
+    elif value.isdigit():
+        seed = int(value)
+    else:
+        raise pytest.UsageError(f"kvconform: --kvconform-fuzz-seed {value!r}: an integer ≥ 0 or 'random'")
+    config._kvconform_fuzz_seed = seed
+    return seed
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller → worker: the same fuzz seed in every worker (``random`` is drawn once)."""
+    seed = getattr(node.config, "_kvconform_fuzz_seed", None)
+    if seed is not None:
+        node.workerinput["kvconform_fuzz_seed"] = seed
+
+
 def _reproduce_args(config) -> tuple:
     """The flags of this run that change what an item does, shell-quoted, for its ``reproduce:`` line (paths made
     absolute, so that the line works from any folder)."""
@@ -304,6 +342,8 @@ def _reproduce_args(config) -> tuple:
     device = _opt(config, OPT_DEVICE) or "cpu"
     if device != "cpu":
         args += ["--kvconform-device", shlex.quote(device)]
+    if config.stash[SESSION_KEY].fuzz_seed is not None:
+        args += ["--kvconform-fuzz-seed", str(config.stash[SESSION_KEY].fuzz_seed)]
     return tuple(args)
 
 

@@ -206,6 +206,8 @@ class KVSession:
     device: str
     faults: list
     full: bool = False
+    fuzz_seed: int | None = None
+    """``--kvconform-fuzz-seed``: other random op programs for the fuzz family (None: its fixed per-case seeds)."""
     reproduce_args: tuple = ()
     """The run's own flags (already shell-quoted) that a ``reproduce:`` line must repeat to reproduce an item:
     ``--kvconform-cases``, ``--kvconform-strict``, ``--kvconform-full``, ``--kvconform-timeout``,
@@ -261,7 +263,7 @@ class KVSession:
         zm = self.zoo_model(item.model, item.case.dtype)
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,
                            known_fault=self.known_fault(item), full=self.full, benchmark=benchmark,
-                           reproduce_args=tuple(self.reproduce_args))
+                           reproduce_args=tuple(self.reproduce_args), fuzz_seed=self.fuzz_seed)
         return run_check(item.check.name, ctx)
 
     def known_fault(self, item: PlanItem) -> str | None:
@@ -328,7 +330,9 @@ class KVSession:
             f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}"
             + ("" if self.full else f" (full tier, not run: {sum(c.tier == 'full' for c in self.cases)} cases, "
                                     f"{sum(c.models_full is not None for c in self.cases)} on more models; "
-                                    f"add --kvconform-full)"),
+                                    f"add --kvconform-full)")
+            + ("" if self.fuzz_seed is None else f"; fuzz seed {self.fuzz_seed} (replay: --kvconform-fuzz-seed "
+                                                 f"{self.fuzz_seed})"),
             *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
         ]
 

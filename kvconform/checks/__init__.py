@@ -199,6 +199,7 @@ class CheckContext:
         known_fault: the bundled known-upstream-fault reason matching this item, if any (named in the message).
         full: True under ``--kvconform-full`` (checks may then use their heavier profile).
         reproduce_args: the run's flags a reproduce line repeats (``KVSession.reproduce_args``).
+        fuzz_seed: ``--kvconform-fuzz-seed``: mixed into the fuzz family's fixed seeds (None: the fixed seeds).
         benchmark: the pytest-benchmark fixture for ``speed`` items when the plugin is installed, else None
             (``kvconform.timing`` then times with its own loop).
     """
@@ -214,6 +215,7 @@ class CheckContext:
     full: bool = False
     benchmark: object = None
     reproduce_args: tuple = ()
+    fuzz_seed: int | None = None
 
     def tolerance(self):
         from kvconform.oracle import DEFAULT_ABS_MIN, DEFAULT_FACTOR, Tolerance

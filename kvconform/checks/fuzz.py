@@ -13,9 +13,10 @@ reference subject itself every failure is reported, naming the model as the culp
 shrinks it, and the message prints the shrunk program as the reproducer, in case-file syntax.
 
 Profiles (``params``): a default-tier case draws ``max_examples`` (default 8) programs of at most ``max_ops``
-(default 6) ops, derandomized by a fixed seed per case (the same programs every run and for every subject, a few
-seconds per subject); a full-tier case (run only
-under ``--kvconform-full``, i.e. ``ctx.full``; CI) draws ``full_examples`` (default 60) fresh random programs.
+(default 6) ops (a few seconds per subject); a full-tier case (run only under ``--kvconform-full``, i.e.
+``ctx.full``; CI) draws ``full_examples`` (default 60). Both are derandomized by a fixed seed per case: the same
+programs every run and for every subject. ``--kvconform-fuzz-seed N`` (``ctx.fuzz_seed``) draws other programs,
+replayable with the same N; ``random`` picks N and prints it in the header.
 """
 
 from __future__ import annotations
@@ -222,10 +223,11 @@ def check_op_sequences(ctx):
     # (shrinking re-runs the subject and the reference dozens of times; the fault is described in known_faults.toml)
     phases = [p for p in Phase if p is not Phase.shrink or not ctx.known_fault]
 
-    # The default profile is derandomized with a fixed seed per case (the same programs for every subject and run,
-    # and unlike settings(derandomize=True), which hashes this function's source, unchanged by edits to this file);
-    # the long profile draws fresh programs every run.
-    fixed = seed(zlib.crc32(f"{ctx.case.id}/{ctx.case.seed}".encode())) if not long_profile else (lambda fn: fn)
+    # Both profiles are derandomized with a fixed seed per case (the same programs for every subject and run, and
+    # unlike settings(derandomize=True), which hashes this function's source, unchanged by edits to this file).
+    # --kvconform-fuzz-seed N (printed in the header, random with "random") mixes N in: other programs, replayable.
+    salt = "" if ctx.fuzz_seed is None else f"/{ctx.fuzz_seed}"
+    fixed = seed(zlib.crc32(f"{ctx.case.id}/{ctx.case.seed}{salt}".encode()))
 
     @fixed
     @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
