@@ -238,3 +238,17 @@ def test_consecutive_runs_give_identical_outcomes_and_fuzz_programs(run_kvconfor
                      for r in records})
     assert maps[0] and maps[0] == maps[1] == maps[2]
     assert any(k.endswith("fuzz_long]") or "fuzz_long" in k for k in maps[0])
+
+
+def test_a_failed_memory_item_reports_numbers_of_one_step(run_kvconform, pytester):
+    result = run_kvconform("--kvconform-cache", "kvconform.testing.faulty_perf:RepeatedKVCache",
+                           "--kvconform-model", "llama", "-k", "RepeatedKVCache and memory_decode",
+                           "--kvconform-json", "r.json")
+    assert result.ret == 1
+    (record,) = [r for r in json.loads((pytester.path / "r.json").read_text())["results"]
+                 if r["outcome"] == "failed"]
+    m = record["metrics"]
+    assert m["measured_at"] == m["failed_at"]
+    step = [row for row in m["per_op"] if row[0] == m["failed_at"]][-1]
+    assert [m["tokens"], m["bytes_held"], m["bytes_formula"]] == step[1:]
+    assert m["ratio"] == round(m["bytes_held"] / m["bytes_formula"], 4)

@@ -401,16 +401,13 @@ def check_memory_bytes(ctx):
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
     last = checkpoints[-1]
     peak = max(checkpoints, key=lambda c: c.held)
-    ctx.metrics.update(bytes_held=last.held, bytes_formula=last.formula, tokens=last.tokens,
-                       ratio=round(last.held / last.formula, 4) if last.formula else None,
-                       bytes_full_precision=last.full_precision,
-                       ratio_to_full_precision=round(last.held / last.full_precision, 4) if last.full_precision
-                       else None, peak_bytes=peak.held, layers=len(last.layers),
+    ctx.metrics.update(_checkpoint_metrics(last), peak_bytes=peak.held, layers=len(last.layers),
                        per_op=[[c.op, c.tokens, c.held, c.formula] for c in checkpoints])
     failing = [(cp, cp.worst()) for cp in checkpoints if cp.worst() is not None]
     if not failing:
         return
     cp, (label, held, exp, excess) = max(failing, key=lambda f: abs(f[1][3]) / max(f[1][2].exact, 1))
+    ctx.metrics.update(_checkpoint_metrics(cp))  # every number of a failure from the failing checkpoint
     if excess > 0:
         observed = f"{label} holds {_mib(held)}, but should hold ≤ {_mib(exp.high)}"
     else:
@@ -427,6 +424,13 @@ def check_memory_bytes(ctx):
         "likely cause: " + _memory_cause(exp, excess, shapes, label, checkpoints),
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low})
+
+
+def _checkpoint_metrics(c) -> dict:
+    """The JSON metrics of one memory checkpoint (bytes, tokens, ratios: all of the same step, ``measured_at``)."""
+    return dict(measured_at=c.op, bytes_held=c.held, bytes_formula=c.formula, tokens=c.tokens,
+                ratio=round(c.held / c.formula, 4) if c.formula else None, bytes_full_precision=c.full_precision,
+                ratio_to_full_precision=round(c.held / c.full_precision, 4) if c.full_precision else None)
 
 
 def _memory_cause(exp, excess, shapes, label, checkpoints) -> str:
