@@ -252,3 +252,23 @@ def test_a_failed_memory_item_reports_numbers_of_one_step(run_kvconform, pyteste
     step = [row for row in m["per_op"] if row[0] == m["failed_at"]][-1]
     assert [m["tokens"], m["bytes_held"], m["bytes_formula"]] == step[1:]
     assert m["ratio"] == round(m["bytes_held"] / m["bytes_formula"], 4)
+
+
+def test_a_subject_raising_in_a_speed_item_gets_the_short_message(run_kvconform, pytester):
+    pytest.importorskip("pytest_benchmark")
+    pytester.makepyfile(longfail="""
+        from kvconform import ReferenceCache
+
+        class LongFail(ReferenceCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                if self.get_seq_length() > 200:
+                    raise RuntimeError("LongFail: more than 200 tokens")
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+    """)
+    result = run_kvconform("--kvconform-cache", "longfail.py:LongFail", "--kvconform-model", "llama",
+                           "-k", "LongFail and speed_vs_uncached")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    block = out[out.index("check_speed_vs_uncached failed: LongFail"):out.index("reproduce:")]
+    assert "the subject raised RuntimeError: LongFail: more than 200 tokens" in block
+    assert len(block.splitlines()) <= 5 and "Traceback" not in out

@@ -26,7 +26,8 @@ items before they run (parallel workers share the CPU, so timings would be meani
 from __future__ import annotations
 
 from kvconform.checks import Param, register
-from kvconform.checks._drive import FIRST_TOKEN, case_generator, forward_kwargs
+from kvconform.checks._diagnosis import fail_raised
+from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs
 from kvconform.timing import Target, measure_interleaved
 
 DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_steps": 1, "repeats": 5, "warmup": 1,
@@ -73,15 +74,21 @@ def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Targ
 
     def setup():
         cache = spec.build(ctx.model, max_cache_len=context + steps, batch_size=ctx.case.batch)
-        with torch.no_grad():
-            m(**forward_kwargs(m, cache, tokens[:, :context], 0))
+        try:
+            with torch.no_grad():
+                m(**forward_kwargs(m, cache, tokens[:, :context], 0))
+        except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
+            raise SubjectRaised(f"{name}: prefill({context})", exc) from exc
         return cache
 
     def run(cache):
         with torch.no_grad():
             for s in range(steps):
                 pos = context + s
-                fwd(**forward_kwargs(m, cache, tokens[:, pos:pos + 1], pos))
+                try:
+                    fwd(**forward_kwargs(m, cache, tokens[:, pos:pos + 1], pos))
+                except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
+                    raise SubjectRaised(f"{name}: decode at position {pos}", exc) from exc
 
     return Target(name, run, setup, units=steps)
 
@@ -104,10 +111,17 @@ def uncached_target(ctx, name, tokens, context, steps) -> Target:
 def _measure(ctx, targets, extra):
     device = next(ctx.model.model.parameters()).device
     threads = int(_param(ctx, "threads")) if device.type == "cpu" else None
-    timings = measure_interleaved(targets, repeats=int(_param(ctx, "repeats")), warmup=int(_param(ctx, "warmup")),
-                                  device=device, benchmark=ctx.benchmark, threads=threads,
-                                  extra_info={"subject": ctx.subject.name, "model": ctx.model.name,
-                                              "case": ctx.case.id, **extra})
+    try:
+        timings = measure_interleaved(targets, repeats=int(_param(ctx, "repeats")),
+                                      warmup=int(_param(ctx, "warmup")), device=device, benchmark=ctx.benchmark,
+                                      threads=threads, extra_info={"subject": ctx.subject.name,
+                                                                   "model": ctx.model.name, "case": ctx.case.id,
+                                                                   **extra})
+    except SubjectRaised as exc:  # the short message every family gives, not a benchmark-loop traceback
+        contexts = ", ".join(str(extra[k]) for k in ("context", "short", "long") if k in extra)
+        fail_raised(ctx, exc, "the cache fails on the long contexts the speed family measures (the other "
+                              "families' cases are short)",
+                    ops_text=f"prefill(context {contexts}, untimed) → decode×{int(_param(ctx, 'steps'))} timed")
     repeats = int(_param(ctx, "repeats"))
     timer = (f"timer: perf_counter{' + cuda.synchronize' if device.type == 'cuda' else ''} on {device.type}"
              f"{f', {threads} thread' if threads else ''}; medians of {repeats} interleaved rounds"
