@@ -59,7 +59,7 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
         kvconform.subjects.SpecError / ValueError: bad input (spec, model, check or case name).
         kvconform.checks.ConformanceError: when ``raise_on_failure`` and an item failed.
     """
-    from kvconform.checks import ConformanceError, SubjectNotBuilt
+    from kvconform.checks import ConformanceError, KnownFaultShown, Unexcused
 
     session = _session(_as_list(cache), models, checks, cases, strict, device, full)
     results = []
@@ -74,7 +74,9 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
         except ConformanceError as exc:
             metrics = exc.metrics
             outcome, message = ("xfailed", item.xfail) if item.xfail else ("failed", str(exc))
-        except SubjectNotBuilt as exc:  # never an xfail: the cache was not built, no fault was shown
+        except KnownFaultShown as exc:  # a known fault shown by its evidence
+            metrics, outcome, message = exc.metrics, "xfailed", str(exc)
+        except Unexcused as exc:  # never an xfail: the cache was not built, or its failure is not the known fault
             metrics, outcome, message = exc.metrics, "failed", str(exc)
         except Exception as exc:  # noqa: BLE001 - reported as the item's error
             metrics, outcome, message = {}, "error", f"{type(exc).__name__}: {exc}"

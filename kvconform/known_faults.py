@@ -11,7 +11,13 @@ Data lives in ``known_faults.toml`` next to this module (extra files: ``--kvconf
     check = "check_chunked_continuation"  # registered check names
     family = "crop"                       # check families (kvconform.checks.FAMILIES)
     case = "chunk*"                       # case ids
+    evidence = "only defined for dynamic" # optional: a regular expression the failure message must contain
     reason = "..."                        # shown in the xfail, or in the failure under --kvconform-strict
+
+With ``evidence``, an entry excuses a failure only when the failure shows the fault (the message contains a match:
+the exception transformers raises, a measured quantity): the entry can then name every subject (``subject = "*"``)
+— a fault of transformers' wrapper applies to every cache inside it — without excusing a subject's own, different
+failure on the same item, which fails with a note naming the entry.
 
 Every problem — an unknown key (a typo such as ``checks = ...`` would otherwise widen the entry to every check), a
 missing or duplicate id, a bad specifier, a check / family / model pattern that names nothing known — raises
@@ -41,6 +47,7 @@ KEYS = {
     "check": "fnmatch pattern(s) of registered check names (default '*')",
     "family": "fnmatch pattern(s) of check families (default '*')",
     "case": "fnmatch pattern(s) of case ids (default '*')",
+    "evidence": "regular expression a failure message must contain for the entry to excuse it (default: any)",
 }
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -64,6 +71,7 @@ class KnownFault:
     family: tuple = ("*",)
     case: tuple = ("*",)
     source: str = ""
+    evidence: str | None = None
     _specifier: object = field(default=None, compare=False, hash=False, repr=False)
 
     def applies_to(self, version) -> bool:
@@ -79,6 +87,10 @@ class KnownFault:
         """Whether every given field (``subject=``, ``model=``, ``check=``, ``family=``, ``case=``: names) matches
         one of this entry's patterns for it; fields not given are not looked at."""
         return all(any(fnmatch.fnmatchcase(value, p) for p in getattr(self, key)) for key, value in fields.items())
+
+    def shown_by(self, message: str) -> bool:
+        """Whether a failure ``message`` shows this fault (its ``evidence`` matches; always, without evidence)."""
+        return self.evidence is None or re.search(self.evidence, message) is not None
 
     def matches(self, version, **fields) -> bool:
         """``applies_to(version)`` and ``matches_fields(**fields)``."""
@@ -158,12 +170,20 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
         except InvalidSpecifier as exc:
             _fail(path, fault_id, "transformers", f"not a PEP 440 version specifier ({exc}); e.g. '>=5.5,<5.19'")
         patterns = {k: _patterns(path, fault_id, k, raw[k]) for k in PATTERN_KEYS if k in raw}
+        evidence = raw.get("evidence")
+        if evidence is not None:
+            if not isinstance(evidence, str) or not evidence:
+                _fail(path, fault_id, "evidence", f"expected a non-empty regular expression, got {evidence!r}")
+            try:
+                re.compile(evidence)
+            except re.error as exc:
+                _fail(path, fault_id, "evidence", f"not a regular expression ({exc})")
         _check_names(path, fault_id, "check", patterns.get("check", ()), checks, "registered check")
         _check_names(path, fault_id, "family", patterns.get("family", ()), families, "check family")
         _check_names(path, fault_id, "model", patterns.get("model", ()), models, "model")
         faults.append(KnownFault(id=raw["id"], transformers=raw["transformers"],
                                  reason=" ".join(raw["reason"].split()), source=path, _specifier=specifier,
-                                 **patterns))
+                                 evidence=evidence, **patterns))
     return faults
 
 

@@ -39,18 +39,19 @@ class ModelInfo:
         return feats
 
 
-def model_info(spec: str) -> ModelInfo:
+def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
     """Inspect a zoo name or checkpoint folder (config only).
 
     Raises:
         ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed).
+    ``zoo_only``: ``spec`` is a zoo name, whatever folders the working directory holds (internal look-ups).
     """
     import os
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    if not zoo.is_checkpoint_spec(spec):
-        if os.path.isfile(os.path.join(spec, "config.json")):
+    if zoo_only or not zoo.is_checkpoint_spec(spec):
+        if not zoo_only and os.path.isfile(os.path.join(spec, "config.json")):
             raise ValueError(f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; "
                              f"write ./{spec} for the folder")
         config, name = zoo.zoo_config(spec), spec
@@ -134,7 +135,7 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
 @functools.lru_cache(maxsize=None)
 def zoo_features(name: str) -> frozenset:
     """The features (``ModelInfo.features``) of a zoo family, from its config (no weights built)."""
-    return frozenset(model_info(name).features)
+    return frozenset(model_info(name, zoo_only=True).features)
 
 
 def stands_in_for(model: ModelInfo, scope) -> bool:
@@ -227,8 +228,8 @@ class KVSession:
                     xfail = (subject.expected_failures.get(f"{check.name}:{case.id}")
                              or subject.expected_failures.get(check.name))
                     item = PlanItem(subject, model, check, case, skip, xfail)
-                    if not xfail and not self.strict:
-                        item = PlanItem(subject, model, check, case, skip, self.known_fault(item))
+                    if not xfail and not self.strict:  # entries with evidence are judged at run time (run)
+                        item = PlanItem(subject, model, check, case, skip, self.known_fault(item, marked=True))
                     out.append(item)
         return out
 
@@ -257,27 +258,51 @@ class KVSession:
         the check cannot measure here. ``benchmark``: the pytest-benchmark fixture for speed items (or None)."""
         import torch
 
-        from kvconform.checks import CheckContext, run_check
+        from kvconform.checks import CheckContext, ConformanceError, KnownFaultShown, run_check
 
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,
                            known_fault=self.known_fault(item), full=self.full, benchmark=benchmark,
                            reproduce_args=tuple(self.reproduce_args), fuzz_seed=self.fuzz_seed)
-        return run_check(item.check.name, ctx)
+        try:
+            return run_check(item.check.name, ctx)
+        except ConformanceError as exc:
+            fault = None if (self.strict or item.xfail is not None) else self.expected_fault(item)
+            if fault is not None and fault.evidence is not None and fault.shown_by(str(exc)):
+                raise KnownFaultShown(self._fault_reason(item, fault), exc.metrics) from None
+            raise
 
-    def known_fault(self, item: PlanItem) -> str | None:
-        """The known-fault reason for ``item`` on the installed transformers (strict or not), or None."""
+    def expected_fault(self, item: PlanItem, own_failures: bool = True):
+        """The known-fault entry matching ``item`` on the installed transformers, or None (``own_failures``: also
+        None when the subject's own ``expected_failures`` cover the item). A checkpoint gets an entry when it
+        matches *every* zoo model of the checkpoint's kind (same features): then it is a fault of that kind of model
+        or cache, not of one family's modeling code (a fault of Jamba's chunked continuation says nothing about
+        another hybrid architecture)."""
+        if own_failures and (item.subject.expected_failures.get(f"{item.check.name}:{item.case.id}") or
+                             item.subject.expected_failures.get(item.check.name)):
+            return None
         fault = self.fault_entry(**item.describe())
         if fault is None and zoo.is_checkpoint_spec(item.model.spec):
-            # A fault known on *every* zoo model of the checkpoint's kind (same features) is a fault of that kind of
-            # model or cache, not of one family's modeling code: it is the checkpoint's too. A fault known on only
-            # some of them (Jamba's chunked continuation) says nothing about another architecture.
             kind = [n for n in zoo.ZOO_NAMES if zoo_features(n) == frozenset(item.model.features)]
             found = [self.fault_entry(**{**item.describe(), "model": name}) for name in kind]
-            if kind and all(f is not None for f in found):
-                return f"{found[0].reason} (known on every zoo model of this kind: {', '.join(kind)})"
-        return fault.reason if fault is not None else None
+            fault = found[0] if kind and all(f is not None for f in found) else None
+        return fault
+
+    def known_fault(self, item: PlanItem, marked: bool = False) -> str | None:
+        """The known-fault reason for ``item`` on the installed transformers (strict or not), or None.
+        ``marked``: only entries that mark items before they run (no ``evidence``: an entry with evidence excuses a
+        failure only when the failure shows it, decided in ``run``)."""
+        fault = self.expected_fault(item, own_failures=False)
+        if fault is None or (marked and fault.evidence is not None):
+            return None
+        return self._fault_reason(item, fault)
+
+    def _fault_reason(self, item: PlanItem, fault) -> str:
+        if fault.matches_fields(model=item.model.name):
+            return fault.reason
+        kind = [n for n in zoo.ZOO_NAMES if zoo_features(n) == frozenset(item.model.features)]
+        return f"{fault.reason} (known on every zoo model of this kind: {', '.join(kind)})"
 
     def fault_entry(self, subject: str, model: str, check: str, family: str, case: str):
         """The first ``known_faults.KnownFault`` matching this item (names) on the installed transformers, or None."""
@@ -298,7 +323,7 @@ class KVSession:
         from kvconform.compat import transformers_version
 
         names = {m.name for m in self.models}
-        universe = [*self.models, *(model_info(n) for n in zoo.ZOO_NAMES if n not in names)]
+        universe = [*self.models, *(model_info(n, zoo_only=True) for n in zoo.ZOO_NAMES if n not in names)]
         items = []
         for case in self.cases:
             check = self.checks[case.check]

@@ -38,6 +38,7 @@ GOOD = """
 """
 
 BAD = {
+    "bad_evidence": ('evidence = "only (defined"', "key 'evidence': not a regular expression"),
     # a typo that used to widen the entry to every check
     "unknown_key": ('checks = "check_prefill_then_decode"', "fault 'e1': key 'checks': unknown key; allowed keys: id"),
     "bad_specifier": ('transformers = "5.5+"', "fault 'e1': key 'transformers': not a PEP 440 version specifier"),
@@ -161,3 +162,28 @@ def test_run_lists_stale_entries_and_xpassed_items_by_id(run_kvconform, pytester
     assert "other-model" not in out and "other-version" not in out
     stale_lines = [line for line in out.splitlines() if line.startswith("stale: ")]
     assert len(stale_lines) == 1  # the bundled entries all match items of the plan
+
+
+def test_an_entry_with_evidence_excuses_every_subject_only_where_the_failure_shows_it(run_kvconform, pytester):
+    """The EncoderDecoderCache entry names every subject with evidence: ReferenceCache under another name gets the
+    same two xfails as ReferenceCache (no false alarm on t5), and DynamicCache (whose crop works) passes instead of
+    XPASS."""
+    pytest.importorskip("packaging")
+    pytester.makepyfile(caches="""
+        from kvconform import ReferenceCache
+
+        class MyRef(ReferenceCache):
+            pass
+    """)
+    result = run_kvconform("--kvconform-cache", "caches.py:MyRef", "--kvconform-model", "t5", "--kvconform-json",
+                           "r.json", "-k", "(MyRef or ReferenceCache or DynamicCache) and not offloaded and "
+                           "(api_surface or crop_short)")
+    assert result.ret == 0, result.stdout.str()
+    import json
+
+    outcomes = {(r["subject"], r["case"]): r["outcome"]
+                for r in json.loads((pytester.path / "r.json").read_text())["results"]}
+    assert outcomes[("MyRef", "api_surface")] == outcomes[("ReferenceCache", "api_surface")] == "xfailed"
+    assert outcomes[("MyRef", "crop_short")] == outcomes[("ReferenceCache", "crop_short")] == "xfailed"
+    assert outcomes[("DynamicCache", "crop_short")] == "passed"
+    assert "XPASS" not in result.stdout.str()

@@ -22,15 +22,29 @@ class ConformanceError(AssertionError):
         self.metrics = metrics or {}
 
 
-class SubjectNotBuilt(Exception):
-    """The subject's cache could not be built for this item's model. Deliberately *not* an ``AssertionError``: an
-    item whose cache was never built has not shown any fault, known or not, so the xfail of a known upstream fault
-    (``raises=AssertionError``) never applies to it — it fails. ``str(err)`` is the message; ``metrics`` as in
-    ``ConformanceError``."""
+class Unexcused(Exception):
+    """A non-conforming item that no expected failure may excuse. Deliberately *not* an ``AssertionError``, so that
+    the xfail of a known fault (``raises=AssertionError``) does not apply: the item fails. ``str(err)`` is the
+    message; ``metrics`` as in ``ConformanceError``."""
 
     def __init__(self, message: str, metrics: dict | None = None):
         super().__init__(message)
         self.metrics = metrics or {}
+
+
+class KnownFaultShown(Exception):
+    """A failure that shows a known upstream fault's ``evidence`` (``known_faults.toml``): the suite reports the
+    item as xfailed with ``str(err)`` (the fault's reason), as for a fault known before the run."""
+
+    def __init__(self, reason: str, metrics: dict | None = None):
+        super().__init__(reason)
+        self.metrics = metrics or {}
+
+
+class SubjectNotBuilt(Unexcused):
+    """The subject's cache could not be built for this item's model. Deliberately *not* an ``AssertionError``: an
+    item whose cache was never built has not shown any fault, known or not, so the xfail of a known upstream fault
+    (``raises=AssertionError``) never applies to it — it fails."""
 
 
 
