@@ -203,7 +203,7 @@ FAULTY = [
         name="out_of_place_static", attr="OutOfPlaceStaticCache", module=__name__, family="compile",
         check="check_static_addresses", model="llama",
         message=("check_static_addresses failed: OutOfPlaceStaticCache on llama",
-                 "is_compileable is True, but after decode 1", "buffer(s) are at another address than after prefill",
+                 "is_compileable is True, but after decode 1", "buffer(s) are at another address than after prefill(8)",
                  "likely cause: update() writes out of place"),
         also_caught_by=("lifecycle",),  # reset_reuse sees the moved buffers too
     ),
