@@ -138,6 +138,13 @@ def zoo_features(name: str) -> frozenset:
     return frozenset(model_info(name, zoo_only=True).features)
 
 
+def same_kind(model: ModelInfo) -> list[str]:
+    """The zoo families with exactly ``model``'s features (decoder-only or encoder-decoder, attention, sliding
+    window, linear-attention state), in zoo order."""
+    features = frozenset(model.features)
+    return [name for name in zoo.ZOO_NAMES if zoo_features(name) == features]
+
+
 def stands_in_for(model: ModelInfo, scope) -> bool:
     """Whether a checkpoint takes the place of the zoo models a case is limited to: cases list a few representative
     zoo families to keep the run short, and a checkpoint of the same kind — the same features (decoder-only or
@@ -145,8 +152,7 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
     user's checkpoint is checked by every family that applies to its architecture. Zoo models never stand in."""
     if not zoo.is_checkpoint_spec(model.spec):
         return False
-    features = frozenset(model.features)
-    return any(name in zoo.ZOO_NAMES and zoo_features(name) == features for name in scope)
+    return any(name in scope for name in same_kind(model))
 
 
 def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, device: str = "cpu") -> str | None:
@@ -284,7 +290,7 @@ class KVSession:
             return None
         fault = self.fault_entry(**item.describe())
         if fault is None and zoo.is_checkpoint_spec(item.model.spec):
-            kind = [n for n in zoo.ZOO_NAMES if zoo_features(n) == frozenset(item.model.features)]
+            kind = same_kind(item.model)
             found = [self.fault_entry(**{**item.describe(), "model": name}) for name in kind]
             fault = found[0] if kind and all(f is not None for f in found) else None
         return fault
@@ -301,7 +307,7 @@ class KVSession:
     def _fault_reason(self, item: PlanItem, fault) -> str:
         if fault.matches_fields(model=item.model.name):
             return fault.reason
-        kind = [n for n in zoo.ZOO_NAMES if zoo_features(n) == frozenset(item.model.features)]
+        kind = same_kind(item.model)
         return f"{fault.reason} (known on every zoo model of this kind: {', '.join(kind)})"
 
     def fault_entry(self, subject: str, model: str, check: str, family: str, case: str):
