@@ -12,6 +12,7 @@ _LAZY = {
     "parametrize_with_checks": "kvconform.api",
     "CheckResult": "kvconform.api",
     "CacheSpec": "kvconform.subjects",
+    "Budget": "kvconform.subjects",
     "ReferenceCache": "kvconform.reference",
     "ConformanceError": "kvconform.checks",
 }

@@ -26,6 +26,76 @@ CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_rep
                 "compile")
 """Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
 
+KINDS = ("exact", "lossy", "evicting")
+"""What a subject promises about the logits it gives:
+
+* ``exact``: the logits of the uncached model, within float noise (the default);
+* ``lossy``: it compresses what it holds (quantization, low rank, ...): judged by quality against the float64 oracle
+  within its ``Budget``, by self-consistency (every cache operation gives what a fresh instance of the same class
+  fed the equivalent history gives), and by holding fewer bytes than an exact cache;
+* ``evicting``: it drops tokens (attention sinks + window, KV presses): exact until it holds ``Budget.tokens_max``
+  tokens, then judged by quality and by its memory bound.
+"""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a lossy or evicting subject promises, in place of exactness.
+
+    Attributes:
+        kl_max: mean KL(oracle ‖ subject) in nats per position, over every position that read the cache in the
+            long-context quality cases (next-token distributions of the float64 oracle vs the subject's).
+        top1_min: fraction of those positions whose top-1 token equals the oracle's, in [0, 1].
+        bytes_ratio_max: lossy only, optional: the subject's held bytes after the long context divided by an exact
+            cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the ratio must be < 1
+            (compression must be real).
+        tokens_max: evicting only, required: the most tokens the cache holds per row and attention layer (e.g.
+            sinks + window); the held bytes are bounded by this many tokens' keys and values.
+
+    Declared as ``CacheSpec(..., kind="lossy", budget=Budget(...))`` (or a dict with these keys), or on a Cache
+    subclass / factory as ``kvconform_lossy = {"kl_max": ..., "top1_min": ...}`` / ``kvconform_evicting = {...}``.
+    """
+
+    kl_max: float
+    top1_min: float
+    bytes_ratio_max: float | None = None
+    tokens_max: int | None = None
+
+    @classmethod
+    def from_mapping(cls, value, where: str) -> "Budget":
+        """A ``Budget`` from a ``Budget`` or a dict of its fields.
+
+        Raises:
+            SpecError: not a dict/Budget, unknown keys (with the closest known), missing ``kl_max``/``top1_min``, or
+                a value of the wrong type or range.
+        """
+        import dataclasses
+
+        if isinstance(value, Budget):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(BUDGET_KEYS)}; got {value!r}")
+        _check_names(where, "budget keys", set(value), BUDGET_KEYS)
+        missing = [k for k in ("kl_max", "top1_min") if k not in value]
+        if missing:
+            raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "
+                            f"'top1_min': 0.8}}: mean KL(oracle ‖ subject) in nats and top-1 agreement)")
+        ranges = {"kl_max": (float, 0, None), "top1_min": (float, 0, 1), "bytes_ratio_max": (float, 0, None),
+                  "tokens_max": (int, 1, None)}
+        for key, v in value.items():
+            kind, lo, hi = ranges[key]
+            if v is None and key in ("bytes_ratio_max", "tokens_max"):
+                continue
+            ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, (int, float)))
+            if not ok or v < lo or (hi is not None and v > hi):
+                want = "an int" if kind is int else "a number"
+                bounds = f" in [{lo}, {hi}]" if hi is not None else f" ≥ {lo}"
+                raise SpecError(f"{where}: budget {key} must be {want}{bounds}; got {v!r}")
+        return cls(**{k: value[k] for k in value})
+
+
+BUDGET_KEYS = ("kl_max", "top1_min", "bytes_ratio_max", "tokens_max")
+
 
 class SpecError(ValueError):
     """A ``--kvconform-cache`` spec cannot be resolved. ``str(err)`` names the spec and the cause."""
@@ -55,6 +125,9 @@ class CacheSpec:
         same_as: name of the subject whose logits this one must equal exactly (offloaded → non-offloaded).
         notes: ``{capability: why it is not declared}`` — appended to the skip reason of items needing it (e.g. a
             method the installed transformers does not implement for this cache).
+        kind: one of ``KINDS`` (``"exact"``, ``"lossy"``, ``"evicting"``).
+        budget: a ``Budget`` (or a dict of its fields), required for a lossy or evicting subject, None for an exact
+            one.
     """
 
     name: str
@@ -65,11 +138,20 @@ class CacheSpec:
     applies_to: Callable | None = None
     source: str = "builtin"
     tier: str = "default"
+    kind: str = "exact"
+    budget: Budget | None = None
     twin: Callable | None = None
     requires: Mapping[str, str] = field(default_factory=dict)
     needs_cuda: str | None = None
     same_as: str | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.budget, Mapping):  # a dict is accepted for convenience; validate_spec checks it
+            try:
+                object.__setattr__(self, "budget", Budget.from_mapping(self.budget, repr(self.name)))
+            except SpecError:
+                pass  # kept as given: validate_spec reports it with where it came from
 
     def build_one(self, **available):
         """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``).
@@ -212,6 +294,12 @@ _REQUIRES = {
 }
 
 
+QUANTIZED_BUDGETS = {8: Budget(kl_max=5e-3, top1_min=0.75), 4: Budget(kl_max=2.5e-2, top1_min=0.6),
+                     2: Budget(kl_max=0.3, top1_min=0.1)}
+"""Quality budgets of the built-in quantized subjects by bit width (8: fp8), from the quality family's measurements
+(conformance_cases/quality.toml)."""
+
+
 def quantized_subjects() -> list:
     """The built-in ``QuantizedCache`` subjects (quanto 4/2-bit, HQQ 4/2-bit, fp8), each with its twin.
 
@@ -225,7 +313,9 @@ def quantized_subjects() -> list:
     for name, qc in QUANTIZED:
         caps = {"forward", "generate", "reorder", "reset", "batch_repeat", "batch_select"}
         caps |= {"deepcopy"} if qc.backend != "quanto" else set()
+        bits = 8 if qc.backend == "fp8" else qc.nbits
         out.append(CacheSpec(name, quantized_factory(qc), capabilities=frozenset(caps), twin=twin_factory(qc),
+                             kind="lossy", budget=QUANTIZED_BUDGETS[bits],
                              applies_to=full_attention_only, requires=_REQUIRES[qc.backend],
                              tier="full" if qc.nbits == 2 else "default"))
     return out
@@ -325,6 +415,59 @@ def declared_capabilities(obj, where: str) -> frozenset:
     return caps
 
 
+def validate_kind(kind, budget, where: str) -> None:
+    """Check a subject's ``kind`` and ``budget`` (see ``KINDS`` and ``Budget``).
+
+    Raises:
+        SpecError: an unknown kind (closest known named), a lossy/evicting subject without a budget, an exact one
+            with a budget, a budget that is not valid (``Budget.from_mapping``), ``tokens_max`` missing for an
+            evicting subject or given for a lossy one.
+    """
+    if not isinstance(kind, str):
+        raise SpecError(f"{where}: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    _check_names(where, "kind", {kind}, KINDS)
+    if kind == "exact":
+        if budget is not None:
+            raise SpecError(f"{where}: a budget is only for a lossy or evicting subject; declare kind='lossy' or "
+                            f"kind='evicting', or drop the budget")
+        return
+    if budget is None:
+        raise SpecError(f"{where}: a {kind} subject needs a budget, e.g. budget={{'kl_max': 0.05, 'top1_min': 0.8"
+                        f"{', ' + repr('tokens_max') + ': 68' if kind == 'evicting' else ''}}} (mean KL(oracle ‖ "
+                        f"subject) in nats, top-1 agreement{', most tokens held' if kind == 'evicting' else ''})")
+    budget = Budget.from_mapping(budget, where)
+    if kind == "evicting" and budget.tokens_max is None:
+        raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
+                        f"and attention layer, e.g. sinks + window)")
+    if kind == "lossy" and budget.tokens_max is not None:
+        raise SpecError(f"{where}: tokens_max is for evicting subjects; a lossy subject keeps every token "
+                        f"(declare kind='evicting' if it drops tokens)")
+
+
+def declared_kind(obj, where: str) -> tuple:
+    """``(kind, budget)`` a Cache subclass or factory declares with ``kvconform_lossy = {budget}`` or
+    ``kvconform_evicting = {budget}`` (``Budget`` fields); ``("exact", None)`` when it declares neither.
+
+    Raises:
+        SpecError: both attributes, or a budget that is not valid (see ``validate_kind``).
+    """
+    lossy, evicting = getattr(obj, "kvconform_lossy", None), getattr(obj, "kvconform_evicting", None)
+    if lossy is not None and evicting is not None:
+        raise SpecError(f"{where}: declares both kvconform_lossy and kvconform_evicting; a subject has one kind "
+                        f"(an evicting cache that also quantizes declares kvconform_evicting)")
+    if lossy is None and evicting is None:
+        return "exact", None
+    kind, value = ("lossy", lossy) if lossy is not None else ("evicting", evicting)
+    validate_kind(kind, value, f"{where}: kvconform_{kind}")
+    return kind, Budget.from_mapping(value, f"{where}: kvconform_{kind}")
+
+
+def _declared(obj, where: str) -> dict:
+    """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
+    kind, budget = declared_kind(obj, where)
+    return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget)
+
+
 def _check_names(where: str, what: str, names, known) -> None:
     import difflib
 
@@ -357,6 +500,7 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
         raise SpecError(f"{where}: the name {spec.name!r} may use only letters, digits, '_' and '.' (it is "
                         f"part of every item id and -k expression); e.g. name={fixed!r}")
     _check_names(where, "capabilities", spec.capabilities, CAPABILITIES)
+    validate_kind(spec.kind, spec.budget, f"{where}: {spec.name}")
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",
@@ -407,9 +551,9 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
     if inspect.isclass(obj):
         if not issubclass(obj, Cache):
             raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass")
-        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
+        return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
     if callable(obj):
-        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
+        return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
     raise SpecError(f"{spec!r}: {attr} is a {type(obj).__name__}, not a Cache subclass or a factory")
 
 
@@ -456,4 +600,4 @@ def as_cache_spec(obj, source: str = "python") -> CacheSpec:
         raise SpecError(f"{name}: a class but not a transformers.Cache subclass")
     if not callable(obj) or not name or not name.isidentifier():
         raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
-    return CacheSpec(name, obj, capabilities=declared_capabilities(obj, name), source=source)
+    return CacheSpec(name, obj, source=source, **_declared(obj, name))
