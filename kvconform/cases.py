@@ -22,6 +22,11 @@ type, a value out of range and a missing required key are errors, and the defaul
 filled in. ``models`` entries are zoo names, or checkpoint folders written as paths (``./my-model``, stored as the
 checkpoint's name). Any problem raises ``CaseFileError`` naming the file, the case id, the key and what is allowed;
 the plugin turns it into a pytest usage error (exit code 4).
+
+A case valid key by key is then checked against its check (``CheckInfo.case_problem``: the ``OpRule`` and the
+``validate`` rule declared with ``@register``) and against what no check can want: a ``crop N`` of more tokens than
+the cache holds at that point (unless ``params.crop_beyond_held``, a key of the crop checks), a ``params.padding``
+that is not one count per row, ``models`` of which none has every ``requires`` feature (the case would never run).
 """
 
 from __future__ import annotations
