@@ -22,6 +22,11 @@ type, a value out of range and a missing required key are errors, and the defaul
 filled in. ``models`` entries are zoo names, or checkpoint folders written as paths (``./my-model``, stored as the
 checkpoint's name). Any problem raises ``CaseFileError`` naming the file, the case id, the key and what is allowed;
 the plugin turns it into a pytest usage error (exit code 4).
+
+A case valid key by key is then checked against its check (``CheckInfo.case_problem``: the ``OpRule`` and the
+``validate`` rule declared with ``@register``) and against what no check can want: a ``crop N`` of more tokens than
+the cache holds at that point (unless ``params.crop_beyond_held``, a key of the crop checks), a ``params.padding``
+that is not one count per row, ``models`` of which none has every ``requires`` feature (the case would never run).
 """
 
 from __future__ import annotations
@@ -213,8 +218,111 @@ def _model_entry(path, case_id, item) -> str:
 
 def _schema(known_checks, check):
     """The ``params`` schema (``{key: Param}``) of ``check`` when ``known_checks`` is the registry, else None."""
-    info = known_checks.get(check) if isinstance(known_checks, dict) else None
-    return getattr(info, "params", None)
+    return getattr(_info(known_checks, check), "params", None)
+
+
+def _info(known_checks, check):
+    """The ``CheckInfo`` of ``check`` when ``known_checks`` is the registry, else None."""
+    return known_checks.get(check) if isinstance(known_checks, dict) else None
+
+
+def _validate_for_check(path, case, info, known_checks):
+    """The check's own rules for ``case`` (``CheckInfo.case_problem``: its ``OpRule`` and ``validate``)."""
+    found = info.case_problem(case) if hasattr(info, "case_problem") else None
+    if found:
+        key, problem = found
+        _fail(path, case.id, key, problem)
+
+
+def _ops_text(ops) -> str:
+    return "[" + ", ".join(repr(f"{op.name} {op.n}" if op.n or op.name in OPS_WITH_COUNT else op.name)
+                           for op in ops) + "]"
+
+
+def _validate_held(path, case, known_checks):
+    """Follow the tokens the cache holds through ``case.ops`` (prefill / chunk / decode add, crop removes, reset
+    empties; fork, reorder, repeat and select keep the length) and reject a ``crop N`` of more tokens than are held —
+    a crop that would silently remove less than it says. Cropping exactly everything (to zero) is allowed. A case
+    that crops past the start on purpose (the edge case "empty the cache or refuse clearly") says so with
+    ``params.crop_beyond_held = true``, a key only the crop checks declare. With ``params.positive`` (``crop(+N)``
+    keeps N tokens) nothing is checked: there N is a length to keep, not tokens to remove."""
+    if case.params.get("crop_beyond_held") or case.params.get("positive"):
+        return
+    held = 0
+    for i, op in enumerate(case.ops):
+        if op.name == "crop" and op.n > held:
+            declaring = sorted(name for name, info in (known_checks.items() if isinstance(known_checks, dict) else ())
+                               if "crop_beyond_held" in (getattr(info, "params", None) or {}))
+            fix = (f"crop at most {held} (crop {held} empties the cache)" if held else
+                   "prefill before the crop")
+            edge = (f"; to crop past the start on purpose (the edge case), set params.crop_beyond_held = true "
+                    f"({', '.join(declaring)} take it)" if declaring else "")
+            if case.check not in declaring and declaring:
+                edge = f"; cropping past the start is the edge case of {', '.join(declaring)}, not of {case.check}"
+            _fail(path, case.id, "ops", f"op {i + 1} 'crop {op.n}' removes {op.n} token{'s' * (op.n != 1)} from a cache holding {held} "
+                  f"(ops {_ops_text(case.ops)}): {fix}{edge}")
+        if op.name == "reset":
+            held = 0
+        elif op.name == "crop":
+            held -= op.n
+        else:
+            held += op.new_tokens
+
+
+def _validate_padding(path, case):
+    """``params.padding`` has one count per row of ``batch``, each leaving a real token in its row's prompt (the
+    first ``prefill N``; the ``prompt`` length for a check without ops)."""
+    padding = case.params.get("padding")
+    if padding is None:
+        return
+    if len(padding) != case.batch:
+        _fail(path, case.id, "params.padding", f"{len(padding)} pad count(s) {list(padding)} for batch = {case.batch}: "
+              f"give one count per row (e.g. {([0] + [3] * (case.batch - 1))[:case.batch]}) or change batch")
+    first = case.ops[0] if case.ops else None
+    length = first.n if first is not None and first.name == "prefill" else case.prompt if first is None else None
+    if length is not None:
+        what = f"'prefill {length}'" if first is not None else f"prompt = {length}"
+        for row, pad in enumerate(padding):
+            if pad >= length:
+                _fail(path, case.id, "params.padding", f"row {row} is padded by {pad} of its {length} prompt tokens "
+                      f"({what}): every row needs a real token; pad at most {length - 1}")
+
+
+_FEATURES: dict = {}
+
+
+def _zoo_features(name) -> frozenset:
+    """The model features (``REQUIREMENTS``) of zoo family ``name``, from its config (no weights built; memoised)."""
+    if name not in _FEATURES:
+        from kvconform import zoo
+
+        config = zoo.zoo_config(name)
+        types, _ = zoo._layer_types(config)
+        probe = zoo.ZooModel(name, None, config, None, bool(getattr(config, "is_encoder_decoder", False)), types, None)
+        feats = {"encoder_decoder" if probe.is_encoder_decoder else "decoder_only"}
+        if probe.has_attention:
+            feats.add("attention")
+        if probe.has_sliding:
+            feats.add("sliding")
+        if probe.has_linear_attention:
+            feats.add("linear_attention")
+        _FEATURES[name] = frozenset(feats)
+    return _FEATURES[name]
+
+
+def _validate_requirements(path, case):
+    """``models`` and ``requires`` together: when every model is a zoo name and none has every requirement, the
+    case would never run — an error naming both and the zoo models that qualify."""
+    from kvconform import zoo
+
+    if not case.models or not case.requires or any(m not in zoo.ZOO_NAMES for m in case.models):
+        return
+    if any(set(case.requires) <= _zoo_features(m) for m in case.models):
+        return
+    fits = [m for m in zoo.ZOO_NAMES if set(case.requires) <= _zoo_features(m)]
+    _fail(path, case.id, "requires", f"no model of models = {list(case.models)} has every feature of requires = "
+          f"{list(case.requires)}: the case would never run; zoo models that have them: "
+          f"{', '.join(fits) or 'none'} — change 'models' or 'requires'")
 
 
 def _validate_params(path, case_id, check, params, schema) -> dict:
@@ -290,7 +398,11 @@ def load_case_file(path, known_checks=None) -> list[Case]:
 
     Raises:
         CaseFileError: unreadable TOML, unknown key, wrong type, value not allowed, missing id/check, bad op, a
-            ``params`` key its check does not declare or a bad value of one, an unknown model name.
+            ``params`` key its check does not declare or a bad value of one, an unknown model name; a case valid
+            key by key but wrong for its check (its ``OpRule`` — ops it ignores, an op its driver refuses, a missing
+            op —, or its own ``validate`` rule); a ``crop N`` of more tokens than the cache holds (unless
+            ``params.crop_beyond_held``); a ``padding`` list that is not one count per row; ``models`` of which
+            none has every ``requires`` feature.
     """
     path = str(path)
     try:
@@ -329,7 +441,14 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         schema = _schema(known_checks, merged["check"])
         if schema is not None:
             merged["params"] = _validate_params(path, case_id, merged["check"], merged["params"], schema)
-        cases.append(Case(source=path, **merged))
+        case = Case(source=path, **merged)
+        info = _info(known_checks, case.check)
+        if info is not None:
+            _validate_for_check(path, case, info, known_checks)
+        _validate_held(path, case, known_checks)
+        _validate_padding(path, case)
+        _validate_requirements(path, case)
+        cases.append(case)
     return cases
 
 

@@ -11,3 +11,9 @@ from __future__ import annotations
 class CheckSkipped(Exception):
     """A check found at run time that it cannot measure here (e.g. benchmarking is disabled). The suite reports
     the item as skipped with ``str(err)`` as the reason — never as passed."""
+
+
+def with_article(word: str) -> str:
+    """``word`` with its indefinite article, for messages naming a type: ``"an int"``, ``"a str"``, ``"an
+    OffloadedCache"`` (by the first letter: a vowel takes "an")."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvconform.outcomes import with_article
+
 SUITE_DIR = Path(__file__).parent / "suite"
 SUITE_FILE = SUITE_DIR / "test_conformance.py"
 PROPERTY = "kvconform"
@@ -363,8 +365,8 @@ def _hooked_specs(config) -> list:
         if not isinstance(specs, (list, tuple)):
             where = getattr(impl.plugin, "__file__", None) or impl.plugin_name
             raise pytest.UsageError(
-                f"kvconform: pytest_kvconform_caches in {where} returned a {type(specs).__name__}; it must return a "
-                f"list of subjects, e.g. return [kvconform.CacheSpec(...)]")
+                f"kvconform: pytest_kvconform_caches in {where} returned {with_article(type(specs).__name__)}; it "
+                f"must return a list of subjects, e.g. return [kvconform.CacheSpec(...)]")
         out.extend(specs)
     return out
 

@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from kvconform.outcomes import with_article
+
 CONSTRUCTION_KWARGS = ("config", "max_cache_len", "batch_size", "device", "dtype")
 
 CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_repeat", "batch_select", "reset",
@@ -554,7 +556,7 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
         return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
     if callable(obj):
         return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
-    raise SpecError(f"{spec!r}: {attr} is a {type(obj).__name__}, not a Cache subclass or a factory")
+    raise SpecError(f"{spec!r}: {attr} is {with_article(type(obj).__name__)}, not a Cache subclass or a factory")
 
 
 def check_factory_builds_cache(spec: CacheSpec, config) -> None:
@@ -579,7 +581,8 @@ def check_factory_builds_cache(spec: CacheSpec, config) -> None:
     except Exception:  # noqa: BLE001 - reported per item
         return
     if not isinstance(built, Cache):
-        raise SpecError(f"{spec.source!r}: {spec.name} built a {type(built).__name__}, not a transformers.Cache")
+        raise SpecError(f"{spec.source!r}: {spec.name} built {with_article(type(built).__name__)}, not a "
+                        f"transformers.Cache")
 
 
 def as_cache_spec(obj, source: str = "python") -> CacheSpec:

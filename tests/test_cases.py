@@ -8,15 +8,15 @@ import torch  # noqa: F401 - before pytester snapshots sys.modules (see test_plu
 
 BAD_CASES = [
     # (check, extra TOML lines, text the usage error must contain)
-    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beamz = 3}',
+    ("check_beam_search", 'params = {beamz = 3}',
      "key 'params.beamz': unknown key for check_beam_search; did you mean 'beams'? allowed keys: beams, padding"),
     ("check_generate_greedy", "params = {beams = 2}",
      "key 'params.beams': unknown key for check_generate_greedy; check_generate_greedy takes no params"),
-    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beams = "two"}',
+    ("check_beam_search", 'params = {beams = "two"}',
      "key 'params.beams': expected int ≥ 2, got str 'two'"),
-    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beams = true}',
+    ("check_beam_search", 'params = {beams = true}',
      "key 'params.beams': expected int ≥ 2, got bool True"),
-    ("check_beam_search", 'ops = ["prefill 4", "decode 2"]\nparams = {beams = 1}',
+    ("check_beam_search", 'params = {beams = 1}',
      "key 'params.beams': 1 is out of range; allowed: int ≥ 2"),
     ("check_reorder_then_decode", 'ops = ["prefill 4", "reorder", "decode 2"]\nparams = {padding = [0, "x"]}',
      "key 'params.padding': expected list of int ≥ 0, got [0, 'x'] (element 'x')"),
@@ -86,7 +86,6 @@ def test_defaults_filled_and_checkpoint_paths_named_like_the_run_names_them(tmp_
         [[case]]
         id = "beams"
         check = "check_beam_search"
-        ops = ["prefill 4", "decode 2"]
         models = ["llama", "./ckpt/my-model", "./llama"]
 
         [[case]]

@@ -136,6 +136,86 @@ OP_PARAMS = {
 ``params`` schemas."""
 
 
+TOKEN_OPS = ("prefill", "chunk", "decode")
+"""The ops that feed tokens (each makes forwards)."""
+
+
+def _names(names) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """What a check needs of a case's ``ops``, declared with it (``@register(..., ops=OpRule(...))``) and checked
+    when case files load (``kvconform.cases``): a case that is valid key by key but wrong for its check is then a
+    usage error (exit code 4) naming the file, the case, what the check needs and the fix — never a ``ValueError``
+    counted against the cache at run time.
+
+    Attributes:
+        reads: the check reads ``ops``. False: it ignores them (it builds its own calls: generate, timing, random
+            programs), and a case that gives ``ops`` is an error instead of a silent no-op.
+        allowed: the op names its driver accepts (None: every op of ``kvconform.cases.OP_NAMES``).
+        required: op names that must each appear at least once.
+        first: the name the first op must have (e.g. ``"prefill"``).
+        shape: the exact op names in order (e.g. ``("prefill", "decode")``); None: any order.
+        optional: with ``shape``: ops may also be omitted (the check then uses its own default).
+        min_forwards: forwards the ops must make at least (``prefill N`` and ``chunk N``: one each; ``decode N``: N).
+        min_batch: the smallest case ``batch`` the check works with.
+        why: what the check does with the ops, for the message (e.g. "it compares the steps after the first").
+    """
+
+    reads: bool = True
+    allowed: tuple | None = None
+    required: tuple = ()
+    first: str | None = None
+    shape: tuple | None = None
+    optional: bool = False
+    min_forwards: int = 0
+    min_batch: int = 1
+    why: str = ""
+
+    def problem(self, case, check: str) -> tuple[str, str] | None:
+        """``(key, why this case is wrong for ``check``, with the fix)`` or None. ``case``: a ``cases.Case``."""
+        ops = [op.name for op in case.ops]
+        given = "ops = [" + ", ".join(repr(f"{op.name} {op.n}" if op.n else op.name) for op in case.ops) + "]"
+        why = f" ({self.why})" if self.why else ""
+        if not self.reads:
+            if ops:
+                return "ops", (f"{check} does not read 'ops' (it makes its own calls){why}; got {given}: remove "
+                               f"'ops' from the case (or from [defaults])")
+            return None
+        if self.shape is not None:
+            if ops == list(self.shape) or (self.optional and not ops):
+                pass
+            else:
+                want = "[" + ", ".join(f"'{n} N'" for n in self.shape) + "]"
+                return "ops", (f"{check} needs ops = {want}" + (" (or no ops)" if self.optional else "")
+                               + f"{why}; got {given}")
+        if self.allowed is not None:
+            bad = [n for n in ops if n not in self.allowed]
+            if bad:
+                return "ops", (f"{check} cannot run op {bad[0]!r}: its driver accepts only "
+                               f"{_names(self.allowed)}; got {given}: remove the {bad[0]!r} op or use a check that "
+                               f"takes it")
+        if self.first is not None and (not ops or ops[0] != self.first):
+            return "ops", f"{check} needs ops starting with '{self.first} N'{why}; got {given}"
+        for name in self.required:
+            if name not in ops:
+                example = f"'{name} N'" if name in ("prefill", "decode", "chunk", "crop", "repeat") else repr(name)
+                return "ops", f"{check} needs at least one {example} op{why}; got {given}: add one"
+        forwards = sum(op.n if op.name == "decode" else 1 for op in case.ops if op.name in TOKEN_OPS)
+        if forwards < self.min_forwards:
+            return "ops", (f"{check} needs at least {self.min_forwards} forward(s) (prefill N and chunk N: one each, "
+                           f"decode N: N){why}; got {forwards} from {given}")
+        if case.batch < self.min_batch:
+            return "batch", f"{check} needs batch ≥ {self.min_batch}{why}; got batch = {case.batch}"
+        return None
+
+
+IGNORES_OPS = OpRule(reads=False)
+"""The rule of a check that does not read ``ops``: a case giving them is an error."""
+
+
 @dataclass(frozen=True)
 class CheckInfo:
     """A registered check.
@@ -150,6 +230,11 @@ class CheckInfo:
             rule (lossy subjects only, CUDA only, one subject's row, ...); ``session.skip_reason`` calls it. None:
             no rule of its own.
         params: ``{key: Param}``: the keys a case of this check may give in ``params`` (validated at load).
+        ops: the ``OpRule`` its cases' ``ops`` must follow (checked at load); None: not declared (any ops; every
+            built-in check declares one).
+        validate: ``validate(case) -> (key, problem) | None``: the check's own load-time rule for what ``OpRule`` and
+            ``Param`` cannot say (a relation between params, a requirement); the problem names what the check needs
+            and the fix. None: no rule of its own.
     """
 
     name: str
@@ -159,6 +244,17 @@ class CheckInfo:
     doc: str = ""
     applies: Callable | None = None
     params: dict = field(default_factory=dict)
+    ops: OpRule | None = None
+    validate: Callable | None = None
+
+    def case_problem(self, case) -> tuple[str, str] | None:
+        """``(key, problem)`` when ``case`` (a ``cases.Case`` with its params filled in) is wrong for this check,
+        by its ``ops`` rule, then its ``validate``; None when it fits."""
+        if self.ops is not None:
+            found = self.ops.problem(case, self.name)
+            if found:
+                return found
+        return self.validate(case) if self.validate is not None else None
 
 
 CHECKS: dict[str, CheckInfo] = {}
@@ -167,22 +263,27 @@ FAMILIES = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contr
 """Check families in matrix-column order. A check registered under another family is appended after these."""
 
 
-def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None):
+def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
+             ops: OpRule | None = None, validate: Callable | None = None):
     """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
-    it ``needs``, its own applicability rule (``applies``, see ``CheckInfo``) and its ``params`` schema
-    (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check).
+    it ``needs``, its own applicability rule (``applies``, see ``CheckInfo``), its ``params`` schema
+    (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check), what it needs of a case's ``ops``
+    (``OpRule``; ``IGNORES_OPS`` for a check that does not read them) and its own load-time case rule
+    (``validate(case) -> (key, problem) | None``). A case file breaking any of them is a usage error at load.
 
     Raises:
-        TypeError: a ``params`` value that is not a ``Param``.
+        TypeError: a ``params`` value that is not a ``Param``, an ``ops`` that is not an ``OpRule``.
     """
     schema = dict(params or {})
     for key, value in schema.items():
         if not isinstance(value, Param):
             raise TypeError(f"register(params=...): {key!r} must be a Param, got {value!r}")
+    if ops is not None and not isinstance(ops, OpRule):
+        raise TypeError(f"register(ops=...): must be an OpRule, got {ops!r}")
 
     def deco(fn):
         CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
-                                        applies, schema)
+                                        applies, schema, ops, validate)
         return fn
 
     return deco

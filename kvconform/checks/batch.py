@@ -12,12 +12,12 @@ fake-quant twin (transformers 5.5–5.18 left the quantized part in the old orde
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks import IGNORES_OPS, OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
-from kvconform.checks._lossy import drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
+from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
 
 _OP_CAUSE = {
     "reorder": ("reorder_cache", "reorder_cache() did not move every tensor of every layer with its row (keys "
@@ -57,21 +57,23 @@ def _run_batch_case(ctx, op_name):
         fail_verdict(ctx, verdict, cause)
 
 
-@register("batch", needs=("forward", "reorder"), params=OP_PARAMS)
+@register("batch", needs=("forward", "reorder"), params=OP_PARAMS,
+          ops=OpRule(required=("reorder",), min_batch=2, why="a non-identity reorder needs two rows"))
 def check_reorder_then_decode(ctx):
     """Left-padded distinct prompts, decode, ``reorder_cache`` with a non-identity permutation, decode: every row
     equals the oracle row of the permuted batch."""
     _run_batch_case(ctx, "reorder")
 
 
-@register("batch", needs=("forward", "batch_repeat"), params=OP_PARAMS)
+@register("batch", needs=("forward", "batch_repeat"), params=OP_PARAMS, ops=OpRule(required=("repeat",)))
 def check_repeat_then_decode(ctx):
     """Left-padded distinct prompts, ``batch_repeat_interleave(r)``, decode: rows ``b·r … b·r+r−1`` each equal the
     oracle of prompt ``b``."""
     _run_batch_case(ctx, "repeat")
 
 
-@register("batch", needs=("forward", "batch_select"), params=OP_PARAMS)
+@register("batch", needs=("forward", "batch_select"), params=OP_PARAMS,
+          ops=OpRule(required=("select",), min_batch=2, why="select keeps every row but the first"))
 def check_select_then_decode(ctx):
     """Left-padded distinct prompts, ``batch_select_indices`` dropping row 0, decode: the kept rows equal their
     oracle rows."""
@@ -89,7 +91,8 @@ def _beam(m, prompt, mask, n, beams, cache_kwargs):
 
 
 @register("batch", needs=("generate", "reorder"), applies=lossy_generate_rule,
-          params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")})
+          params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
+          ops=IGNORES_OPS)
 def check_beam_search(ctx):
     """``generate(num_beams=params.beams)`` on distinct, left-padded prompts with the subject's cache equals uncached
     beam search: the same sequences, and sequence scores within the tolerance (noise floor: uncached beam search in
@@ -146,7 +149,8 @@ def check_beam_search(ctx):
 
 
 # ------------------------------------------------------------------------------------------ reorder after a flush
-@register("batch", needs=("reorder",), applies=lossy_only)
+@register("batch", needs=("reorder",), applies=lossy_only,
+          ops=OpRule(allowed=LOSSY_OPS, required=("reorder",), min_batch=2, why="the rows are reversed around a flush"))
 def check_reorder_after_flush(ctx):
     """Beam ``reorder_cache`` (rows reversed) around a residual flush, then decode: every step equals the twin,
     which reorders its quantized part and its residual together."""

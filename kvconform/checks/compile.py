@@ -41,7 +41,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import fail_raised
@@ -110,6 +110,17 @@ COMPILE_PARAMS = {
     "dynamic": Param(bool, default=False, doc="torch.compile dynamic shapes"),
     "device": Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off CUDA (CUDA graphs)"),
 }
+
+
+COMPILE_OPS = OpRule(shape=("prefill", "decode"), why="prefill P, then N compiled decode steps (N ≥ 8 recommended)")
+
+
+def _protocol_case(case):
+    """Load-time rule of the compile protocol (``register(validate=...)``): at least 2 decode steps."""
+    if len(case.ops) == 2 and case.ops[1].n < 2:
+        return "ops", (f"the compile checks need ops = ['prefill P', 'decode N'] with N ≥ 2 (8 recommended: the "
+                       f"warm-up and the recompile count need steps); got 'decode {case.ops[1].n}'")
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ the protocol
@@ -370,7 +381,8 @@ def _post_warmup_calls(ctx) -> int:
     return 3 * steps - 1
 
 
-@register("compile", needs=("compile",), applies=_applies(True), params=COMPILE_PARAMS)
+@register("compile", needs=("compile",), applies=_applies(True), params=COMPILE_PARAMS, ops=COMPILE_OPS,
+          validate=_protocol_case)
 def check_compile_static_decode(ctx):
     """A cache declaring ``is_compileable`` decodes under ``torch.compile(fullgraph=True)``: no graph break, zero
     recompiles after the warm-up (steps, ``reset()``, a fresh cache), compiled logits equal eager (and, with CUDA
@@ -420,7 +432,8 @@ def check_compile_static_decode(ctx):
         ], {"cudagraph_skips": run.cudagraph_skips})
 
 
-@register("compile", needs=("compile",), applies=_applies(False), params=COMPILE_PARAMS)
+@register("compile", needs=("compile",), applies=_applies(False), params=COMPILE_PARAMS, ops=COMPILE_OPS,
+          validate=_protocol_case)
 def check_compile_claim(ctx):
     """A cache declaring ``is_compileable = False``, compiled anyway (``fullgraph=False``, as a user compiling the
     model would): compiled logits equal eager and nothing crashes. The claim itself is reported: *confirmed* (the
@@ -470,7 +483,8 @@ class BufferAddresses:
                                        for k, t in tensors_of(runner.cache).items()}))
 
 
-@register("compile", needs=("forward",), applies=_applies(True), params=OP_PARAMS)
+@register("compile", needs=("forward",), applies=_applies(True), params=OP_PARAMS,
+          ops=OpRule(min_forwards=2, why="it compares buffer addresses between forwards"))
 def check_static_addresses(ctx):
     """A cache that says ``is_compileable`` keeps every buffer at the same address at every step: ``update()`` writes
     into the tensors allocated by the first forward, in place. CUDA graphs replay the addresses they captured and

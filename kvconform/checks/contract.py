@@ -21,12 +21,12 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import OP_PARAMS, register
+from kvconform.checks import OP_PARAMS, OpRule, register
 from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner, StopRun
-from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised, oracle_slices
-from kvconform.checks._observe import run_observed
+from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised, oracle_slices
+from kvconform.checks._observe import FORWARD_OPS, run_observed
 from kvconform.checks.crop import CROP_WORDS, clear_error
 from kvconform.oracle import compare_logits
 
@@ -123,7 +123,9 @@ def _crop_allowing_refusal(cache, held=None):
         pass
 
 
-@register("contract", needs=("forward",), params=OP_PARAMS)
+@register("contract", needs=("forward",), params=OP_PARAMS,
+          ops=OpRule(shape=("prefill",), optional=True,
+                     why="it prefills once (6 tokens without ops), then calls the API"))
 def check_api_contract(ctx):
     """Every method a caller needs (per declared capability) is present and callable on a prefilled cache; each
     missing one is a failed contract item naming the method and its callers."""
@@ -304,7 +306,9 @@ class Bookkeeping:
         return True
 
 
-@register("contract", needs=("forward",), params=OP_PARAMS)
+@register("contract", needs=("forward",), params=OP_PARAMS,
+          ops=OpRule(allowed=("prefill", "decode", "chunk", "crop", "reorder", "repeat", "select", "reset"),
+                     why="it spies on update(); a fork would share the spy between copies"))
 def check_length_bookkeeping(ctx):
     """After every op, ``get_seq_length()`` equals the tokens held and ``get_max_length()`` is stable; at every
     forward, ``get_mask_sizes`` (asked just before) matches what ``update`` returned."""
@@ -339,7 +343,8 @@ def _not_croppable(subject, model, case, device="cpu"):
     return None
 
 
-@register("contract", needs=("forward",), applies=_not_croppable)
+@register("contract", needs=("forward",), applies=_not_croppable,
+          ops=OpRule(allowed=LOSSY_OPS, required=("crop",), why="it checks that crop() is refused"))
 def check_crop_refused(ctx):
     """A subject that does not declare ``crop`` refuses ``crop(-n)`` with a clear error (ValueError,
     NotImplementedError, RuntimeError or TypeError), whatever state it is in (e.g. right after a residual flush);
@@ -382,7 +387,16 @@ def check_crop_refused(ctx):
 
 
 # ------------------------------------------------------------------------------------------ encoder-decoder
-@register("contract", needs=("forward",))
+def _encoder_decoder_case(case):
+    """Load-time rule of ``check_encoder_decoder_subcaches`` (``register(validate=...)``): encoder-decoder models."""
+    if "encoder_decoder" not in case.requires:
+        return "requires", ("check_encoder_decoder_subcaches reads the cross-attention sub-cache: it needs requires = "
+                            "['encoder_decoder']")
+    return None
+
+
+@register("contract", needs=("forward",), ops=OpRule(allowed=FORWARD_OPS, min_forwards=1),
+          validate=_encoder_decoder_case)
 def check_encoder_decoder_subcaches(ctx):
     """In the ``EncoderDecoderCache`` built from the subject: after every forward the cross-attention sub-cache
     holds ``encoder_len`` tokens, its keys/values unchanged since the first forward, and the self-attention

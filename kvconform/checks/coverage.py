@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import Param, register
+from kvconform.checks import IGNORES_OPS, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.oracle import compare_logits
@@ -57,7 +57,7 @@ def _layer_classes(cache) -> tuple:
             tuple(type(layer).__name__ for layer in getattr(cross, "layers", ())) if cross is not None else ())
 
 
-@register("coverage", needs=("generate",), applies=_implementation_row, params={
+@register("coverage", needs=("generate",), applies=_implementation_row, ops=IGNORES_OPS, params={
     "implementation": Param(str, required=True, doc="a cache_implementation string of generate()"),
     "subject": Param(str, required=True, doc="the subject whose cache it must build"),
 })
@@ -145,7 +145,7 @@ def covered_implementations() -> dict:
             if c.check == "check_cache_implementation" and "implementation" in c.params}
 
 
-@register("coverage", applies=_reference_row)
+@register("coverage", applies=_reference_row, ops=IGNORES_OPS)
 def check_cache_implementations_covered(ctx):
     """Every string of the installed ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`` has a
     ``check_cache_implementation`` case; a new one fails here, named."""
@@ -183,7 +183,7 @@ def _layer_table_row(subject, model, case, device="cpu"):
     return _reference_row(subject, model, case, device=device)
 
 
-@register("coverage", applies=_layer_table_row,
+@register("coverage", applies=_layer_table_row, ops=IGNORES_OPS,
           params={"gaps": Param(dict, default={}, items=str, doc="known gaps: {layer_type = \"reason\"}")})
 def check_layer_types_covered(ctx):
     """Every layer type of the installed ``DYNAMIC_LAYER_TYPE_MAPPING`` / ``STATIC_LAYER_TYPE_MAPPING`` is covered:

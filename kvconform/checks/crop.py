@@ -19,7 +19,7 @@ token; ``params.positive = true`` calls ``crop(+N)`` instead, whose meaning depe
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, seq_length, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
@@ -225,10 +225,14 @@ CROP_PARAMS = {
     **OP_PARAMS,
     "record": Param(bool, default=False, doc="call activate_past_recording() before the first token"),
     "positive": Param(bool, default=False, doc="call crop(+N) instead of crop(-N)"),
+    "crop_beyond_held": Param(bool, default=False, doc="a crop removes more tokens than the cache holds, on purpose "
+                              "(the edge case: empty the cache or refuse clearly); otherwise such a crop is an error "
+                              "in the case file"),
 }
+CROP_OPS = OpRule(required=("crop",), why="it checks crop()")
 
 
-@register("crop", needs=("forward", "crop"), params=CROP_PARAMS)
+@register("crop", needs=("forward", "crop"), params=CROP_PARAMS, ops=CROP_OPS)
 def check_crop_then_continue(ctx):
     """Prefill, decode, ``crop(-k)``, then feed *different* tokens: every step equals the oracle of the edited
     sequence; edges: ``crop(0)``, ``k`` larger than the cached length, a positive argument."""
@@ -237,7 +241,7 @@ def check_crop_then_continue(ctx):
     _crop_check(ctx)
 
 
-@register("crop", needs=("forward", "crop"), params=CROP_PARAMS)
+@register("crop", needs=("forward", "crop"), params=CROP_PARAMS, ops=CROP_OPS)
 def check_crop_contract(ctx):
     """``is_croppable`` tells the truth: a cache that says True round-trips a crop exactly; a crop it cannot honour
     raises a clear error and changes nothing; a crop accepted while the flag says False must still be exact."""

@@ -26,7 +26,7 @@ import copy
 import os
 
 from kvconform.cases import Op
-from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks import IGNORES_OPS, OP_PARAMS, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge
@@ -203,7 +203,7 @@ def _hypothesis_storage_outside_the_folder():
     "max_examples": Param(int, default=8, min=1, doc="programs drawn by a default-tier case"),
     "max_ops": Param(int, default=6, min=1, doc="ops after the prefill, at most"),
     "full_examples": Param(int, default=60, min=1, doc="programs drawn by a full-tier case"),
-})
+}, ops=IGNORES_OPS)
 def check_op_sequences(ctx):
     """Random op programs (hypothesis), limited to the subject's capabilities, compared with the oracle after every
     forward; a failure prints the shrunk program as the reproducer."""

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
@@ -52,7 +52,8 @@ def run_reset_case(ctx, cache, info=None):
     return runner.steps
 
 
-@register("lifecycle", needs=("forward", "reset"), params=OP_PARAMS)
+@register("lifecycle", needs=("forward", "reset"), params=OP_PARAMS,
+          ops=OpRule(required=("reset",), why="it reuses the cache after reset()"))
 def check_reset_then_reuse(ctx):
     """Prefill and decode, ``reset()``, then a new (different) sequence: every step equals the oracle, as with a
     fresh cache; a compileable cache keeps its tensors' data pointers across the reset."""
@@ -139,8 +140,19 @@ def run_capacity_case(ctx, cache=None, info=None):
     return runner.steps
 
 
+def _capacity_case(case):
+    """Load-time rule of ``check_capacity`` (``register(validate=...)``): the ops feed more than ``max_cache_len``."""
+    cap = case.params.get("max_cache_len", 12)
+    total = sum(op.new_tokens for op in case.ops)
+    if total <= cap:
+        return "ops", (f"check_capacity needs ops feeding more tokens than params.max_cache_len ({cap}); they feed "
+                       f"{total}: add decode steps or lower max_cache_len")
+    return None
+
+
 @register("lifecycle", needs=("forward",),
-          params={**OP_PARAMS, "max_cache_len": Param(int, default=12, min=1, doc="capacity the subject is built with")})
+          params={**OP_PARAMS, "max_cache_len": Param(int, default=12, min=1, doc="capacity the subject is built with")},
+          ops=OpRule(first="prefill"), validate=_capacity_case)
 def check_capacity(ctx):
     """Past the ``max_cache_len`` it was built with, a cache either keeps working exactly or raises a clear error
     before any write — never a raw ``IndexError`` from a tensor op, never a partial write, never wrong logits."""

@@ -14,7 +14,7 @@ import importlib.util
 import inspect
 import sys
 
-from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
@@ -104,7 +104,8 @@ def _run(ctx, cause_for):
 RECORD = Param(bool, default=False, doc="call activate_past_recording() before the first op (no crop follows)")
 
 
-@register("logits", needs=("forward",), params={**OP_PARAMS, "record": RECORD})
+@register("logits", needs=("forward",), params={**OP_PARAMS, "record": RECORD},
+          ops=OpRule(first="prefill", why="it compares every step after a prefill"))
 def check_prefill_then_decode(ctx):
     """Prefill, then single-token decode steps: every step's logits equal the oracle's."""
     if not ctx.case.ops or ctx.case.ops[0].name != "prefill":
@@ -124,7 +125,8 @@ def _chunk_cause(ctx, steps, cache=None):
     return cause
 
 
-@register("logits", needs=("forward",), params=OP_PARAMS)
+@register("logits", needs=("forward",), params=OP_PARAMS,
+          ops=OpRule(required=("chunk",), why="it checks chunked continuation"))
 def check_chunked_continuation(ctx):
     """Prefill, then chunks of k>1 tokens into the warm cache (incl. chunks straddling the sliding window)."""
     if not any(op.name == "chunk" for op in ctx.case.ops):
@@ -183,7 +185,7 @@ def _torch_path(module, dispatchers):
             setattr(module, name, fn)
 
 
-@register("logits", needs=("forward",), applies=_mamba_row, params=OP_PARAMS)
+@register("logits", needs=("forward",), applies=_mamba_row, params=OP_PARAMS, ops=OpRule(min_forwards=1))
 def check_mamba_kernel_paths(ctx):
     """Mamba / Mamba2 on CUDA with mamba-ssm and causal-conv1d installed: the run through the kernels and the run
     through transformers' torch fallbacks (same cache subject, same ops) both match the oracle."""

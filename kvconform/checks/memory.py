@@ -44,11 +44,11 @@ import types
 from dataclasses import dataclass, field
 
 from kvconform import compat
-from kvconform.checks import Param, register
+from kvconform.checks import OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
-from kvconform.checks._observe import run_observed
+from kvconform.checks._observe import FORWARD_OPS, run_observed
 from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
@@ -360,7 +360,7 @@ def _shapes_for(ctx) -> dict:
     return _SHAPES[key]
 
 
-@register("memory", needs=("forward",), params={
+@register("memory", needs=("forward",), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0, doc="bytes per layer allowed above the formula")})
 def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
@@ -469,7 +469,7 @@ def _cuda_applies(subject, model, case, device="cpu"):
     return None
 
 
-@register("memory", needs=("forward",), applies=_cuda_applies, params={
+@register("memory", needs=("forward",), applies=_cuda_applies, ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "cuda_slack_bytes": Param(int, default=1 << 20, min=0, doc="bytes allowed above the counted bytes")})
 def check_memory_cuda_allocated(ctx):
     """On CUDA: the allocator's view agrees with the counted bytes — ``memory_allocated`` after the ops minus before
@@ -531,7 +531,7 @@ def _deeper(zm, layers: int):
     return model.to(device=device, dtype=zm.dtype).eval()
 
 
-@register("memory", needs=("forward",), applies=_offloaded_row,
+@register("memory", needs=("forward",), applies=_offloaded_row, ops=OpRule(allowed=FORWARD_OPS, first="prefill"),
           params={"layers": Param(int, default=6, min=1, doc="decoder layers of the model copy")})
 def check_offloaded_matches(ctx):
     """An offloaded subject (CUDA) decodes to the logits of the non-offloaded subject it names (``same_as``) and

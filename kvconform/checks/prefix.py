@@ -19,14 +19,14 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import OP_PARAMS, Param, register
+from kvconform.checks import IGNORES_OPS, OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._drive import forward, seq_length
 from kvconform.checks._diagnosis import describe_raise
-from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised
+from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised
 from kvconform.checks.crop import changed, snapshot
 from kvconform.oracle import compare_logits
 
@@ -38,6 +38,16 @@ def _split_at_fork(case):
         raise ValueError(f"case {case.id}: check_prefix_fork needs ops 'prefix ops, fork, suffix ops'")
     i = names.index("fork")
     return case.ops[:i], case.ops[i + 1:]
+
+
+def _fork_case(case):
+    """Load-time rule of ``check_prefix_fork`` (``register(validate=...)``): ops before and after the first fork."""
+    names = [op.name for op in case.ops]
+    if "fork" in names and (names.index("fork") == 0 or names.index("fork") == len(names) - 1):
+        side = "before" if names.index("fork") == 0 else "after"
+        return "ops", (f"check_prefix_fork needs ops 'prefix ops, fork, suffix ops' (e.g. ['prefill 8', 'fork', "
+                       f"'decode 3']): the first fork has no ops {side} it")
+    return None
 
 
 def run_fork_case(ctx, cache, info=None):
@@ -70,7 +80,8 @@ def _fork_ops_text(ctx):
 
 
 @register("prefix", needs=("forward", "deepcopy"),
-          params={**OP_PARAMS, "forks": Param(int, default=2, min=1, doc="deep copies continued independently")})
+          params={**OP_PARAMS, "forks": Param(int, default=2, min=1, doc="deep copies continued independently")},
+          ops=OpRule(required=("fork",)), validate=_fork_case)
 def check_prefix_fork(ctx):
     """Prefill a shared prefix, deepcopy it, continue each copy with a different suffix (single steps or a chunk):
     every step equals the oracle and the original is untouched (bit for bit, and it still continues correctly)."""
@@ -214,7 +225,7 @@ def _generate_or_fail(ctx, ops_text, *args, **kwargs):
                   doc="full_prompt: generate gets the whole prompt and skips the cached tokens; suffix_only: the "
                       "suffix and the full attention mask"),
     "suffix": Param(int, default=4, min=1, doc="prompt tokens after the cached prefix"),
-})
+}, ops=OpRule(shape=("prefill",), why="the prefix is prefilled by one forward, then generate() takes over"))
 def check_prefix_generate(ctx):
     """Prefill a prefix with a forward, then ``generate`` from that cache with the full prompt or the suffix only:
     the same tokens as ``generate(use_cache=False)`` and step logits equal to the oracle."""
@@ -257,7 +268,7 @@ def _run_turns(ctx, spec, ops_text):
 
 
 @register("prefix", needs=("forward", "generate"), applies=lossy_generate_rule,
-          params={"user": Param(int, default=3, min=1, doc="new tokens in the second turn")})
+          params={"user": Param(int, default=3, min=1, doc="new tokens in the second turn")}, ops=IGNORES_OPS)
 def check_multi_turn(ctx):
     """Turn 1: ``generate(prompt, cache=c)``; turn 2: ``generate(turn-1 output + new tokens, cache=c)`` equals a
     fresh ``generate(use_cache=False)`` of the same turn-2 prompt (tokens) and the oracle (step logits)."""
@@ -280,7 +291,8 @@ def _undeclared_deepcopy(subject, model, case, device="cpu"):
     return None
 
 
-@register("prefix", needs=("forward",), applies=_undeclared_deepcopy)
+@register("prefix", needs=("forward",), applies=_undeclared_deepcopy,
+          ops=OpRule(allowed=LOSSY_OPS, first="prefill", why="it copies the cache after these ops"))
 def check_deepcopy_refused(ctx):
     """A subject that does not declare ``deepcopy`` either copies into an independent cache (extending the copy
     leaves the original's length alone) or refuses ``copy.deepcopy`` with a clear error (ValueError,

@@ -8,9 +8,9 @@ The other checks of lossy subjects live in their families' modules; their shared
 
 from __future__ import annotations
 
-from kvconform.checks import Param, register
+from kvconform.checks import OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
-from kvconform.checks._lossy import drive, fail_subject_raised, lossy_only, oracle_slices, twin_spec
+from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, lossy_only, oracle_slices, twin_spec
 
 
 # ------------------------------------------------------------------------------------------ quality budget
@@ -40,6 +40,21 @@ def _budget(ctx) -> tuple[float, float]:
                          f"({bits} bits): {params!r}") from None
 
 
+def _budget_case(case):
+    """Load-time rule of ``check_quality_budget`` (``register(validate=...)``): a budget table is keyed by bit widths
+    (``"8"``, ``"4"``...) and has a ``default`` (the subjects' bits are known only at run time)."""
+    for key in ("kl_max", "top1_min"):
+        value = case.params.get(key)
+        if isinstance(value, dict):
+            bad = [k for k in value if k != "default" and not k.isdigit()]
+            if bad:
+                return f"params.{key}", f"table keys are bit widths (\"8\", \"4\") or 'default'; got {bad[0]!r}"
+            if "default" not in value:
+                return f"params.{key}", (f"a budget table needs a 'default' entry for the bit widths it does not list "
+                                         f"(a subject's bits are known only when it runs); got keys {sorted(value)}")
+    return None
+
+
 def _cache_positions(steps):
     """Logits ``[B, N, V]`` of every position fed after the first forward (the ones that read the cache)."""
     import torch
@@ -52,7 +67,8 @@ def _cache_positions(steps):
                     doc="mean KL(oracle ‖ subject) budget in nats: a number, or a table keyed by bits with a default"),
     "top1_min": Param((float, dict), required=True, items=float, min=0, max=1,
                       doc="top-1 agreement budget: a number, or a table keyed by bits with a default"),
-})
+}, ops=OpRule(allowed=LOSSY_OPS, min_forwards=2, why="it judges every position after the first forward"),
+   validate=_budget_case)
 def check_quality_budget(ctx):
     """A lossy subject's next-token distributions stay within the case's budget of the exact oracle: mean
     KL(oracle ‖ subject) ≤ ``kl_max`` nats and top-1 agreement ≥ ``top1_min``, over every position that read the

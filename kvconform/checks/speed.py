@@ -25,7 +25,7 @@ items before they run (parallel workers share the CPU, so timings would be meani
 
 from __future__ import annotations
 
-from kvconform.checks import Param, register
+from kvconform.checks import IGNORES_OPS, Param, register
 from kvconform.checks._diagnosis import fail_raised
 from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs
 from kvconform.timing import Target, measure_interleaved
@@ -48,6 +48,25 @@ MIN_SPEEDUP = Param(float, required=True, min=0, doc="budget: speedup at least")
 COMPILE_MODE = Param(str, choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                      doc="torch.compile mode (absent: None)")
 CUDA_DEVICE = Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off CUDA (CUDA graphs)")
+
+
+def _min_context_case(case):
+    """Load-time rule of ``check_speed_vs_uncached`` (``register(validate=...)``): ``params.context`` ≥ 512."""
+    context = case.params.get("context", DEFAULTS["context"])
+    if context < 512:
+        return "params.context", (f"check_speed_vs_uncached needs context ≥ 512 (below, the uncached forward is too "
+                                  f"cheap to tell a cache apart); got {context}")
+    return None
+
+
+def _growth_case(case):
+    """Load-time rule of ``check_speed_flat_decode``: ``params.long`` ≥ 4 × ``params.short``."""
+    short = case.params.get("short", DEFAULTS["short"])
+    long = case.params.get("long", DEFAULTS["long"])
+    if long < 4 * short:
+        return "params.long", (f"check_speed_flat_decode needs long ≥ 4 × short to see growth; got short = {short}, "
+                               f"long = {long}: raise long to ≥ {4 * short} or lower short")
+    return None
 
 
 def _param(ctx, name):
@@ -149,7 +168,7 @@ def _ms(t) -> str:
 @register("speed", needs=("forward",), params={
     **TIMING_PARAMS, "context": CONTEXT, "uncached_steps": UNCACHED_STEPS, "min_speedup": MIN_SPEEDUP,
     "min_speedup_quantized": Param(float, min=0, doc="budget of a quantized subject (default: min_speedup)"),
-})
+}, ops=IGNORES_OPS, validate=_min_context_case)
 def check_speed_vs_uncached(ctx):
     """At context ≥ 512, cached decode beats the uncached forward per token by ``params.min_speedup``."""
     context, steps = int(_param(ctx, "context")), int(_param(ctx, "steps"))
@@ -190,7 +209,7 @@ def check_speed_vs_uncached(ctx):
                                         doc="budget of a quantized subject: its growth ≤ this share of the uncached "
                                             "forward's growth in the same rounds (and always ≤ max_growth is "
                                             "enough)"),
-})
+}, ops=IGNORES_OPS, validate=_growth_case)
 def check_speed_flat_decode(ctx):
     """Per-token decode cost grows ≤ ``params.max_growth`` × from context ``short`` to ``long``; the uncached
     forward, in the same rounds, grows ~linearly. A quantized subject (``_quantized``) dequantizes its history at
@@ -244,7 +263,7 @@ def _compiled_applies(subject, model, case, device="cpu"):
 
 @register("speed", needs=("compile",), applies=_compiled_applies, params={
     **TIMING_PARAMS, "context": CONTEXT, "min_speedup": MIN_SPEEDUP, "mode": COMPILE_MODE, "device": CUDA_DEVICE,
-})
+}, ops=IGNORES_OPS)
 def check_speed_compiled_static(ctx):
     """A cache declaring ``is_compileable``, decoded through ``torch.compile`` (``params.mode``), is
     ≥ ``params.min_speedup`` × as fast per token as ``DynamicCache`` decoding eagerly, side by side."""
