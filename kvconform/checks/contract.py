@@ -202,6 +202,37 @@ class UpdateSpy:
         self.target.update = update
 
 
+def stored_tokens(cache) -> int | None:
+    """The number of tokens the unbounded attention layers of ``cache`` (or its self-attention half) store, read from
+    their key tensors (``[B, H, T, D]``: ``T``), when they all agree; None when there is no such layer (static,
+    sliding or linear-attention layers only: their buffers do not say how many tokens are held) or they disagree."""
+    import torch
+
+    target = getattr(cache, "self_attention_cache", cache)
+    lengths = set()
+    for layer in getattr(target, "layers", ()) or ():
+        keys = getattr(layer, "keys", None)
+        try:
+            unbounded = compat.max_length(layer) == -1
+        except Exception:  # noqa: BLE001
+            continue
+        if unbounded and isinstance(keys, torch.Tensor) and keys.dim() == 4:
+            lengths.add(int(keys.shape[-2]))
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def _length_cause(fault) -> str:
+    """The likely cause of the first wrong ``get_seq_length()``: the counter, or the stored keys themselves."""
+    op, reported, held, stored = fault
+    if stored is not None and stored != held:
+        more = stored - held
+        return (f"after {op} the cache stores {stored} tokens where it should hold {held} ({abs(more)} "
+                f"{'too many' if more > 0 else 'too few'}): {op} {'kept' if more > 0 else 'dropped'} tokens in its "
+                f"keys/values — the stored state is wrong, not only the counter")
+    return ("get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
+            "reset() or a batch op forgot to update) — models derive positions from it")
+
+
 def _lengths_differ(cache, runner) -> bool:
     try:
         return int(cache.get_seq_length()) != runner.length
@@ -230,6 +261,8 @@ class Bookkeeping:
         self.problems, self.trail = [], []
         self.max_first = None
         self.held, self.predicted = 0, {}
+        self.length_fault = None
+        """(op label, get_seq_length(), tokens it should hold, tokens stored or None) at the first wrong length."""
 
     def before_forward(self, runner, label, n):
         """Ask ``get_mask_sizes(n, layer)`` of each attention layer."""
@@ -269,8 +302,12 @@ class Bookkeeping:
                 problems.append(f"after {' → '.join(trail)}: get_seq_length() raised {describe_exception(exc)}")
                 raise StopRun from exc
             if reported != runner.length:
-                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache holds "
-                                f"{runner.length} tokens")
+                stored = stored_tokens(cache)
+                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache should "
+                                f"hold {runner.length} tokens"
+                                + (f" (its unbounded attention layers store {stored})" if stored is not None else ""))
+                if self.length_fault is None:
+                    self.length_fault = (op.label, reported, runner.length, stored)
         try:
             value = compat.max_length(cache)
         except Exception as exc:  # noqa: BLE001
@@ -320,7 +357,9 @@ def check_length_bookkeeping(ctx):
     problems = book.problems
     ctx.metrics.update(ops=len(ops), skipped_ops=skipped, update_calls_checked=True)
     if problems:
-        cause = ("get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
+        cause = (_length_cause(book.length_fault) if book.length_fault is not None and "get_seq_length() ="
+                 in problems[0] else
+                 "get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
                  "reset() or a batch op forgot to update) — models derive positions from it"
                  if "get_seq_length" in problems[0] else
                  "get_mask_sizes() and update() disagree on which keys the next forward sees — the attention mask "
