@@ -22,7 +22,7 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, register
-from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised
+from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised, measured_cause
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner, StopRun
 from kvconform.checks._lossy import CLEAR_ERRORS, drive, fail_subject_raised, oracle_slices
@@ -456,8 +456,11 @@ def check_encoder_decoder_subcaches(ctx):
     try:
         steps = run_observed(ctx, cache, observe)
     except SubjectRaised as exc:
-        ctx.fail([f"the subject raised {describe_raise(exc)}", f"ops: {ctx.case.ops_label()}",
-                  "likely cause: the subject cannot serve as one half of an EncoderDecoderCache"])
+        ctx.fail([f"the subject raised {describe_raise(exc)}",
+                  f"ops: {ctx.case.ops_label()}   [raised at {exc.where}]",
+                  "likely cause: " + (measured_cause(exc)
+                                      or "the subject cannot serve as one half of an EncoderDecoderCache")],
+                 {"raised": type(exc.cause).__name__, "failed_at": exc.where})
     exact, tol = oracle_slices(ctx, steps), ctx.tolerance()
     cmps = [(step, compare_logits(step.logits, *exact[step.index], tol)) for step in steps]
     worst = max(cmps, key=lambda sc: sc[1].max_abs)[1]
