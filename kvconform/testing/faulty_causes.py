@@ -46,6 +46,8 @@ class UpdateOneShortCache(Cache):
     """Stores every key/value, but ``update()`` returns one token fewer than the cache holds: attention gets keys
     that its mask (sized from ``get_mask_sizes``) cannot line up with."""
 
+    kvconform_capabilities = ("forward", "reorder")  # what its pinned items need; every family would fail it
+
     def __init__(self, config=None, **kwargs):
         types, _ = layer_types_and_kwargs(config)
         super().__init__(layers=[_OneShortLayer() for _ in types])
@@ -83,7 +85,7 @@ class NaNPrefixCache(Cache):
     """Writes NaN into one stored key (head 0, position 3) from the prefill on. The NaN is there before a fork and
     still there after it: a copy-independence check that compares NaN with ``==`` would blame ``__deepcopy__``."""
 
-    kvconform_capabilities = ("forward", "generate", "deepcopy", "reset")
+    kvconform_capabilities = ("forward", "deepcopy")  # what its pinned item needs; every family would fail it
 
     def __init__(self, config=None, **kwargs):
         types, _ = layer_types_and_kwargs(config)
@@ -95,7 +97,7 @@ class NotCompileableStaticCache(StaticCache):
     """A StaticCache that says ``is_compileable = False`` ("keep torch.compile away from it"): the model then drops
     the attention mask of unpadded single-token steps and attends the empty slots of the fixed-size buffers."""
 
-    kvconform_capabilities = ("forward", "generate", "reset")
+    kvconform_capabilities = ("forward",)  # what its pinned item needs
 
     # BUG: a fixed-size cache without is_compileable loses its mask on decode steps (SDPA's is_causal skip)
     is_compileable = False
