@@ -218,7 +218,7 @@ FAULTY = [
     ),
     FaultyCache(
         name="update_counter_static", attr="UpdateCounterStaticCache", module=__name__, family="compile",
-        cause=r"the cache keeps a Python int \(cache\.layers\[0\]\.updates\)",
+        cause=r"the cache keeps a Python int \([^)]*layers\[0\]\.updates\)",
         check="check_compile_static_decode", model="llama", case="compile_decode",
         message=("check_compile_static_decode failed: UpdateCounterStaticCache on llama",
                  "needed a recompile", "layers[0].updates", "likely cause: the cache keeps a Python int"),
