@@ -96,6 +96,16 @@ class ZooModel:
         return int(self.config.get_text_config(decoder=True).vocab_size)
 
     @property
+    def decoder_depth(self) -> int | None:
+        """The number of decoder layers, measured on the module tree: 1 + the largest integer ``layer_idx`` among the
+        decoder's modules (the index each layer hands to ``cache.update``), or None when no module carries one. The
+        config cannot say it uniformly: ``get_text_config(decoder=True).num_hidden_layers`` is the *encoder's*
+        depth for t5 (``num_layers``), while its decoder has ``num_decoder_layers``."""
+        decoder = self.model.get_decoder() if self.is_encoder_decoder else self.model
+        found = [mod.layer_idx for mod in decoder.modules() if isinstance(getattr(mod, "layer_idx", None), int)]
+        return max(found) + 1 if found else None
+
+    @property
     def has_linear_attention(self) -> bool:
         """True if any layer holds a linear-attention (conv / recurrent) state."""
         return any(t in ("linear_attention", "conv", "hybrid", "hybrid_sliding") for t in self.layer_types)

@@ -37,7 +37,7 @@ SHARED_TARGETS = [
       "→ the fault is in the subject", "reset() did not clear everything")),
     ("SeqLengthOffByOneCache", "check_length_bookkeeping", "length_bookkeeping", "llama",
      ("check_length_bookkeeping failed: SeqLengthOffByOneCache on llama",
-      "after prefill(6): get_seq_length() = 7, but the cache holds 6 tokens",
+      "after prefill(6): get_seq_length() = 7, but the cache should hold 6 tokens",
       "get_seq_length() does not count what update() stored")),
 ]
 

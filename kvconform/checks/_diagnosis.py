@@ -81,7 +81,9 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
         f"measured in the cache at {step.label}: {step.nonfinite}" if getattr(step, "nonfinite", None) else "",
         ref_line,
         "likely cause: " + (MODEL_AT_FAULT if model_at_fault else _cache_fault_cause(step.nonfinite)
-                            if getattr(step, "nonfinite", None) else cause_fn(step, cmp)),
+                            if getattr(step, "nonfinite", None) else step.unmasked
+                            if getattr(step, "unmasked", None) else f"{step.kv_mismatch} — {cause_fn(step, cmp)}"
+                            if getattr(step, "kv_mismatch", None) else cause_fn(step, cmp)),
     ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label,
         "position": position, "model_at_fault": model_at_fault})
 
@@ -105,9 +107,64 @@ def positions_label(ctx) -> str:
 
 def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
     """Fail the item because the subject raised: the exception (innermost frame), the ops with the op that raised
-    (``ops_text``, default the case's), and ``cause`` as the likely cause."""
+    (``ops_text``, default the case's), and the likely cause: what was measured at the raise
+    (``measured_cause``) when it explains it, else ``cause`` (the check's reading of where it raised)."""
     ctx.fail([
         f"the subject raised {describe_raise(exc)}",
         f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",
-        "likely cause: " + cause,
+        "likely cause: " + (measured_cause(exc) or cause),
     ], {"raised": type(exc.cause).__name__, "failed_at": exc.where})
+
+
+def _size_error(cause: BaseException) -> bool:
+    """An exception about mismatched sizes or an index out of range (what a length or layer-count mismatch raises
+    inside attention, the mask or the cache)."""
+    text = str(cause)
+    return isinstance(cause, IndexError) or any(w in text for w in (
+        "size of tensor", "must match", "out of bounds", "out of range", "shape", "expanded size"))
+
+
+def measured_cause(exc: SubjectRaised) -> str | None:
+    """The likely cause of a raise inside a forward, from what was measured there (``SubjectRaised.facts``, see
+    ``_drive.raise_facts``), or None when the measurements explain nothing. In order:
+
+    * the cache has fewer layers than the model's decoder (an ``update(layer_idx=i)`` found no layer ``i``, or an
+      IndexError with fewer layers than ``decoder_depth`` in a cache whose layers do not grow on demand);
+    * an ``update()`` returned another number of keys than the cache should hold (an unbounded layer: the tokens
+      fed; a bounded one: the ``kv_length`` its ``get_mask_sizes`` gave the mask);
+    * ``get_mask_sizes`` sized the mask of an unbounded layer for another number of keys than the tokens held;
+    * the cache's tensors disagree on the batch size, or all differ from the batch's rows.
+    """
+    f = exc.facts
+    if not f:
+        return None
+    n_layers, depth, calls = f.get("cache_layers"), f.get("decoder_depth"), f.get("update_calls", ())
+    held, layer_max, masks = f.get("held"), f.get("layer_max", []), f.get("mask_sizes", {})
+    if n_layers is not None and depth is not None and n_layers < depth:
+        missing = [c[0] for c in calls if isinstance(c[0], int) and c[0] >= n_layers]
+        if missing or (isinstance(exc.cause, IndexError) and not f.get("grows_layers")):
+            found = f"update(layer_idx={missing[0]}) found no layer {missing[0]}" if missing else \
+                f"{type(exc.cause).__name__} on a layer index"
+            return (f"the cache has {n_layers} layers, but the model's decoder has {depth} ({found}): the cache's "
+                    f"layer count differs from the decoder depth — it is sized from another count (an "
+                    f"encoder-decoder config's encoder_layers / num_layers is the encoder's depth)")
+    if _size_error(exc.cause):
+        if f.get("kv_mismatch"):
+            return f["kv_mismatch"] + ": attention and its mask cannot line the keys up with the queries"
+        for layer_idx, (kv_length, kv_offset) in sorted(masks.items()):
+            unbounded = layer_idx < len(layer_max) and layer_max[layer_idx] == -1
+            if unbounded and kv_offset + kv_length != held:
+                return (f"get_mask_sizes(layer {layer_idx}) sized the attention mask for {kv_length} keys (offset "
+                        f"{kv_offset}) for a cache that should hold {held} tokens: the mask and the keys cannot "
+                        f"line up (get_seq_length() or a length counter is off)")
+    sizes, batch = f.get("batch_sizes", {}), f.get("batch")
+    if sizes and (len(set(sizes.values())) > 1 or set(sizes.values()) != {batch}):
+        shown = ", ".join(f"{name}: {b}" for name, b in list(sizes.items())[:3])
+        since = next((op for op in reversed(f.get("trail", ())) if op.split("(")[0] in _BATCH_OPS), None)
+        return (f"the cache holds tensors of batch sizes {', '.join(str(b) for b in sorted(set(sizes.values())))} "
+                f"({shown}) for a batch of {batch} rows"
+                + (f": {since} did not resize every tensor of every layer alike" if since else ""))
+    return None
+
+
+_BATCH_OPS = ("reorder", "repeat", "select", "reset")

@@ -18,12 +18,18 @@ PAD_TOKEN = 0
 
 
 class SubjectRaised(Exception):
-    """The subject (or the model through it) raised; ``where`` is the op label, ``cause`` the exception."""
+    """The subject (or the model through it) raised; ``where`` is the op label, ``cause`` the exception.
 
-    def __init__(self, where, cause):
+    ``op_index``: the index of the raising op in the ops run (None when unknown). ``facts``: what was measured at the
+    raise (``raise_facts``; empty when the raise was not inside a forward), read by ``_diagnosis.measured_cause``.
+    """
+
+    def __init__(self, where, cause, op_index=None, facts=None):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.where = where
         self.cause = cause
+        self.op_index = op_index
+        self.facts = dict(facts or {})
 
 
 def case_generator(case, model_name: str, salt: str = ""):
@@ -214,10 +220,30 @@ class UpdateWatch:
 
     def __init__(self, cache):
         self.fault: str | None = None
+        self.calls: list[list] = []
+        """``[layer_idx, new tokens, returned key length or None]`` per ``update()`` of the (self-attention) cache,
+        in call order; None: the call raised (or returned no tensor)."""
+        self.mask_sizes: dict = {}
+        """``{layer_idx: (kv_length, kv_offset)}`` the (self-attention) cache's ``get_mask_sizes`` returned during
+        the forward (the attention mask is built from them)."""
         self._targets = [c for c in (getattr(cache, "self_attention_cache", None),
                                      getattr(cache, "cross_attention_cache", None)) if c is not None] or [cache]
 
-    def _wrap(self, target):
+    def _wrap_mask_sizes(self, target):
+        original = target.get_mask_sizes
+
+        def get_mask_sizes(*args, **kwargs):
+            out = original(*args, **kwargs)
+            layer_idx = kwargs.get("layer_idx", args[1] if len(args) > 1 else 0)
+            try:
+                self.mask_sizes[int(layer_idx)] = (int(out[0]), int(out[1]))
+            except Exception:  # noqa: BLE001 - a malformed answer is the contract family's finding
+                pass
+            return out
+
+        return get_mask_sizes
+
+    def _wrap(self, target, record=False):
         import torch
 
         original = target.update
@@ -225,7 +251,12 @@ class UpdateWatch:
         def update(key_states, value_states, layer_idx, *args, **kwargs):
             before = (key_states.detach().clone(), value_states.detach().clone()) \
                 if self.fault is None and isinstance(key_states, torch.Tensor) else None
+            call = [layer_idx, int(key_states.shape[-2]) if isinstance(key_states, torch.Tensor) else None, None]
+            if record:
+                self.calls.append(call)
             out = original(key_states, value_states, layer_idx, *args, **kwargs)
+            if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].dim() >= 2:
+                call[2] = int(out[0].shape[-2])
             if self.fault is None and before is not None:
                 for what, given, kept in (("key_states", key_states, before[0]),
                                           ("value_states", value_states, before[1])):
@@ -247,16 +278,124 @@ class UpdateWatch:
 
     def __enter__(self):
         self._saved = []
-        for target in self._targets:
-            self._saved.append((target, target.__dict__.get("update")))
-            target.update = self._wrap(target)
+        for k, target in enumerate(self._targets):
+            self._saved.append((target, "update", target.__dict__.get("update")))
+            target.update = self._wrap(target, record=k == 0)
+            if k == 0 and callable(getattr(target, "get_mask_sizes", None)):
+                self._saved.append((target, "get_mask_sizes", target.__dict__.get("get_mask_sizes")))
+                target.get_mask_sizes = self._wrap_mask_sizes(target)
         return self
 
     def __exit__(self, *exc):
-        for target, previous in self._saved:
+        for target, name, previous in self._saved:
             if previous is None:
-                target.__dict__.pop("update", None)
+                target.__dict__.pop(name, None)
             else:
-                target.update = previous
+                setattr(target, name, previous)
         return False
 
+
+def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, trail) -> dict:
+    """What can be measured on ``cache`` right after a forward raised, for ``_diagnosis.measured_cause``.
+
+    Args:
+        cache: the subject's cache (an ``EncoderDecoderCache``'s self-attention half is measured).
+        model: the ``ZooModel`` (its ``decoder_depth``).
+        watch: the forward's ``UpdateWatch`` (``update()`` calls, ``get_mask_sizes`` answers), or None.
+        held: tokens the cache should hold after the forward (pads included).
+        batch: rows of the batch fed.
+        trail: labels of the ops before this forward.
+
+    Returns a dict: ``held``, ``batch``, ``trail``, ``update_calls`` / ``mask_sizes`` (from ``watch``),
+    ``cache_layers`` (len of ``layers``, or None), ``grows_layers`` (layers appended on demand),
+    ``decoder_depth``, ``layer_max`` (each layer's ``get_max_length()``, -1 unbounded, None unknown),
+    ``kv_mismatch`` (``kv_length_mismatch``: an ``update()`` that returned a wrong number of keys, or None) and
+    ``batch_sizes`` (``{tensor name: dim 0}`` of every ≥3-dim tensor the cache holds).
+    """
+    target = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(target, "layers", None)
+    facts = {"held": int(held), "batch": int(batch), "trail": list(trail),
+             "update_calls": [tuple(c) for c in (watch.calls if watch else ())],
+             "mask_sizes": dict(watch.mask_sizes if watch else {}),
+             "cache_layers": len(layers) if isinstance(layers, (list, tuple)) else None,
+             "grows_layers": getattr(target, "layer_class_to_replicate", None) is not None,
+             "decoder_depth": getattr(model, "decoder_depth", None)}
+    facts["layer_max"] = layer_max_lengths(cache)
+    facts["kv_mismatch"] = kv_length_mismatch(facts["update_calls"], facts["mask_sizes"], facts["layer_max"], held)
+    try:
+        facts["batch_sizes"] = {name: int(t.shape[0]) for name, t in tensors_of(cache).items() if t.dim() >= 3}
+    except Exception:  # noqa: BLE001 - a cache too broken to walk: no batch measurement
+        facts["batch_sizes"] = {}
+    return facts
+
+
+
+def unmasked_slots(cache, held: int, new_tokens: int, mask=None) -> str | None:
+    """Evidence that a fixed-size cache is attended without its attention mask at a forward of ``new_tokens`` that
+    left ``held`` tokens in it, or None: the cache reports a capacity larger than ``held`` while saying
+    ``is_compileable = False`` — then the model's SDPA path drops the mask of unpadded single-token steps (it keeps
+    it only for compileable caches) and attends the empty slots. ``mask``: the 2D attention mask passed (``[B, T]``,
+    None: none); a padded one is kept by the model, so there is no evidence then."""
+    if new_tokens != 1 or getattr(cache, "is_compileable", False):
+        return None
+    if mask is not None and not bool(mask.all()):
+        return None
+    # fixed-size storage: the layers' max_cache_len (a dynamic sliding layer reports its window as its maximum
+    # length, but holds no empty slots); hybrid layers (a linear-attention state next to a fixed-size attention
+    # part) report no capacity as a whole, their layers do
+    target = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(target, "layers", None)
+    capacity = -1
+    if layers:
+        for layer in layers:
+            try:
+                capacity = max(capacity, int(getattr(layer, "max_cache_len", -1) or -1))
+            except Exception:  # noqa: BLE001
+                continue
+    else:
+        try:
+            capacity = int(compat.max_length(cache))
+        except Exception:  # noqa: BLE001 - no capacity: an unbounded cache
+            capacity = -1
+    if capacity > held:
+        return (f"the cache has {capacity} slots for {held} tokens but says is_compileable = False, so the model "
+                f"drops the attention mask of single-token steps and the {capacity - held} empty slots are "
+                f"attended (a fixed-size cache must stay compileable, or keep the mask)")
+    return None
+
+
+def layer_max_lengths(cache) -> list:
+    """``get_max_length()`` of each layer of ``cache`` (its self-attention half): -1 unbounded, None unknown."""
+    target = getattr(cache, "self_attention_cache", cache)
+    out = []
+    for layer in getattr(target, "layers", None) or ():
+        try:
+            out.append(compat.max_length(layer))
+        except Exception:  # noqa: BLE001
+            out.append(None)
+    return out
+
+
+def kv_length_mismatch(calls, mask_sizes: dict, layer_max: list, held: int) -> str | None:
+    """The first ``update()`` of a forward that returned another number of keys than attention needs, or None.
+
+    Args:
+        calls: ``UpdateWatch.calls`` (``[layer_idx, new tokens, returned length or None]``).
+        mask_sizes: ``UpdateWatch.mask_sizes`` (``{layer_idx: (kv_length, kv_offset)}``).
+        layer_max: ``layer_max_lengths`` of the cache.
+        held: tokens the cache should hold after the forward (pads included).
+
+    An unbounded layer (``get_max_length() == -1``) must return every token held; a bounded one (static, sliding)
+    the ``kv_length`` its ``get_mask_sizes`` gave the mask, where it was asked.
+    """
+    for layer_idx, _new, returned in calls:
+        if returned is None or not isinstance(layer_idx, int) or layer_idx >= len(layer_max):
+            continue
+        if layer_max[layer_idx] == -1 and returned != held:
+            return (f"update(layer_idx={layer_idx}) returned keys of length {returned} for a cache that should hold "
+                    f"{held} tokens")
+        if layer_max[layer_idx] not in (-1, None) and layer_idx in mask_sizes \
+                and returned != mask_sizes[layer_idx][0]:
+            return (f"update(layer_idx={layer_idx}) returned keys of length {returned}, but get_mask_sizes() sized "
+                    f"the attention mask for {mask_sizes[layer_idx][0]} (the cache should hold {held} tokens)")
+    return None

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from kvconform import compat
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
-                                     forward, nonfinite_in, random_tokens, seq_length, tensors_of)
+                                     forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
+                                     random_tokens, seq_length, tensors_of, unmasked_slots)
 
 
 class StopRun(Exception):
@@ -88,6 +89,12 @@ class Step:
     """A fault measured in the cache itself at this step, or None: ``update()`` returned NaN/inf or wrote into its
     inputs (``_drive.UpdateWatch``), or the cache holds NaN/inf (``_drive.nonfinite_in``). It fails the step even
     where the logits look right (``_judge.judge``)."""
+    kv_mismatch: str | None = None
+    """An ``update()`` of this forward that returned another number of keys than the cache should hold
+    (``_drive.kv_length_mismatch``), or None; named first in the likely cause of a failure at this step."""
+    unmasked: str | None = None
+    """Evidence that this step attended empty slots of a fixed-size cache without a mask (``_drive.unmasked_slots``),
+    or None; the likely cause of a failure at this step when present."""
 
 
 class Runner:
@@ -187,7 +194,7 @@ class Runner:
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
-            raise SubjectRaised(where, exc) from exc
+            raise SubjectRaised(where, exc, op_index=self.op_index) from exc
 
     def _new_tokens(self, n):
         import torch
@@ -224,15 +231,22 @@ class Runner:
         else:
             mask = None
         start = self.length
-        with UpdateWatch(self.cache) as watch:
-            logits = self._call(label, forward, self.model, self.cache, new, start, self.position_mode,
-                                self.encoder_ids, mask, first)
+        watch = UpdateWatch(self.cache)
+        try:
+            with watch:
+                logits = self._call(label, forward, self.model, self.cache, new, start, self.position_mode,
+                                    self.encoder_ids, mask, first)
+        except SubjectRaised as exc:  # measured now, while the cache is as the raise left it (_diagnosis reads it)
+            exc.facts.update(raise_facts(self.cache, self.model, watch, start + n, self.batch, self.trail))
+            raise
         self.seq = torch.cat([self.seq, new], dim=1)
         self.mask = mask
         step = Step(len(self.steps), self.op_index, label, start, n, logits, self.seq.clone(),
                     seq_length(self.cache), None if mask is None else mask.clone(),
                     None if self.encoder_ids is None else self.encoder_ids.clone(),
-                    watch.fault or nonfinite_in(self.cache))
+                    watch.fault or nonfinite_in(self.cache),
+                    kv_length_mismatch(watch.calls, watch.mask_sizes, layer_max_lengths(self.cache), start + n),
+                    unmasked_slots(self.cache, start + n, n, mask))
         self.steps.append(step)
         self._notify("after_forward", step)
         self._mirror("feed", n, plain, tokens=new, tokens_mask=new_mask)

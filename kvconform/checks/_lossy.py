@@ -15,7 +15,7 @@ module imports another:
 
 from __future__ import annotations
 
-from kvconform.checks._diagnosis import describe_raise
+from kvconform.checks._diagnosis import describe_raise, measured_cause
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.oracle import compare_logits
@@ -124,7 +124,8 @@ def fail_twin(ctx, failed, cause):
 def fail_subject_raised(ctx, exc: SubjectRaised, cause: str):
     ctx.fail([f"the subject raised {describe_raise(exc)}",
               f"ops: {ctx.case.ops_label()}   [raised at {exc.where}]",
-              "likely cause: " + cause], {"raised": type(exc.cause).__name__, "failed_at": exc.where})
+              "likely cause: " + (measured_cause(exc) or cause)],
+             {"raised": type(exc.cause).__name__, "failed_at": exc.where})
 
 
 def twin_spec(ctx):

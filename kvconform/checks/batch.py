@@ -38,12 +38,7 @@ def _run_batch_case(ctx, op_name):
     try:
         steps = run_ops(ctx, ctx.new_cache())
     except SubjectRaised as exc:
-        missing = isinstance(exc.cause, (AttributeError, NotImplementedError))
-        fail_raised(ctx, exc, (f"the cache (or one of its layers) has no working {method}()"
-                               if missing and exc.where.startswith(op_name) else
-                               f"after {method}() the cache holds tensors of inconsistent batch sizes"
-                               if not exc.where.startswith(op_name) else
-                               f"{method}() fails on this cache (see the exception)"))
+        fail_raised(ctx, exc, _raised_cause(ctx, exc, op_name, method))
     verdict = judge(ctx, steps)
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
@@ -55,6 +50,23 @@ def _run_batch_case(ctx, op_name):
             return cause_text
 
         fail_verdict(ctx, verdict, cause)
+
+
+def _raised_cause(ctx, exc, op_name, method) -> str:
+    """The likely cause of a raise in a batch case, from where it raised relative to the batch op (``exc.op_index``
+    against the op's index in the case) — ``fail_raised`` prefers what was measured at the raise when it explains
+    it (a layer count, a key length, the tensors' batch sizes)."""
+    op_index = next(i for i, op in enumerate(ctx.case.ops) if op.name == op_name)
+    raised_at = exc.op_index if exc.op_index is not None else op_index
+    if raised_at < op_index:
+        return (f"the cache fails before {method}() is called, at {exc.where}: it cannot take this case's batch "
+                f"(distinct rows, left padding and an attention mask — see the logits family)")
+    if raised_at == op_index:
+        if isinstance(exc.cause, (AttributeError, NotImplementedError)):
+            return f"the cache (or one of its layers) has no working {method}()"
+        return f"{method}() fails on this cache (see the exception)"
+    return (f"after {method}() the next forward fails: {method}() left the cache in a state its update() cannot "
+            f"handle (see the exception)")
 
 
 @register("batch", needs=("forward", "reorder"), params=OP_PARAMS,

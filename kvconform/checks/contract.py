@@ -22,7 +22,7 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, OpRule, register
-from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised
+from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised, measured_cause
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner, StopRun
 from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised, oracle_slices
@@ -204,6 +204,37 @@ class UpdateSpy:
         self.target.update = update
 
 
+def stored_tokens(cache) -> int | None:
+    """The number of tokens the unbounded attention layers of ``cache`` (or its self-attention half) store, read from
+    their key tensors (``[B, H, T, D]``: ``T``), when they all agree; None when there is no such layer (static,
+    sliding or linear-attention layers only: their buffers do not say how many tokens are held) or they disagree."""
+    import torch
+
+    target = getattr(cache, "self_attention_cache", cache)
+    lengths = set()
+    for layer in getattr(target, "layers", ()) or ():
+        keys = getattr(layer, "keys", None)
+        try:
+            unbounded = compat.max_length(layer) == -1
+        except Exception:  # noqa: BLE001
+            continue
+        if unbounded and isinstance(keys, torch.Tensor) and keys.dim() == 4:
+            lengths.add(int(keys.shape[-2]))
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def _length_cause(fault) -> str:
+    """The likely cause of the first wrong ``get_seq_length()``: the counter, or the stored keys themselves."""
+    op, reported, held, stored = fault
+    if stored is not None and stored != held:
+        more = stored - held
+        return (f"after {op} the cache stores {stored} tokens where it should hold {held} ({abs(more)} "
+                f"{'too many' if more > 0 else 'too few'}): {op} {'kept' if more > 0 else 'dropped'} tokens in its "
+                f"keys/values — the stored state is wrong, not only the counter")
+    return ("get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
+            "reset() or a batch op forgot to update) — models derive positions from it")
+
+
 def _lengths_differ(cache, runner) -> bool:
     try:
         return int(cache.get_seq_length()) != runner.length
@@ -232,6 +263,8 @@ class Bookkeeping:
         self.problems, self.trail = [], []
         self.max_first = None
         self.held, self.predicted = 0, {}
+        self.length_fault = None
+        """(op label, get_seq_length(), tokens it should hold, tokens stored or None) at the first wrong length."""
 
     def before_forward(self, runner, label, n):
         """Ask ``get_mask_sizes(n, layer)`` of each attention layer."""
@@ -271,8 +304,12 @@ class Bookkeeping:
                 problems.append(f"after {' → '.join(trail)}: get_seq_length() raised {describe_exception(exc)}")
                 raise StopRun from exc
             if reported != runner.length:
-                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache holds "
-                                f"{runner.length} tokens")
+                stored = stored_tokens(cache)
+                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache should "
+                                f"hold {runner.length} tokens"
+                                + (f" (its unbounded attention layers store {stored})" if stored is not None else ""))
+                if self.length_fault is None:
+                    self.length_fault = (op.label, reported, runner.length, stored)
         try:
             value = compat.max_length(cache)
         except Exception as exc:  # noqa: BLE001
@@ -324,7 +361,9 @@ def check_length_bookkeeping(ctx):
     problems = book.problems
     ctx.metrics.update(ops=len(ops), skipped_ops=skipped, update_calls_checked=True)
     if problems:
-        cause = ("get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
+        cause = (_length_cause(book.length_fault) if book.length_fault is not None and "get_seq_length() ="
+                 in problems[0] else
+                 "get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
                  "reset() or a batch op forgot to update) — models derive positions from it"
                  if "get_seq_length" in problems[0] else
                  "get_mask_sizes() and update() disagree on which keys the next forward sees — the attention mask "
@@ -431,8 +470,11 @@ def check_encoder_decoder_subcaches(ctx):
     try:
         steps = run_observed(ctx, cache, observe)
     except SubjectRaised as exc:
-        ctx.fail([f"the subject raised {describe_raise(exc)}", f"ops: {ctx.case.ops_label()}",
-                  "likely cause: the subject cannot serve as one half of an EncoderDecoderCache"])
+        ctx.fail([f"the subject raised {describe_raise(exc)}",
+                  f"ops: {ctx.case.ops_label()}   [raised at {exc.where}]",
+                  "likely cause: " + (measured_cause(exc)
+                                      or "the subject cannot serve as one half of an EncoderDecoderCache")],
+                 {"raised": type(exc.cause).__name__, "failed_at": exc.where})
     exact, tol = oracle_slices(ctx, steps), ctx.tolerance()
     cmps = [(step, compare_logits(step.logits, *exact[step.index], tol)) for step in steps]
     worst = max(cmps, key=lambda sc: sc[1].max_abs)[1]

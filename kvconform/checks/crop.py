@@ -23,7 +23,7 @@ from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, seq_length, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
-from kvconform.checks._diagnosis import describe_exception, fail_verdict
+from kvconform.checks._diagnosis import describe_exception, fail_verdict, measured_cause
 
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
 CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",
@@ -50,16 +50,30 @@ def snapshot(cache) -> dict:
     return state
 
 
+def same_tensor(a, b) -> bool:
+    """Bit-for-bit equality of two tensors where NaN equals NaN (a slot that held NaN and still does is unchanged;
+    ``torch.equal`` would call it changed)."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point() and not a.is_complex():
+        return torch.equal(a, b)
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
 def changed(before: dict, after: dict) -> list[str]:
-    """Names whose tensor (shape or value) or reported length differ between two snapshots."""
+    """Names whose tensor (shape or value, NaN equal to NaN) or reported length differ between two snapshots; a
+    tensor that holds NaN/inf after is named ``"name (now non-finite)"``."""
     import torch
 
     out = []
     for name in sorted(set(before) | set(after)):
         a, b = before.get(name), after.get(name)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a.shape != b.shape or not torch.equal(a, b):
-                out.append(name)
+            if not same_tensor(a, b):
+                bad = b.is_floating_point() and not bool(torch.isfinite(b).all())
+                out.append(name + (" (now non-finite)" if bad else ""))
         elif a != b:
             out.append(name)
     return out
@@ -200,11 +214,12 @@ def _crop_check(ctx):
         runner, _ = run_crop_case(ctx, cache, records)
     except SubjectRaised as exc:
         accepted = [r for r in records if r.refused is None]
+        measured = measured_cause(exc)
         if accepted:
-            cause = (f"{accepted[-1].label} left the cache in a state its next update cannot handle (its keys, "
-                     f"length counter and get_mask_sizes() no longer agree)")
+            cause = (f"{accepted[-1].label} left the cache in a state its next update cannot handle ("
+                     + (measured or "its keys, length counter and get_mask_sizes() no longer agree") + ")")
         else:
-            cause = "the cache does not support this sequence of calls (see the exception)"
+            cause = measured or "the cache does not support this sequence of calls (see the exception)"
         recording = "activate_past_recording() → " if ctx.case.params.get("record") else ""
         ctx.fail([f"the subject raised {describe_exception(exc.cause)}",
                   f"ops: {recording}{ctx.case.ops_label()}   [raised at {exc.where}]", "likely cause: " + cause],

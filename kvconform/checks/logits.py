@@ -30,25 +30,18 @@ def _length_note(steps, upto) -> str | None:
     return None
 
 
-def _unmasked_slots_note(ctx, cache, step) -> str | None:
-    """Evidence that a fixed-size cache was attended without its attention mask: it reports a capacity larger than
-    the tokens it held at ``step`` while saying ``is_compileable = False`` — then the model's SDPA path drops the
-    mask of 1-token steps (it keeps it only for compileable caches) and attends the empty slots."""
-    from kvconform import compat
-
-    try:
-        capacity = compat.max_length(cache)
-    except Exception:  # noqa: BLE001 - no capacity: an unbounded cache
-        capacity = -1
-    # hybrid layers (a linear-attention state next to a fixed-size attention part) report no capacity as a whole
-    capacity = max([capacity, *(int(getattr(layer, "max_cache_len", -1) or -1)
-                                for layer in getattr(cache, "layers", ()) or ())])
-    held = step.start + step.length
-    if capacity > held and step.length == 1 and not getattr(cache, "is_compileable", False):
-        return (f"the cache has {capacity} slots for {held} tokens but says is_compileable = False, so the model "
-                f"drops the attention mask of single-token steps and the {capacity - held} empty slots are "
-                f"attended (a fixed-size cache must stay compileable, or keep the mask)")
-    return None
+def _twin_cause(ctx, step) -> str:
+    """The likely cause of a lossy subject that departs from its fake-quant twin (the quantization it declares) at
+    ``step``: from the first tokens it reads back (another quantization), or only later (another flush schedule)."""
+    qc = getattr(ctx.subject.twin, "quant_config", None)
+    residual = getattr(qc, "residual_length", None)
+    if step.label.startswith("prefill") or step.index == 1:
+        return ("the subject's keys/values differ from its declared quantization (its fake-quant twin) as soon as "
+                "it reads stored tokens back: another bit width, group size, axis or scale than it declares")
+    return (f"the subject matches its fake-quant twin for the first {step.start} positions and departs from it at "
+            f"position {step.start}: it quantizes at other steps than it declares — its residual flush"
+            + (f" (residual_length {residual})" if residual else "") + " comes earlier or later, or other tokens "
+            "are kept exact")
 
 
 def _decode_cause(ctx, steps, cache=None):
@@ -56,9 +49,8 @@ def _decode_cause(ctx, steps, cache=None):
         note = _length_note(steps, step)
         if note and not positions_label(ctx).startswith("explicit"):
             return note
-        unmasked = _unmasked_slots_note(ctx, cache, step) if cache is not None else None
-        if unmasked:
-            return unmasked
+        if getattr(ctx.subject, "twin", None) is not None:
+            return _twin_cause(ctx, step)
         if step.label in ("decode 1",) or step.label.startswith("chunk") and step.index == 1:
             return "the prefill's keys/values (or states) were not stored intact: a dropped, shifted or stale token"
         if step.label.startswith("prefill"):

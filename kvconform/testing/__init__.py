@@ -26,6 +26,8 @@ class FaultyCache:
         message: substrings the failure message must contain (pinned by the meta-tests).
         also_caught_by: other families that legitimately fail too (a fault visible everywhere), documented.
         case: optional case id to narrow the run (``-k``), default: all cases of the check.
+        cause: a regular expression the failure's ``likely cause:`` line must match (``re.search``) — the diagnosis
+            the fault must get, pinned by ``tests/test_cause_lines.py``; every faulty cache has one.
     """
 
     name: str
@@ -37,6 +39,7 @@ class FaultyCache:
     message: tuple = ()
     also_caught_by: tuple = ()
     case: str = ""
+    cause: str = ""
 
     @property
     def spec(self) -> str:

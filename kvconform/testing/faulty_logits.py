@@ -93,7 +93,8 @@ class NonFiniteSlotCache(Cache):
 FAULTY = [
     FaultyCache(
         name="scales_inputs", attr="ScalesInputsCache", module=__name__, family="logits",
-        check="check_prefill_then_decode", model="llama",
+        cause=r"update\(\) modifies the caller's key/value tensors in place",
+        check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
         message=("check_prefill_then_decode failed: ScalesInputsCache on llama",
                  "update(layer_idx=0) wrote into the key_states it was given",
                  "likely cause: update() modifies the caller's key/value tensors in place"),
@@ -101,6 +102,7 @@ FAULTY = [
     ),
     FaultyCache(
         name="non_finite_slot", attr="NonFiniteSlotCache", module=__name__, family="logits",
+        cause=r"update\(\) returns or stores non-finite keys/values",
         check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
         message=("check_prefill_then_decode failed: NonFiniteSlotCache on llama",
                  "update(layer_idx=0) returned NaN/inf keys[batch 0, head 0, position 12]",
@@ -109,7 +111,9 @@ FAULTY = [
     ),
     FaultyCache(
         name="hidden_window_16", attr="HiddenWindowCache", module=__name__, family="logits",
-        check="check_prefill_then_decode", model="llama",
+        cause=r"update\(layer_idx=0\) returned keys of length 17 for a cache that should hold 18 tokens — "
+              r"correct for the first 17 positions, wrong from position 17: older tokens are being evicted",
+        check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
         message=("check_prefill_then_decode failed: HiddenWindowCache on llama",
                  "max|Δlogit| = ", "but should be ≤ ", "noise floor", "[failed at decode 6]",
                  "→ the fault is in the subject", "older tokens are being evicted"),
@@ -117,7 +121,9 @@ FAULTY = [
     ),
     FaultyCache(
         name="chunk_tail_only", attr="ChunkTailOnlyCache", module=__name__, family="logits",
-        check="check_chunked_continuation", model="llama",
+        cause=r"update\(layer_idx=0\) returned keys of length 15 for a cache that should hold 16 tokens — "
+              r"feeding 2 tokens at once into a warm cache loses or misplaces state",
+        check="check_chunked_continuation", model="llama", case="chunk2",
         message=("check_chunked_continuation failed: ChunkTailOnlyCache on llama",
                  "→ the fault is in the subject", "tokens at once into a warm cache"),
         also_caught_by=("contract", "prefix", "fuzz"),  # every family that feeds chunks sees it

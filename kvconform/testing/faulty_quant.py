@@ -107,6 +107,7 @@ FlushOneLateCache = _spec("FlushOneLateCache", _FlushOneLateLayer)
 FAULTY = [
     FaultyCache(
         name="keys_at_2_bits", attr="KeysAt2BitsCache", module=__name__, family="logits",
+        cause=r"differ from its declared quantization \(its fake-quant twin\) as soon as it reads stored tokens back",
         check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
         message=("check_prefill_then_decode failed: KeysAt2BitsCache on llama", "vs its fake-quant twin",
                  "[failed at decode 1]", "→ the fault is in the subject"),
@@ -114,6 +115,7 @@ FAULTY = [
     ),
     FaultyCache(
         name="reorder_forgets_quantized", attr="ReorderForgetsQuantizedCache", module=__name__, family="batch",
+        cause=r"reorder_cache\(\) moved part of the cache but not all of it: the quantized part",
         check="check_reorder_after_flush", model="llama", case="flush_then_reorder",
         message=("check_reorder_after_flush failed: ReorderForgetsQuantizedCache on llama", "vs its fake-quant twin",
                  "[failed at decode 1 after reorder]", "twin: FakeQuantCache (quanto 4-bit",
@@ -121,6 +123,7 @@ FAULTY = [
     ),
     FaultyCache(
         name="shallow_deepcopy", attr="ShallowCopyQuantizedCache", module=__name__, family="prefix",
+        cause=r"__deepcopy__ shares tensors or counters between the copy and the original",
         check="check_deepcopy_refused", model="llama", case="deepcopy_after_flush",
         message=("check_deepcopy_refused failed: ShallowCopyQuantizedCache on llama",
                  "extending the deepcopy changed the original: get_seq_length() 16 → 17",
@@ -128,6 +131,8 @@ FAULTY = [
     ),
     FaultyCache(
         name="flush_one_late", attr="FlushOneLateCache", module=__name__, family="logits",
+        cause=r"matches its fake-quant twin for the first 16 positions and departs from it at position 16: it "
+              r"quantizes at other steps than it declares — its residual flush \(residual_length 4\)",
         check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
         message=("check_prefill_then_decode failed: FlushOneLateCache on llama", "vs its fake-quant twin",
                  "[failed at decode 5]", "→ the fault is in the subject"),
@@ -154,6 +159,7 @@ class LengthIsCapacityCache(StaticCache):
 
 FAULTY.append(FaultyCache(
     name="length_is_capacity", attr="LengthIsCapacityCache", module=__name__, family="contract",
+    cause=r"get_seq_length\(\) of the self-attention sub-cache does not count the decoder tokens",
     check="check_encoder_decoder_subcaches", model="t5", case="encdec_subcaches",
     message=("check_encoder_decoder_subcaches failed: LengthIsCapacityCache on t5",
              "self-attention sub-cache holds", "but should hold the 5 decoder tokens fed"),

@@ -217,12 +217,16 @@ class LazyRepeatCache(DynamicCache):
 FAULTY = [
     FaultyCache(
         name="crop_first_layer_only", attr="CropFirstLayerOnlyCache", module=__name__, family="crop",
+        cause=r"update\(layer_idx=1\) returned keys of length 6 for a cache that should hold 4 tokens — "
+              r"crop\(-2\) removed the wrong tokens or left stale state behind",
         check="check_crop_then_continue", model="llama", case="crop_short",
         message=("check_crop_then_continue failed: CropFirstLayerOnlyCache on llama", "[failed at decode 1]",
                  "→ the fault is in the subject", "crop(-2) removed the wrong tokens or left stale state behind"),
     ),
     FaultyCache(
         name="sliding_crop_anyway", attr="SlidingCropAnywayCache", module=__name__, family="crop",
+        cause=r"crop\(-3\) left the cache in a state its next update cannot handle \(update\(layer_idx=\d+\) "
+              r"returned keys of length \d+, but get_mask_sizes\(\) sized the attention mask for \d+",
         check="check_crop_contract", model="mistral", case="crop_past_window",
         message=("check_crop_contract failed: SlidingCropAnywayCache on mistral", "[raised at decode 1]",
                  "crop(-3) left the cache in a state its next update cannot handle"),
@@ -231,6 +235,7 @@ FAULTY = [
     ),
     FaultyCache(
         name="fork_shares_state", attr="ForkSharesStateCache", module=__name__, family="prefix",
+        cause=r"__deepcopy__ shares tensors \(key/value buffers, conv/recurrent states",
         check="check_prefix_fork", model="mamba2", case="prefix_fork_steps",
         message=("check_prefix_fork failed: ForkSharesStateCache on mamba2",
                  "the original cache changed while its deep copies were extended", "conv_states",
@@ -239,12 +244,14 @@ FAULTY = [
     ),
     FaultyCache(
         name="repeat_tiles", attr="RepeatTilesCache", module=__name__, family="batch",
+        cause=r"repeat_interleave, not tile",
         check="check_repeat_then_decode", model="llama", case="repeat_padded",
         message=("check_repeat_then_decode failed: RepeatTilesCache on llama", "[failed at decode 1]",
                  "left-padded batch", "→ the fault is in the subject", "repeat_interleave, not tile"),
     ),
     FaultyCache(
         name="reset_reallocates", attr="ResetReallocatesCache", module=__name__, family="lifecycle",
+        cause=r"reset\(\) \(or the next update\) reallocates tensors instead of zeroing them in place",
         check="check_reset_then_reuse", model="llama", case="reset_reuse",
         message=("check_reset_then_reuse failed: ResetReallocatesCache on llama",
                  "is_compileable is True, but reset() and reuse moved", "layers[0].keys",
@@ -252,6 +259,7 @@ FAULTY = [
     ),
     FaultyCache(
         name="wrap_around_static", attr="WrapAroundStaticCache", module=__name__, family="lifecycle",
+        cause=r"past max_cache_len 12 the cache accepted tokens but overwrote or dropped older ones silently",
         check="check_capacity", model="llama", case="capacity",
         message=("check_capacity failed: WrapAroundStaticCache on llama", "(max_cache_len=12)",
                  "[failed at decode 1]", "→ the fault is in the subject",
@@ -259,6 +267,7 @@ FAULTY = [
     ),
     FaultyCache(
         name="select_not_implemented", attr="SelectNotImplementedCache", module=__name__, family="contract",
+        cause=r"does not implement batch_select_indices\(indices\)",
         check="check_api_contract", model="llama", case="api_surface",
         message=("check_api_contract failed: SelectNotImplementedCache on llama", "1 of 13 contract items fail",
                  "batch_select_indices(indices) — NotImplementedError: TODO: batch_select_indices",
@@ -267,14 +276,17 @@ FAULTY = [
     ),
     FaultyCache(
         name="crop_stale_length", attr="CropStaleLengthCache", module=__name__, family="contract",
+        cause=r"get_seq_length\(\) does not count what update\(\) stored",
         check="check_length_bookkeeping", model="llama", case="length_bookkeeping",
         message=("check_length_bookkeeping failed: CropStaleLengthCache on llama",
-                 "crop(-2): get_seq_length() = 11, but the cache holds 9 tokens",
+                 "crop(-2): get_seq_length() = 11, but the cache should hold 9 tokens (its unbounded attention "
+                 "layers store 9)",
                  "get_seq_length() does not count what update() stored"),
         also_caught_by=("crop", "fuzz"),
     ),
     FaultyCache(
         name="lazy_repeat", attr="LazyRepeatCache", module=__name__, family="fuzz",
+        cause=r"an interaction between these ops that no single-op case covers",
         check="check_op_sequences", model="llama", case="fuzz_quick",
         message=("check_op_sequences failed: LazyRepeatCache on llama", "a random op program fails (shrunk by",
                  "repeat(2) →", "as a case: ops = [", "→ the fault is in the subject"),

@@ -1,0 +1,128 @@
+"""Every "likely cause:" line of kvconform's bundled faulty caches is pinned, and the diagnosis reads where the
+exception was raised and what was measured, not which family ran.
+
+* For EVERY faulty cache of ``kvconform/testing`` (the registry ``faulty_caches()``, new ones included) its single
+  catching item (``FaultyCache.check`` / ``case`` on ``model``) runs through ``kvconform.check_cache`` and the
+  ``likely cause:`` line of its failure must match ``FaultyCache.cause``: a cause line that points the wrong way
+  fails here. (``tests/test_faulty_caches.py`` runs each over every family through the plugin; this module is the
+  fast, targeted run: one item per faulty cache.)
+* The diagnosis kinds on their own: a raise before a batch op is not blamed on the op; a layer count below the
+  decoder depth is named with both numbers, and the same cache passes where the depths agree; NaN compares equal
+  to NaN when checking that an original did not change.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvconform.api import check_cache
+from kvconform.testing import faulty_caches
+
+FAULTY = faulty_caches()
+
+
+def _cause_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip().startswith("likely cause:")]
+    assert len(lines) == 1, message
+    return lines[0]
+
+
+def _run(spec, model, check, case):
+    return check_cache(spec, models=[model], checks=[check], cases=[case])
+
+
+@pytest.mark.parametrize("faulty", FAULTY, ids=lambda f: f.name)
+def test_faulty_cache_cause_line_is_pinned(faulty):
+    assert faulty.cause, f"{faulty.name}: FaultyCache.cause (the regex its likely-cause line must match) is empty"
+    assert faulty.case, f"{faulty.name}: FaultyCache.case is empty; pin the one case that catches it"
+    results = _run(faulty.spec, faulty.model, faulty.check, faulty.case)
+    assert [r.case for r in results] == [faulty.case], results
+    result = results[0]
+    assert result.outcome == "failed", (faulty.name, result.outcome, result.message)
+    line = _cause_line(result.message)
+    assert re.search(faulty.cause, line), f"{faulty.name}: {line!r} does not match {faulty.cause!r}"
+
+
+def test_raise_at_prefill_is_not_blamed_on_the_batch_op():
+    """A key length one short raises inside attention at prefill(8) of a reorder case: the cause names the length
+    update() returned and the tokens held, not reorder_cache() (which never ran)."""
+    [result] = _run("kvconform.testing.faulty_causes:UpdateOneShortCache", "llama", "check_reorder_then_decode",
+                    "reorder_padded")
+    assert result.outcome == "failed", result.message
+    assert "[raised at prefill(8)]" in result.message
+    line = _cause_line(result.message)
+    assert "update(layer_idx=0) returned keys of length 7 for a cache that should hold 8 tokens" in line, line
+    assert "reorder_cache" not in line, line
+
+
+def test_batch_cause_follows_the_raising_op():
+    """``batch._raised_cause`` reads the op index of the raise against the batch op's, without measurements."""
+    from kvconform.cases import Op
+    from kvconform.checks._drive import SubjectRaised
+    from kvconform.checks.batch import _raised_cause
+
+    ctx = SimpleNamespace(case=SimpleNamespace(ops=[Op("prefill", 8), Op("decode", 2), Op("reorder"),
+                                                   Op("decode", 3)]))
+    before = _raised_cause(ctx, SubjectRaised("prefill(8)", ValueError("x"), op_index=0), "reorder", "reorder_cache")
+    at = _raised_cause(ctx, SubjectRaised("reorder", AttributeError("x"), op_index=2), "reorder", "reorder_cache")
+    after = _raised_cause(ctx, SubjectRaised("decode 1", ValueError("x"), op_index=3), "reorder", "reorder_cache")
+    assert before.startswith("the cache fails before reorder_cache() is called, at prefill(8)"), before
+    assert at == "the cache (or one of its layers) has no working reorder_cache()", at
+    assert after.startswith("after reorder_cache() the next forward fails"), after
+
+
+def test_encoder_depth_cache_passes_where_the_depths_agree():
+    """The cache that sizes itself from the encoder's depth is right on t5 (encoder 3 ≥ decoder 2) and on a
+    decoder-only model: the bart failure is its layer count, not its design."""
+    for model in ("t5", "llama"):
+        [result] = _run("kvconform.testing.faulty_causes:EncoderDepthCache", model, "check_prefill_then_decode",
+                        "decode_implicit_positions")
+        assert result.outcome == "passed", (model, result.message)
+
+
+def test_measured_cause_kinds():
+    """``measured_cause`` from raw facts: a missing layer, a key length, a mask size, batch sizes; nothing from
+    nothing."""
+    from kvconform.checks._diagnosis import measured_cause
+    from kvconform.checks._drive import SubjectRaised
+
+    base = {"held": 9, "batch": 4, "trail": [], "update_calls": [], "mask_sizes": {}, "cache_layers": 2,
+            "grows_layers": False, "decoder_depth": 2, "layer_max": [-1, -1], "kv_mismatch": None,
+            "batch_sizes": {}}
+
+    def cause(exc, **facts):
+        return measured_cause(SubjectRaised("decode 1", exc, facts={**base, **facts}))
+
+    assert cause(IndexError("list index out of range")) is None
+    layers = cause(IndexError("list index out of range"), cache_layers=2, decoder_depth=3,
+                   update_calls=[(0, 1, 9), (1, 1, 9), (2, 1, None)])
+    assert layers.startswith("the cache has 2 layers, but the model's decoder has 3 (update(layer_idx=2) found no "
+                             "layer 2)"), layers
+    short = cause(RuntimeError("The size of tensor a (8) must match the size of tensor b (9)"),
+                  kv_mismatch="update(layer_idx=0) returned keys of length 8 for a cache that should hold 9 tokens")
+    assert short.startswith("update(layer_idx=0) returned keys of length 8 for a cache that should hold 9"), short
+    mask = cause(IndexError("index 10 is out of bounds"), mask_sizes={0: (10, 0)})
+    assert mask.startswith("get_mask_sizes(layer 0) sized the attention mask for 10 keys (offset 0) for a cache "
+                           "that should hold 9 tokens"), mask
+    rows = cause(RuntimeError("shape mismatch"), trail=["prefill(6)", "repeat(2)"],
+                 batch_sizes={"layers[0].keys": 4, "layers[1].keys": 2})
+    assert rows.startswith("the cache holds tensors of batch sizes 2, 4 (layers[0].keys: 4, layers[1].keys: 2) "
+                           "for a batch of 4 rows: repeat(2) did not resize"), rows
+    # the same mismatch of sizes without a size error is not explained by the lengths
+    assert cause(ValueError("unrelated"), kv_mismatch="update(...) returned keys of length 8") is None
+
+
+def test_nan_equals_nan_when_checking_an_original():
+    """A slot that held NaN before a fork and still does is unchanged; a slot that became NaN is named so."""
+    from kvconform.checks.crop import changed, same_tensor
+
+    a = torch.tensor([[1.0, float("nan")]])
+    assert same_tensor(a, a.clone())
+    assert not torch.equal(a, a.clone())  # what the comparison used to be
+    assert changed({"k": a}, {"k": a.clone()}) == []
+    assert changed({"k": torch.tensor([1.0, 2.0])}, {"k": torch.tensor([1.0, float("nan")])}) == ["k (now non-finite)"]
+    assert changed({"k": torch.tensor([1, 2])}, {"k": torch.tensor([1, 3])}) == ["k"]
