@@ -55,6 +55,11 @@ class CacheSpec:
         same_as: name of the subject whose logits this one must equal exactly (offloaded → non-offloaded).
         notes: ``{capability: why it is not declared}`` — appended to the skip reason of items needing it (e.g. a
             method the installed transformers does not implement for this cache).
+        page_size: the cache's allocation granularity in tokens (a paged / block cache that allocates K/V in pages
+            of ``page_size`` tokens), or None (undeclared: the memory family infers it from the steps in which the
+            held bytes grow). The memory budget of an exact, non-preallocated layer then allows at most one page per
+            row of slack above the formula (``page_size · B · H_kv · (D_k + D_v) · b`` bytes per layer). A Cache
+            subclass or factory declares it with a ``kvconform_page_size = N`` attribute (``declared_page_size``).
     """
 
     name: str
@@ -70,6 +75,7 @@ class CacheSpec:
     needs_cuda: str | None = None
     same_as: str | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
+    page_size: int | None = None
 
     def build_one(self, **available):
         """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``).
@@ -325,6 +331,22 @@ def declared_capabilities(obj, where: str) -> frozenset:
     return caps
 
 
+def declared_page_size(obj, where: str) -> int | None:
+    """The ``kvconform_page_size`` a Cache subclass or a factory function declares: its allocation granularity in
+    tokens (a paged cache allocating K/V in pages of N tokens), or None when it declares none.
+
+    Raises:
+        SpecError: a value that is not a positive int (``bool`` is refused too), naming the attribute and the fix.
+    """
+    declared = getattr(obj, "kvconform_page_size", None)
+    if declared is None:
+        return None
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise SpecError(f"{where}: kvconform_page_size must be a positive int (tokens per page), got {declared!r}; "
+                        f"e.g. kvconform_page_size = 16")
+    return declared
+
+
 def _check_names(where: str, what: str, names, known) -> None:
     import difflib
 
@@ -348,7 +370,8 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
 
     Raises:
         SpecError: a name that is not ``[A-Za-z0-9_.]+`` (it would break ``-k`` selection and ids), unknown
-            capabilities, or ``expected_failures`` naming an unknown check or case (with the closest known name).
+            capabilities, ``expected_failures`` naming an unknown check or case (with the closest known name), or
+            a ``page_size`` that is not a positive int.
     """
     import re
 
@@ -357,6 +380,10 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
         raise SpecError(f"{where}: the name {spec.name!r} may use only letters, digits, '_' and '.' (it is "
                         f"part of every item id and -k expression); e.g. name={fixed!r}")
     _check_names(where, "capabilities", spec.capabilities, CAPABILITIES)
+    page = spec.page_size
+    if page is not None and (isinstance(page, bool) or not isinstance(page, int) or page < 1):
+        raise SpecError(f"{where}: {spec.name}: page_size must be a positive int (tokens per page) or None, got "
+                        f"{page!r}")
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",
@@ -370,7 +397,8 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
     """``"pkg.mod:Attr"`` or ``"path/file.py:Attr"`` → ``CacheSpec``.
 
     ``Attr`` may also be a ``CacheSpec`` instance (returned as is). Capabilities of a class may be declared in a
-    ``kvconform_capabilities`` attribute (iterable of names); default: all.
+    ``kvconform_capabilities`` attribute (iterable of names); default: all. Its allocation granularity may be
+    declared in a ``kvconform_page_size`` attribute (tokens per page, ``declared_page_size``); default: none.
 
     Raises:
         SpecError: malformed spec, module/file that does not import (with the exception), missing attribute,
@@ -407,9 +435,11 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
     if inspect.isclass(obj):
         if not issubclass(obj, Cache):
             raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass")
-        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
+        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec,
+                         page_size=declared_page_size(obj, repr(spec)))
     if callable(obj):
-        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec)
+        return CacheSpec(attr, obj, capabilities=declared_capabilities(obj, repr(spec)), source=spec,
+                         page_size=declared_page_size(obj, repr(spec)))
     raise SpecError(f"{spec!r}: {attr} is a {type(obj).__name__}, not a Cache subclass or a factory")
 
 
@@ -456,4 +486,5 @@ def as_cache_spec(obj, source: str = "python") -> CacheSpec:
         raise SpecError(f"{name}: a class but not a transformers.Cache subclass")
     if not callable(obj) or not name or not name.isidentifier():
         raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
-    return CacheSpec(name, obj, capabilities=declared_capabilities(obj, name), source=source)
+    return CacheSpec(name, obj, capabilities=declared_capabilities(obj, name), source=source,
+                     page_size=declared_page_size(obj, name))
