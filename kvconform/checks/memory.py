@@ -605,11 +605,12 @@ def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN,
                 f"the last page is full")
     after_reset_over = any(cp.after_reset and held > e.high for cp in checkpoints for name, held, e in cp.layers
                            if name == label)
-    if grain.tokens > 1 and after_reset_over:
+    before_reset_over = any(o for cp, o in zip(checkpoints, over) if not cp.after_reset)
+    if grain.tokens > 1 and after_reset_over and not before_reset_over:
         return (f"pages are not freed by reset(): the pages ({grain.tokens} tokens each) of the sequence before "
                 f"reset() are still held after it (superseded keys/values kept)")
     cropped = [i for i, cp in enumerate(checkpoints) if cp.op.startswith("crop")]
-    if grain.tokens > 1 and cropped and any(over[cropped[0]:]):
+    if grain.tokens > 1 and cropped and any(over[cropped[0]:]) and not any(over[:cropped[0]]):
         return (f"pages are not freed by crop(): after crop the layer still holds the pages ({grain.tokens} tokens "
                 f"each) past the new end; free every page beyond ceil(S/{grain.tokens})")
     if ratios and all(over) and max(ratios) - min(ratios) < 0.05 and round(ratios[0]) >= 2:
