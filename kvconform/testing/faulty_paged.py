@@ -14,20 +14,29 @@ from kvconform.testing.paged import PagedAttentionLayer, PagedCache
 
 
 class _PagePerTokenLayer(PagedAttentionLayer):
-    """Gives every token a page of its own (slot 0 of page ``i`` holds token ``i``)."""
-
-    def pages_needed(self, tokens: int) -> int:
-        return tokens  # BUG: one page per token instead of ceil(tokens / page_size): page_size × the bytes
+    """Gives every token a page of its own: ``key_pages`` holds one ``[batch, heads, n, page_size, head_dim]`` block
+    of ``n`` pages per update, token ``i`` of the update in slot 0 of page ``i``."""
 
     def _store(self, pages, states, start):
-        self._allocate(pages, states, self.pages_needed(start + states.shape[-2]))
-        for i in range(states.shape[-2]):
-            pages[start + i][..., :1, :].copy_(states[..., i:i + 1, :])
+        # BUG: one page per token instead of ceil(tokens / page_size) pages: page_size × the bytes
+        block = states.new_zeros(*states.shape[:-1], self.page_size, states.shape[-1])
+        block[..., 0, :] = states
+        pages.append(block)
 
     def _read(self, pages):
         if not pages:
             return None
-        return torch.cat([p[..., :1, :] for p in pages[: self.length]], dim=-2)
+        return torch.cat([block[..., 0, :] for block in pages], dim=-2)[..., : self.length, :]
+
+    def pages_needed(self, tokens: int) -> int:
+        return tokens  # one page per token (see _store)
+
+    def _free(self, count: int) -> None:  # crop / reset: keep the first ``count`` pages
+        if count == 0:
+            self.key_pages, self.value_pages = [], []
+            return
+        self.key_pages = [torch.cat(self.key_pages, dim=-3)[..., :count, :, :].clone()]
+        self.value_pages = [torch.cat(self.value_pages, dim=-3)[..., :count, :, :].clone()]
 
 
 class PagePerTokenCache(PagedCache):
@@ -43,6 +52,11 @@ class _NeverFreeLayer(PagedAttentionLayer):
 
     def _free(self, count: int) -> None:
         pass  # BUG: "a pool to reuse": pages past the end are never freed, by crop() nor by reset()
+
+    def _store(self, pages, states, start):
+        if pages and pages[0].shape[:-2] != states.shape[:-2]:  # a new batch size: the pool cannot be reused
+            pages.clear()
+        super()._store(pages, states, start)
 
 
 class NeverFreedPagesCache(PagedCache):
