@@ -130,6 +130,11 @@ class CacheSpec:
         kind: one of ``KINDS`` (``"exact"``, ``"lossy"``, ``"evicting"``).
         budget: a ``Budget`` (or a dict of its fields), required for a lossy or evicting subject, None for an exact
             one.
+        page_size: the cache's allocation granularity in tokens (a paged / block cache that allocates K/V in pages
+            of ``page_size`` tokens), or None (undeclared: the memory family infers it from the steps in which the
+            held bytes grow). The memory budget of an exact, non-preallocated layer then allows at most one page per
+            row of slack above the formula (``page_size · B · H_kv · (D_k + D_v) · b`` bytes per layer). A Cache
+            subclass or factory declares it with a ``kvconform_page_size = N`` attribute (``declared_page_size``).
     """
 
     name: str
@@ -147,6 +152,7 @@ class CacheSpec:
     needs_cuda: str | None = None
     same_as: str | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
+    page_size: int | None = None
 
     def __post_init__(self):
         if isinstance(self.budget, Mapping):  # a dict is accepted for convenience; validate_spec checks it
@@ -467,7 +473,22 @@ def declared_kind(obj, where: str) -> tuple:
 def _declared(obj, where: str) -> dict:
     """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
     kind, budget = declared_kind(obj, where)
-    return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget)
+    return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
+                page_size=declared_page_size(obj, where))
+def declared_page_size(obj, where: str) -> int | None:
+    """The ``kvconform_page_size`` a Cache subclass or a factory function declares: its allocation granularity in
+    tokens (a paged cache allocating K/V in pages of N tokens), or None when it declares none.
+
+    Raises:
+        SpecError: a value that is not a positive int (``bool`` is refused too), naming the attribute and the fix.
+    """
+    declared = getattr(obj, "kvconform_page_size", None)
+    if declared is None:
+        return None
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise SpecError(f"{where}: kvconform_page_size must be a positive int (tokens per page), got {declared!r}; "
+                        f"e.g. kvconform_page_size = 16")
+    return declared
 
 
 def _check_names(where: str, what: str, names, known) -> None:
@@ -493,7 +514,8 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
 
     Raises:
         SpecError: a name that is not ``[A-Za-z0-9_.]+`` (it would break ``-k`` selection and ids), unknown
-            capabilities, or ``expected_failures`` naming an unknown check or case (with the closest known name).
+            capabilities, ``expected_failures`` naming an unknown check or case (with the closest known name), or
+            a ``page_size`` that is not a positive int.
     """
     import re
 
@@ -503,6 +525,10 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
                         f"part of every item id and -k expression); e.g. name={fixed!r}")
     _check_names(where, "capabilities", spec.capabilities, CAPABILITIES)
     validate_kind(spec.kind, spec.budget, f"{where}: {spec.name}")
+    page = spec.page_size
+    if page is not None and (isinstance(page, bool) or not isinstance(page, int) or page < 1):
+        raise SpecError(f"{where}: {spec.name}: page_size must be a positive int (tokens per page) or None, got "
+                        f"{page!r}")
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",
@@ -516,7 +542,8 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
     """``"pkg.mod:Attr"`` or ``"path/file.py:Attr"`` → ``CacheSpec``.
 
     ``Attr`` may also be a ``CacheSpec`` instance (returned as is). Capabilities of a class may be declared in a
-    ``kvconform_capabilities`` attribute (iterable of names); default: all.
+    ``kvconform_capabilities`` attribute (iterable of names); default: all. Its allocation granularity may be
+    declared in a ``kvconform_page_size`` attribute (tokens per page, ``declared_page_size``); default: none.
 
     Raises:
         SpecError: malformed spec, module/file that does not import (with the exception), missing attribute,

@@ -30,7 +30,18 @@ Verdict: an exact subject fails when a layer holds more than its formula plus ``
 per layer, for bookkeeping such as ``StaticLayer.cumulative_length``); holding less is reported in the metrics
 (the logits family judges whether the fewer bytes are still correct). A quantized layer fails outside its band
 (both sides: more bytes than declared, or fewer bits than declared). Bytes are measured after every op of the case
-(``prefill``/``decode``/``chunk``; ``reset`` sets ``S`` to 0), so a history that survives ``reset()`` is caught too.
+(``prefill``/``decode``/``chunk``/``crop``; ``reset`` sets ``S`` to 0), so a history that survives ``reset()`` or
+``crop()`` is caught too.
+
+Allocation granularity (paged / block caches): a cache that allocates K/V in pages of ``P`` tokens holds up to a
+page more than the formula. An exact, non-preallocated layer with granularity ``P > 1`` may hold at most **one page
+per row** above its formula: ``P · token_bytes`` (= ``P·B·H_kv·(D_k + D_v)·b``) plus ``slack_bytes``. ``P`` is
+either declared by the subject (``CacheSpec.page_size``, or a ``kvconform_page_size`` attribute on its class or
+factory) or inferred per layer from the steps in which its held bytes grow (``infer_granularity``: single-token
+forwards that allocate nothing, others that grow by one constant step of ``P`` tokens' bytes, and every growth a
+multiple of that step). Neither: ``P = 1`` (no extra allowance). A cache that allocates more than one spare page, a
+page per token, or never frees its pages on ``crop()``/``reset()`` still exceeds the bound, and the "likely cause"
+line says which. Metrics and messages name the granularity used and where it came from.
 
 On CUDA, ``check_memory_cuda_allocated`` compares ``torch.cuda.memory_allocated()`` deltas with the counted bytes
 (memory held where attribute traversal cannot see it: closures, globals, class attributes), and
@@ -40,6 +51,7 @@ lower GPU peak while decoding.
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass, field
 
@@ -53,7 +65,7 @@ from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
 QUANT_BAND = 0.10
-MEMORY_OPS = ("prefill", "decode", "chunk", "reset")
+MEMORY_OPS = ("prefill", "decode", "chunk", "crop", "reset")
 
 
 # ------------------------------------------------------------------------------------------------ counting bytes
@@ -220,8 +232,11 @@ class Expectation:
         self.full_precision = self.full_precision or self.exact
 
 
-def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expectation:
-    """Expected bytes of subject ``layer`` holding ``tokens`` tokens (see the module docstring)."""
+def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int = 1) -> Expectation:
+    """Expected bytes of subject ``layer`` holding ``tokens`` tokens (see the module docstring).
+
+    ``page``: the layer's allocation granularity in tokens (``Granularity.tokens``); when > 1, an exact layer that
+    does not preallocate may hold one page per row (``page · token_bytes``) above the formula."""
     state = shape.state_bytes
     if not shape.token_bytes:
         return Expectation(state, state + slack, f"conv+recurrent states {state} B (independent of S)", state)
@@ -247,7 +262,10 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expecta
     text = f"2·B{B}·H_kv{H}·D{D}·{b}B · {rule} = {kv} B" + (f" + states {state} B" if state else "")
     q = quant_params(layer)
     if q is None:
-        return Expectation(kv + state, kv + state + slack, text, kv + state)
+        spare = page * shape.token_bytes if page > 1 and not preallocates else 0
+        if spare:
+            text += f" + one page per row ({page} tokens: {spare} B)"
+        return Expectation(kv + state, kv + state + spare + slack, text, kv + state)
     nbits, group, residual = q
     ratio = quant_ratio(nbits, group, b)
     low = kv * ratio
@@ -260,7 +278,7 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int) -> Expecta
 # ------------------------------------------------------------------------------------------------ driving the ops
 class MemoryCheckpoints:
     """Observer of the memory checks: refuses ops outside ``MEMORY_OPS`` (``ValueError``) and, after each
-    token-feeding op, calls ``on_checkpoint(label, tokens_held, after_reset)``."""
+    token-feeding op and after ``crop``, calls ``on_checkpoint(label, tokens_held, after_reset)``."""
 
     def __init__(self, on_checkpoint):
         self.on_checkpoint, self.after_reset, self.current = on_checkpoint, False, None
@@ -280,17 +298,18 @@ class MemoryCheckpoints:
             self.on_checkpoint(op.label, runner.length, self.after_reset)
 
 
-def run_memory_ops(ctx, cache, on_checkpoint):
+def run_memory_ops(ctx, cache, on_checkpoint, observers=()):
     """Run the case's ops on ``cache`` through the interpreter (explicit positions, no padding); after each
-    token-feeding op call ``on_checkpoint(label, tokens_held, after_reset)``. Returns the first encoder input
-    ``[B, E]`` (None for decoder-only models).
+    token-feeding op (and after ``crop``) call ``on_checkpoint(label, tokens_held, after_reset)``; ``observers``
+    (e.g. a ``GrowthProbe``) see every forward too. Returns the first encoder input ``[B, E]`` (None for
+    decoder-only models).
 
     Raises:
         SubjectRaised: the subject raised during an op (names the op).
         ValueError: an op outside ``MEMORY_OPS``.
     """
     probe = MemoryCheckpoints(on_checkpoint)
-    runner = Runner(ctx, cache, "explicit", padding=[], observers=[probe])
+    runner = Runner(ctx, cache, "explicit", padding=[], observers=[probe, *observers])
     encoder_ids = runner.encoder_ids
     try:
         runner.run(parked=False)
@@ -332,6 +351,122 @@ class Checkpoint:
         return max(bad, key=lambda x: abs(x[3])) if bad else None
 
 
+# ------------------------------------------------------------------------------------------------ granularity
+@dataclass(frozen=True)
+class Granularity:
+    """How a layer allocates: in pages of ``tokens`` tokens (1: token by token, no page), and where that comes from.
+
+    Attributes:
+        tokens: tokens per page (≥ 1).
+        source: ``"declared"`` (the subject's ``page_size``), ``"inferred"`` (``infer_granularity``) or ``""``.
+        evidence: for ``"inferred"``, the decode steps at which the bytes grew (message text).
+    """
+
+    tokens: int = 1
+    source: str = ""
+    evidence: str = ""
+
+    def describe(self) -> str:
+        """``"pages of 4 tokens, declared"`` / ``"pages of 4 tokens, inferred from growth at ..."`` / token by
+        token."""
+        if self.tokens <= 1:
+            return "token by token (no page size declared, none inferred from the growth of the held bytes)"
+        if self.source == "declared":
+            return f"pages of {self.tokens} tokens, declared (page_size / kvconform_page_size)"
+        return f"pages of {self.tokens} tokens, inferred from growth at {self.evidence}"
+
+
+TOKEN_BY_TOKEN = Granularity()
+
+
+@dataclass
+class Growth:
+    """One forward of a memory run: ``n`` new tokens from ``start``; ``held`` = ``{layer label: (bytes before,
+    bytes after)}``."""
+
+    label: str
+    start: int
+    n: int
+    held: dict
+
+
+class GrowthProbe:
+    """Observer: the held bytes of every layer just before and just after each forward (``rows``: ``Growth``)."""
+
+    def __init__(self):
+        self.rows: list[Growth] = []
+        self._before: dict = {}
+
+    def before_forward(self, runner, label, n):
+        """Bytes of every layer before the forward."""
+        self._before = {name: held_bytes(layer) for name, layer in cache_layers(runner.cache)}
+
+    def after_forward(self, runner, step):
+        """Bytes of every layer after the forward, paired with those before."""
+        after = {name: held_bytes(layer) for name, layer in cache_layers(runner.cache)}
+        self.rows.append(Growth(step.label, step.start, step.length,
+                                {name: (self._before.get(name, 0), b) for name, b in after.items()}))
+
+
+def infer_granularity(rows: list, label: str, token_bytes: int) -> Granularity | None:
+    """The page size of layer ``label`` from how its bytes grew over ``rows`` (``GrowthProbe.rows``):
+    ``TOKEN_BY_TOKEN`` when its growth shows no pages, None when no decode step grew it at all (no evidence either
+    way: a cross-attention layer filled once, a sliding layer at its window, a layer without keys/values).
+
+    A layer is inferred to allocate pages of ``P ≥ 2`` tokens when, over the single-token forwards into a warm cache
+    (decode steps), some allocate nothing and every one that grows grows by the same step ``G = P · token_bytes``,
+    and every growth of the run (prefills and chunks too) is a multiple of ``G``. A cache that grows at every decode
+    step (a page per token, a history list) never shows a flat step, so nothing is inferred for it.
+    """
+    if token_bytes <= 0:  # holds no keys/values (a linear-attention layer, an unused layer)
+        return None
+    deltas = [(row, row.held[label][1] - row.held[label][0]) for row in rows if label in row.held]
+    decodes = [(row, d) for row, d in deltas if row.n == 1 and row.start > 0]
+    grew = [(row, d) for row, d in decodes if d > 0]
+    if not grew:
+        return None
+    if not any(d == 0 for _, d in decodes):
+        return TOKEN_BY_TOKEN
+    step = math.gcd(*[d for _, d in deltas if d > 0])
+    if step % token_bytes or step // token_bytes < 2 or any(d != step for _, d in grew):
+        return TOKEN_BY_TOKEN
+    page = step // token_bytes
+    at = ", ".join(f"S={row.start + 1}" for row, _ in grew)
+    return Granularity(page, "inferred", f"decode steps {at} (+{page} tokens' bytes = {step} B each, no growth at "
+                                         f"the other decode steps)")
+
+
+def granularities(subject, rows: list, shapes: dict) -> dict:
+    """``{layer label: Granularity}``: the subject's declared ``page_size`` for every layer, else each layer's
+    ``infer_granularity``. A layer without evidence of its own (no decode step grew it) takes the page size the
+    other layers of the cache agree on (one cache class allocates one way), named after the layer it was seen on;
+    when they disagree or show none, it is ``TOKEN_BY_TOKEN``."""
+    declared = getattr(subject, "page_size", None)
+    if declared:
+        return {label: Granularity(int(declared), "declared") for label in shapes}
+    seen = {label: infer_granularity(rows, label, shape.token_bytes) for label, shape in shapes.items()}
+    paged = {label: g for label, g in seen.items() if g is not None and g.tokens > 1}
+    sizes = {g.tokens for g in seen.values() if g is not None}
+    shared = None
+    if paged and len(sizes) == 1:
+        first, g = next(iter(paged.items()))
+        shared = Granularity(g.tokens, "inferred", f"{g.evidence} on {first}")
+    return {label: g if g is not None else (shared or TOKEN_BY_TOKEN) for label, g in seen.items()}
+
+
+def _granularity_summary(by_layer: dict) -> str:
+    """One line for the metrics: the granularity of the token-holding layers (per layer when they differ)."""
+    paged = {label: g for label, g in by_layer.items() if g.tokens > 1}
+    if not paged:
+        return TOKEN_BY_TOKEN.describe()
+    first, g = next(iter(paged.items()))
+    if len({x.tokens for x in paged.values()}) == 1 and len({x.source for x in paged.values()}) == 1:
+        where = "" if g.source == "declared" else f" ({first}" + (f" and {len(paged) - 1} more" if len(paged) > 1
+                                                                   else "") + ")"
+        return g.describe() + where
+    return "; ".join(f"{label}: {x.describe()}" for label, x in paged.items())
+
+
 def _ops_label(ctx, upto=None) -> str:
     return ctx.case.ops_label() + (f"   [measured after {upto}]" if upto else "")
 
@@ -366,43 +501,52 @@ def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
     (full: S tokens, sliding: min(S, window), static: max_cache_len, linear: its states, quantized: its band).
 
-    A subject that does not declare capability ``reset`` is measured up to the case's first ``reset`` op."""
+    A subject that does not declare capability ``reset`` (``crop``) is measured up to the case's first ``reset``
+    (``crop``) op. A paged subject may hold one page per row and layer above the formula (see the module docstring:
+    its ``page_size``, declared or inferred); the metrics ``granularity`` and ``page_tokens`` say which was used."""
     slack = int(ctx.case.params.get("slack_bytes", DEFAULT_SLACK_BYTES))
-    if "reset" not in ctx.subject.capabilities and any(op.name == "reset" for op in ctx.case.ops):
+    undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
+                  and op.name not in ctx.subject.capabilities]
+    if undeclared:
         import dataclasses
 
-        first = next(i for i, op in enumerate(ctx.case.ops) if op.name == "reset")
-        ctx.case = dataclasses.replace(ctx.case, ops=ctx.case.ops[:first])
-        ctx.metrics["note"] = f"{ctx.subject.name} does not declare 'reset': measured up to the first reset"
+        first = ctx.case.ops[undeclared[0]].name
+        ctx.case = dataclasses.replace(ctx.case, ops=ctx.case.ops[:undeclared[0]])
+        ctx.metrics["note"] = f"{ctx.subject.name} does not declare {first!r}: measured up to the first {first}"
     shapes = _shapes_for(ctx)
     cache = ctx.new_cache()
-    checkpoints: list[Checkpoint] = []
+    raw: list[tuple[Checkpoint, list]] = []
 
     def measure(label, tokens, after_reset):
-        cp = Checkpoint(label, tokens, after_reset)
         layers = dict(cache_layers(cache))
-        for name, layer in layers.items():
-            shape = shapes.get(name)
-            if shape is None:
-                continue
-            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
-            cp.layers.append((name, held_bytes(layer), expected_layer(shape, layer, enc, slack)))
-        extra = set(layers) - set(shapes)
-        if extra:  # layers the reference does not have: everything they hold is unexplained
-            for name in sorted(extra):
-                cp.layers.append((name, held_bytes(layers[name]), Expectation(0, slack, "no such layer", 0)))
-        checkpoints.append(cp)
+        raw.append((Checkpoint(label, tokens, after_reset),
+                    [(name, held_bytes(layer), layer, tokens) for name, layer in layers.items()]))
 
+    probe = GrowthProbe()
     try:
-        run_memory_ops(ctx, cache, measure)
+        run_memory_ops(ctx, cache, measure, observers=[probe])
     except SubjectRaised as exc:
         fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
-    if not checkpoints:
+    if not raw:
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
+    grains = granularities(ctx.subject, probe.rows, shapes)
+    checkpoints: list[Checkpoint] = []
+    for cp, layers in raw:
+        for name, held, layer, tokens in layers:
+            shape = shapes.get(name)
+            if shape is None:  # a layer the reference does not have: everything it holds is unexplained
+                cp.layers.append((name, held, Expectation(0, slack, "no such layer", 0)))
+                continue
+            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
+            cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens)))
+        checkpoints.append(cp)
+    page_tokens = sorted({g.tokens for g in grains.values() if g.tokens > 1})
     last = checkpoints[-1]
     peak = max(checkpoints, key=lambda c: c.held)
     ctx.metrics.update(_checkpoint_metrics(last), peak_bytes=peak.held, layers=len(last.layers),
-                       per_op=[[c.op, c.tokens, c.held, c.formula] for c in checkpoints])
+                       per_op=[[c.op, c.tokens, c.held, c.formula] for c in checkpoints],
+                       granularity=_granularity_summary(grains),
+                       page_tokens=page_tokens[0] if len(page_tokens) == 1 else (page_tokens or 1))
     failing = [(cp, cp.worst()) for cp in checkpoints if cp.worst() is not None]
     if not failing:
         return
@@ -415,15 +559,18 @@ def check_memory_bytes(ctx):
     ratio = held / exp.exact if exp.exact else float("inf")
     per_op = ", ".join(f"{c.op} {h / e.exact:.2f}×" for c in checkpoints for name, h, e in c.layers
                        if name == label and e.exact)
+    grain = grains.get(label, TOKEN_BY_TOKEN)
     ctx.fail([
         observed + f" ({ratio:.2f}× the formula)",
         f"formula: {exp.formula}" + ("" if exp.lossy else f" (+ slack {slack} B)"),
+        f"granularity of {label}: {grain.describe()}",
         f"whole cache: {_mib(cp.held)} held vs {_mib(cp.formula)} by the formula after S={cp.tokens} tokens",
         f"{label} held/formula after each op: {per_op}",
         f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
-        "likely cause: " + _memory_cause(exp, excess, shapes, label, checkpoints),
+        "likely cause: " + _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows),
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
-        "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low})
+        "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
+        "layer_granularity": grain.describe()})
 
 
 def _checkpoint_metrics(c) -> dict:
@@ -433,8 +580,9 @@ def _checkpoint_metrics(c) -> dict:
                 ratio_to_full_precision=round(c.held / c.full_precision, 4) if c.full_precision else None)
 
 
-def _memory_cause(exp, excess, shapes, label, checkpoints) -> str:
-    """The likeliest cause, from how ``label``'s bytes relate to its formula over all checkpoints."""
+def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN, rows=()) -> str:
+    """The likeliest cause, from how ``label``'s bytes relate to its formula over all checkpoints, its granularity
+    ``grain`` and its growth at each forward (``rows``, ``GrowthProbe.rows``)."""
     if excess < 0:
         return ("the layer holds fewer bytes than its declared quantization can: keys/values are stored at fewer "
                 "bits (or fewer tokens) than declared")
@@ -446,15 +594,39 @@ def _memory_cause(exp, excess, shapes, label, checkpoints) -> str:
     series = [(cp.op, held, e) for cp in checkpoints for name, held, e in cp.layers if name == label]
     ratios = [held / e.exact for _, held, e in series if e.exact]
     over = [held > e.high for _, held, e in series]
+    token_bytes = shape.token_bytes if shape is not None else 0
+    decode_growth = [row.held[label][1] - row.held[label][0] for row in rows
+                     if label in row.held and row.n == 1 and row.start > 0]
+    per_token = (token_bytes and decode_growth and len(set(decode_growth)) == 1
+                 and decode_growth[0] >= 2 * token_bytes and decode_growth[0] % token_bytes == 0)
+    if per_token and grain.tokens > 1 and decode_growth[0] == grain.tokens * token_bytes:
+        return (f"a new page ({grain.tokens} tokens, {decode_growth[0]} B) is allocated for every token: the held "
+                f"bytes grow by a whole page at every decode step, instead of once per {grain.tokens} tokens when "
+                f"the last page is full")
+    after_reset_over = any(cp.after_reset and held > e.high for cp in checkpoints for name, held, e in cp.layers
+                           if name == label)
+    before_reset_over = any(o for cp, o in zip(checkpoints, over) if not cp.after_reset)
+    if grain.tokens > 1 and after_reset_over and not before_reset_over:
+        return (f"pages are not freed by reset(): the pages ({grain.tokens} tokens each) of the sequence before "
+                f"reset() are still held after it (superseded keys/values kept)")
+    cropped = [i for i, cp in enumerate(checkpoints) if cp.op.startswith("crop")]
+    if grain.tokens > 1 and cropped and any(over[cropped[0]:]) and not any(over[:cropped[0]]):
+        return (f"pages are not freed by crop(): after crop the layer still holds the pages ({grain.tokens} tokens "
+                f"each) past the new end; free every page beyond ceil(S/{grain.tokens})")
     if ratios and all(over) and max(ratios) - min(ratios) < 0.05 and round(ratios[0]) >= 2:
         heads = f" (H_kv = {shape.dims[1]})" if shape is not None and shape.dims else ""
+        page = (f", or a page of {round(ratios[0])} tokens allocated per token" if per_token
+                and decode_growth[0] == round(ratios[0]) * token_bytes else "")
         return (f"a constant {round(ratios[0])}× the formula at every op: keys/values stored repeated across the "
-                f"query heads (repeat_kv) or kept twice{heads}")
-    multi = [not op.startswith("decode") for op, _, _ in series]
+                f"query heads (repeat_kv) or kept twice{heads}{page}")
+    multi = [op.startswith(("prefill", "chunk")) for op, _, _ in series]
     if any(over) and all(m for m, o in zip(multi, over) if o) and not all(over):
         return ("over only right after a multi-token op, back within the formula after a decode step: the layer "
                 "keeps a slice (a view) of the whole prefill/chunk buffer instead of a copy of its window")
-    if any(cp.after_reset and held > e.high for cp in checkpoints for name, held, e in cp.layers if name == label):
+    if grain.tokens > 1 and token_bytes:
+        return (f"more than one spare page per row: the layer holds more than ceil(S/{grain.tokens}) + 1 pages of "
+                f"{grain.tokens} tokens; pages are allocated ahead of need or never freed")
+    if after_reset_over:
         return ("bytes survive reset(): superseded keys/values are kept somewhere reset() does not clear "
                 "(a history list, a second buffer)")
     return ("the bytes grow faster than the tokens: superseded keys/values are kept (a history list, or views "
