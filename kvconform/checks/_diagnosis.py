@@ -105,7 +105,12 @@ def positions_label(ctx) -> str:
 
 def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
     """Fail the item because the subject raised: the exception (innermost frame), the ops with the op that raised
-    (``ops_text``, default the case's), and ``cause`` as the likely cause."""
+    (``ops_text``, default the case's), and ``cause`` as the likely cause (a subject's context that left the model
+    changed has its own, ``subjects.ModelLeftChanged.likely_cause``)."""
+    from kvconform.subjects import ModelLeftChanged
+
+    if isinstance(exc.cause, ModelLeftChanged):
+        cause = ModelLeftChanged.likely_cause
     ctx.fail([
         f"the subject raised {describe_raise(exc)}",
         f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvconform.checks import OP_PARAMS, Param, register
-from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, tensors_of
+from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call,
+                                     tensors_of)
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import fail_raised
 
@@ -188,10 +189,12 @@ def _drive(ctx, seqs, step_fn):
         else:
             cache.reset()
         with torch.no_grad():
-            m(**_kwargs(ctx, cache, tokens[:, :prefill], 0, enc))
+            with subject_call(cache, m):
+                m(**_kwargs(ctx, cache, tokens[:, :prefill], 0, enc))
             for s in range(steps):
                 pos = prefill + s
-                step_fn(name, s, _kwargs(ctx, cache, tokens[:, pos:pos + 1], pos, enc))
+                with subject_call(cache, m):  # a (cache, context) subject: its context around each call
+                    step_fn(name, s, _kwargs(ctx, cache, tokens[:, pos:pos + 1], pos, enc))
 
 
 def _first_guard(message: str) -> tuple[str, str]:
