@@ -134,6 +134,18 @@ class CacheSpec:
             _attach(cache, CallContext(self.name, context, available.get(MODEL_KWARG)))
         return cache
 
+    def plan_build(self, config):
+        """The cache built for ``config`` without running anything (``max_cache_len=64``, ``batch_size=2``, CPU,
+        ``dtype=None``), to read what it declares (``is_compileable``) or check what the factory returns. A factory
+        naming ``model`` gets a weightless model of ``config`` on the meta device (``meta_model``); its context, if
+        any, is never entered.
+
+        Raises:
+            SubjectBuildError: as ``build_one``.
+        """
+        extra = {MODEL_KWARG: meta_model(config)} if names_model(self.factory) else {}
+        return self.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None, **extra)
+
     def build(self, model, max_cache_len: int, batch_size: int, encoder_len: int = 0):
         """A fresh cache for ``model`` (a ``ZooModel``); wrapped in ``EncoderDecoderCache`` for encoder-decoders.
 
@@ -165,6 +177,8 @@ def _describe(obj) -> str:
     if isinstance(obj, tuple):
         inner = ", ".join(type(x).__name__ for x in obj[:4]) + (", ..." if len(obj) > 4 else "")
         return f"a tuple of {len(obj)} ({inner})"
+    if inspect.isclass(obj):
+        return f"the class {obj.__module__}.{obj.__qualname__} (not an instance: call it)"
     return "None" if obj is None else f"a {type(obj).__module__}.{type(obj).__qualname__}"
 
 
@@ -219,8 +233,9 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 
 def _model_state(model) -> dict:
-    """What a context may change on ``model`` (an ``nn.Module``) and must restore: per module its hook ids, its
-    callable instance attributes (a patched ``forward``) and its class's ``forward``; the global module hooks."""
+    """What a context may change on ``model`` (an ``nn.Module``) and must restore: per module its hook ids, the
+    instance attributes that shadow a method of its class (a patched ``forward``; not what transformers caches on the
+    instance, such as ``generate``'s ``_compiled_call``) and its class's ``forward``; the global module hooks."""
     import torch
 
     state: dict = {}
@@ -229,8 +244,9 @@ def _model_state(model) -> dict:
             hooks = getattr(module, attr, None)
             if hooks:
                 state[("hook", name, attr)] = (module, hooks, frozenset(hooks))
-        for key, value in vars(module).items():
-            if callable(value) and not isinstance(value, torch.nn.Module):
+        for key, value in vars(module).items():  # an instance attribute shadowing a method: a patched forward
+            if callable(value) and not isinstance(value, torch.nn.Module) \
+                    and callable(getattr(type(module), key, None)):
                 state[("attr", name, key)] = (module, key, value)
         state[("class", type(module))] = type(module).__dict__.get("forward")
     globals_ = torch.nn.modules.module
@@ -424,6 +440,18 @@ def accepted_names(factory) -> set | None:
         return None
     except (TypeError, ValueError):
         return None
+
+
+def meta_model(config):
+    """A weightless transformers model of ``config`` on the meta device (``AutoModelForSeq2SeqLM`` for
+    encoder-decoders, else ``AutoModelForCausalLM``): what a model-aware factory gets where kvconform only needs to see
+    what it builds (``CacheSpec.plan_build``). Its parameters have shapes and dtypes (float32) but no data."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
 
 
 def names_model(factory) -> bool:
@@ -713,9 +741,10 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
 
 
 def check_factory_builds_cache(spec: CacheSpec, config) -> None:
-    """Build ``spec`` once for ``config`` and make sure the result is a ``transformers.Cache`` or a ``(Cache,
-    context manager)`` pair (``unpack_factory_result``). No model is loaded for this: a factory that requires
-    ``model`` raises here, and its result is checked when its items build it (a wrong one fails them).
+    """Build ``spec`` once for ``config`` (``CacheSpec.plan_build``: a factory naming ``model`` gets a weightless
+    meta-device model) and make sure the result is a ``transformers.Cache`` or a ``(Cache, context manager)`` pair
+    (``unpack_factory_result``). A factory that cannot be built this way (it computes with the model's weights) has
+    its result checked when its items build it (a wrong one fails them).
 
     Raises:
         SpecError: the factory requires an argument kvconform never passes (``required_unknown_arguments``), or
@@ -730,7 +759,7 @@ def check_factory_builds_cache(spec: CacheSpec, config) -> None:
             f"{', '.join(CONSTRUCTION_KWARGS)} that the signature accepts); hand kvconform a factory instead, e.g. "
             f"def make_{spec.name.lower()}(config): return {spec.name}(config=config, {missing[0]}=...)")
     try:
-        spec.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
+        spec.plan_build(config)
     except SubjectBuildError as exc:
         if isinstance(exc.cause, FactoryResultError):
             raise SpecError(f"{spec.source!r}: {exc.cause}") from None

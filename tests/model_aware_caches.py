@@ -5,7 +5,7 @@ Imported by tests/test_model_aware.py; every cache here is exact (lossless), so 
 import contextlib
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 
 def attention_modules(model):
@@ -180,6 +180,13 @@ def checked_pressed(config, model):
     return PressedCache(config=config), CHECKED_PRESS(model)
 
 
+def returns_cache_class(config, model):
+    """Faulty: computes from the model's weights (so it cannot be built on a weightless model before the run), then
+    returns the cache class instead of an instance."""
+    scale = float(next(model.parameters()).abs().max())
+    return DynamicCache if scale > 0 else None
+
+
 def returns_triple(config):
     return DynamicCache(config=config), None, None
 
@@ -203,8 +210,41 @@ ENC_DEC_CONTEXTS = []
 
 
 def counted(config, model):
-    """Each call returns a new ``Entries`` context tagged with its call number (encoder-decoders: 0 self-attention,
-    1 cross-attention per build)."""
+    """Each call returns a new ``Entries`` context; those made for an encoder-decoder's real (not meta-device) model
+    are kept in order in ``ENC_DEC_CONTEXTS`` (per build: self-attention, then cross-attention)."""
     context = Entries(len(ENC_DEC_CONTEXTS))
-    ENC_DEC_CONTEXTS.append(context)
+    if config.is_encoder_decoder and next(model.parameters()).device.type != "meta":
+        ENC_DEC_CONTEXTS.append(context)
     return DynamicCache(config=config), context
+
+
+class Switch:
+    """A class-based context (entered again for every call) that only flips ``active``."""
+
+    def __init__(self):
+        self.active, self.entered = False, 0
+
+    def __enter__(self):
+        self.active = True
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+        return False
+
+
+SWITCH = Switch()
+
+
+class SwitchedStaticCache(StaticCache):
+    """A StaticCache that refuses an update made while ``SWITCH`` is off (also inside compiled calls)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not SWITCH.active:
+            raise RuntimeError("update outside the context")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def switched_static(config, max_cache_len, model):
+    return SwitchedStaticCache(config=config, max_cache_len=max_cache_len), SWITCH

@@ -103,16 +103,22 @@ def test_the_context_is_exited_when_the_subject_raises():
 
 
 def test_a_factory_returning_something_else_is_one_clear_error():
-    with pytest.raises(SpecError, match=r"returns_triple returned a tuple of 3 \(DynamicCache, NoneType, NoneType\); "
-                                        r"a factory returns a transformers.Cache, or a pair \(cache, context manager\)"):
+    expected = (r"returns_triple returned a tuple of 3 \(DynamicCache, NoneType, NoneType\); a factory returns a "
+                r"transformers.Cache, or a pair \(cache, context manager\)")
+    with pytest.raises(SpecError, match=expected):
         check_cache([mac.returns_triple], models=["llama"], checks=["check_prefill_then_decode"])
-    # a factory that needs the model is only built by its items: each fails, naming what it returned
-    results = check_cache([mac.returns_press_not_context], models=["llama"], checks=["check_prefill_then_decode"],
+    # a factory naming `model` is built on a weightless (meta) model before the run: same usage error
+    with pytest.raises(SpecError, match=r"returns_press_not_context returned a tuple of 2 \(DynamicCache, "
+                                        r"IdentityPress\); its second item, a IdentityPress, is not a context manager"):
+        check_cache([mac.returns_press_not_context], models=["llama"], checks=["check_prefill_then_decode"])
+    # one that computes with the weights is only built by its items: each fails, naming what it returned
+    results = check_cache([mac.returns_cache_class], models=["llama"], checks=["check_prefill_then_decode"],
                           cases=["decode_explicit_positions"])
     (result,) = results
     assert result.outcome == "failed"
-    assert ("building the subject failed: returns_press_not_context returned a tuple of 2 (DynamicCache, "
-            "IdentityPress); its second item, a IdentityPress, is not a context manager") in result.message
+    assert ("building the subject failed: returns_cache_class returned the class "
+            "transformers.cache_utils.DynamicCache (not an instance: call it); a factory returns") in result.message
+    assert "called: returns_cache_class(config=..., model=...) for llama" in result.message
 
 
 def test_encoder_decoder_uses_the_self_attention_context():
@@ -130,3 +136,13 @@ def test_encoder_decoder_uses_the_self_attention_context():
     selves, crosses = mac.ENC_DEC_CONTEXTS[0::2], mac.ENC_DEC_CONTEXTS[1::2]
     assert sum(c.entered for c in selves) > 0 and all(c.entered == c.exited for c in selves)
     assert all(c.entered == 0 for c in crosses)  # one context per call, never two on one model
+
+
+def test_compile_and_speed_families_run_the_model_under_the_context(run_kvconform, pytester):
+    """They call the model themselves (eager prefill, compiled decode, timed steps): the context is entered there
+    too, or SwitchedStaticCache raises."""
+    pytester.makepyfile(model_aware_caches=(Path(__file__).parent / "model_aware_caches.py").read_text())
+    result = run_kvconform("--kvconform-cache", "model_aware_caches.py:switched_static", "--kvconform-subject",
+                           "switched_static", "--kvconform-model", "llama", "-k",
+                           "compile_decode or static_addresses or speed_flat_decode")
+    result.assert_outcomes(passed=3)

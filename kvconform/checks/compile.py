@@ -56,8 +56,9 @@ _CLAIMS: dict = {}
 
 
 def declared_compileable(subject, model_info) -> bool | None:
-    """``is_compileable`` of ``subject``'s cache built for ``model_info``'s config (no tensors allocated), memoised;
-    None when it cannot be built here (then the item runs and reports the failure)."""
+    """``is_compileable`` of ``subject``'s cache built for ``model_info``'s config (no tensors allocated;
+    ``CacheSpec.plan_build``), memoised; None when it cannot be built here (then the item runs and reports the
+    failure)."""
     key = (subject.name, subject.source, model_info.spec)
     if key not in _CLAIMS:
         try:
@@ -65,7 +66,7 @@ def declared_compileable(subject, model_info) -> bool | None:
 
             config = zoo.zoo_config(model_info.spec) if model_info.spec in zoo.ZOO_NAMES else _checkpoint_config(
                 model_info.spec)
-            cache = subject.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
+            cache = subject.plan_build(config)
             _CLAIMS[key] = bool(cache.is_compileable)
         except Exception:  # noqa: BLE001 - reported by the item itself
             _CLAIMS[key] = None
