@@ -55,11 +55,13 @@ def test_model_is_passed_only_to_factories_that_name_it():
 
 CHECKS = ["check_prefill_then_decode", "check_chunked_continuation", "check_generate_greedy", "check_prefix_fork",
           "check_prefix_generate"]
+CASES = ["decode_explicit_positions", "decode_implicit_positions", "chunk2", "greedy", "prefix_fork_steps",
+         "prefix_generate_full_prompt", "prefix_generate_suffix_only"]  # each runs on every supported transformers
 
 
 def test_for_model_and_press_subjects_conform_with_the_press_entered_around_every_forward():
     results = check_cache([mac.for_model, mac.checked_pressed, mac.forwards_kwargs], models=["llama"],
-                          checks=CHECKS)
+                          checks=CHECKS, cases=CASES)
     by = _by_subject(results)
     assert set(by) == {"for_model", "checked_pressed", "forwards_kwargs"}
     for name, rows in by.items():
