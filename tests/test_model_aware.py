@@ -148,3 +148,40 @@ def test_compile_and_speed_families_run_the_model_under_the_context(run_kvconfor
                            "switched_static", "--kvconform-model", "llama", "-k",
                            "compile_decode or static_addresses or speed_flat_decode")
     result.assert_outcomes(passed=3)
+
+
+def test_class_patches_and_global_hooks_left_by_a_context_are_named_and_undone():
+    """What patchers do besides module hooks: replace the attention class's forward, register a global module hook."""
+    import contextlib
+
+    from kvconform import zoo
+    from kvconform.checks._drive import forward
+    from kvconform.subjects import ModelLeftChanged
+
+    llama = zoo.build_zoo_model("llama")
+    attention = type(mac.attention_modules(llama.model)[0])
+    original = attention.__dict__["forward"]
+    calls = []
+
+    @contextlib.contextmanager
+    def patch_model(model):
+        def patched(self, *args, **kwargs):
+            calls.append(1)
+            return original(self, *args, **kwargs)
+
+        attention.forward = patched  # never put back
+        torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)  # never removed
+        yield
+
+    def patcher(config, model):
+        return DynamicCache(config=config), patch_model(model)
+
+    cache = CacheSpec("patcher", patcher).build(llama, max_cache_len=16, batch_size=1)
+    tokens = torch.full((1, 3), 5)
+    with pytest.raises(ModelLeftChanged, match=r"patcher's context \(_GeneratorContextManager\) left the model "
+                                               r"changed after __exit__: .*LlamaAttention.forward replaced on the "
+                                               r"class.*global forward hook"):
+        forward(llama, cache, tokens, 0, "explicit")
+    assert calls, "the patch was active during the forward"
+    assert attention.__dict__["forward"] is original
+    assert not torch.nn.modules.module._global_forward_hooks
