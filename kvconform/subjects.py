@@ -8,6 +8,38 @@ Construction contract: a subject is built with keyword arguments drawn from
 ``{config, max_cache_len, batch_size, device, dtype}`` — only those its signature accepts, all of them if it takes
 ``**kwargs``. For encoder-decoder models it is built twice (self-attention with ``max_cache_len`` of the decoder
 sequence, cross-attention with ``max_cache_len`` of the encoder input) and wrapped in ``EncoderDecoderCache``.
+
+Model-aware subjects (caches that need the model itself: presses that hook its attention modules, ``for_model``
+constructors, patchers) have two more shapes:
+
+* a factory may take ``model``: the loaded ``transformers.PreTrainedModel`` the item runs, on the item's device and
+  dtype. It is passed only to a factory that *names* it — a function parameter ``model``, or a parameter ``model``
+  of some ``__init__`` along a class's MRO (``accepted_names``) — never through a bare ``**kwargs``: a factory that
+  forwards ``**kwargs`` to ``DynamicCache``/``StaticCache`` must not be handed a model it would pass on.
+* a factory may return a pair ``(cache, context)`` where ``context`` is a context manager (``press(model)``).
+  kvconform enters it around every forward and every ``generate`` call made with that cache (and with its
+  ``deepcopy``), and never around the oracle's, the reference's or a twin's calls on the same model. It is
+  entered and exited per call, so that it is never active while another cache runs the model; an exception inside
+  still exits it. A ``@contextlib.contextmanager`` object (single use) is recreated for each call; an object of your
+  own class is entered again. After each exit kvconform checks that the model is as before the entry (module hooks,
+  instance attributes such as a patched ``forward``, class ``forward`` methods, global module hooks): what is left
+  over is removed and the call fails with ``ModelLeftChanged`` naming it. For encoder-decoder models the context of
+  the self-attention call is used (the cross-attention call's only where the self-attention call returned none):
+  one context per model call, never two presses on one model.
+
+Example (a press-like subject)::
+
+    @contextlib.contextmanager
+    def scale_hooks(model):                      # registers hooks on enter, removes them on exit
+        handles = [m.register_forward_hook(hook) for m in attention_modules(model)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def pressed(config, model):                  # names ``model``: it is passed
+        return DynamicCache(config=config), scale_hooks(model)
 """
 
 from __future__ import annotations
@@ -22,7 +54,13 @@ from typing import Callable, Mapping
 
 from kvconform.outcomes import with_article
 
-CONSTRUCTION_KWARGS = ("config", "max_cache_len", "batch_size", "device", "dtype")
+CONSTRUCTION_KWARGS = ("config", "max_cache_len", "batch_size", "device", "dtype", "model")
+"""What a factory may be called with; ``model`` only when its signature names it (see the module docstring)."""
+
+MODEL_KWARG = "model"
+
+CALL_CONTEXT_ATTR = "_kvconform_call_context"
+"""Attribute of a built cache holding the per-call context of a ``(cache, context)`` factory (see ``call_context``)."""
 
 CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_repeat", "batch_select", "reset",
                 "compile")
@@ -109,8 +147,10 @@ class CacheSpec:
 
     Attributes:
         name: name in ids and reports (the attr name for user subjects); ``[A-Za-z0-9_.]+``.
-        factory: a ``Cache`` subclass or a callable returning a ``Cache``; called with the keyword arguments of
-            ``CONSTRUCTION_KWARGS`` that its signature accepts.
+        factory: a ``Cache`` subclass or a callable returning a ``Cache`` or a pair ``(Cache, context manager)``;
+            called with the keyword arguments of ``CONSTRUCTION_KWARGS`` that its signature accepts (``model``, the
+            ``PreTrainedModel`` of the item, only where it names it). The context manager is entered around every
+            forward and ``generate`` call made with the cache (module docstring: model-aware subjects).
         capabilities: subset of ``CAPABILITIES``.
         expected_failures: ``{check name or "check:case": reason}`` — these items become xfail.
         tolerance_factor: multiplies the case tolerance factor ``k`` (lossy subjects declare > 1).
@@ -162,31 +202,303 @@ class CacheSpec:
                 pass  # kept as given: validate_spec reports it with where it came from
 
     def build_one(self, **available):
-        """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``).
+        """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``; ``model``
+        only where the factory names it) and return the cache. A ``(cache, context)`` result is unpacked: the
+        context is attached to the cache (``call_context``), to be entered around each call on ``available["model"]``.
 
         Raises:
-            SubjectBuildError: the factory raised (the item fails with that cause; the session goes on).
+            SubjectBuildError: the factory raised, or returned something that is neither a ``Cache`` nor a
+                ``(Cache, context manager)`` pair (then ``cause`` is a ``FactoryResultError`` naming what it
+                returned); the item fails with that cause, the session goes on.
         """
         kwargs = accepted_kwargs(self.factory, available)
         try:
-            return self.factory(**kwargs)
+            built = self.factory(**kwargs)
         except Exception as exc:  # noqa: BLE001 - any error of the user's constructor is reported on its items
             raise SubjectBuildError(self.name, sorted(kwargs), exc) from exc
+        try:
+            cache, context = unpack_factory_result(self.name, built)
+            if context is not None:
+                _attach(cache, CallContext(self.name, context, available.get(MODEL_KWARG)))
+        except FactoryResultError as exc:
+            raise SubjectBuildError(self.name, sorted(kwargs), exc) from None
+        return cache
+
+    def plan_build(self, config):
+        """The cache built for ``config`` without running anything (``max_cache_len=64``, ``batch_size=2``, CPU,
+        ``dtype=None``), to read what it declares (``is_compileable``) or check what the factory returns. A factory
+        naming ``model`` gets a weightless model of ``config`` on the meta device (``meta_model``); its context, if
+        any, is never entered.
+
+        Raises:
+            SubjectBuildError: as ``build_one``.
+        """
+        extra = {MODEL_KWARG: meta_model(config)} if names_model(self.factory) else {}
+        return self.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None, **extra)
 
     def build(self, model, max_cache_len: int, batch_size: int, encoder_len: int = 0):
-        """A fresh cache for ``model`` (a ``ZooModel``); wrapped in ``EncoderDecoderCache`` for encoder-decoders."""
-        import torch
+        """A fresh cache for ``model`` (a ``ZooModel``); wrapped in ``EncoderDecoderCache`` for encoder-decoders.
 
+        The factory gets ``model.model`` (the ``PreTrainedModel``) as ``model`` where it names it. For
+        encoder-decoders the wrapper carries the self-attention call's context (else the cross-attention call's).
+        """
         device = next(model.model.parameters()).device
-        common = dict(config=model.config, batch_size=batch_size, device=device, dtype=model.dtype)
+        common = dict(config=model.config, batch_size=batch_size, device=device, dtype=model.dtype,
+                      model=model.model)
         if not model.is_encoder_decoder:
             return self.build_one(max_cache_len=max_cache_len, **common)
         from transformers import EncoderDecoderCache
 
         self_attention = self.build_one(max_cache_len=max_cache_len, **common)
         cross_attention = self.build_one(max_cache_len=max(encoder_len, 1), **common)
-        del torch
-        return EncoderDecoderCache(self_attention, cross_attention)
+        wrapper = EncoderDecoderCache(self_attention, cross_attention)
+        context = call_context(self_attention) or call_context(cross_attention)
+        if context is not None:
+            _attach(wrapper, context)
+        return wrapper
+
+
+class FactoryResultError(TypeError):
+    """A factory returned something that is neither a ``transformers.Cache`` nor a ``(Cache, context manager)``
+    pair. ``str(err)`` names the subject, what it returned and the two accepted shapes."""
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, (tuple, list)):
+        inner = ", ".join(type(x).__name__ for x in obj[:4]) + (", ..." if len(obj) > 4 else "")
+        return f"a {type(obj).__name__} of {len(obj)} ({inner})"
+    if inspect.isclass(obj):
+        return f"the class {obj.__module__}.{obj.__qualname__} (not an instance: call it)"
+    return "None" if obj is None else f"a {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _is_context_manager(obj) -> bool:
+    return hasattr(type(obj), "__enter__") and hasattr(type(obj), "__exit__")
+
+
+def unpack_factory_result(name: str, built):
+    """``(cache, context or None)`` from what a factory returned: a ``transformers.Cache``, or a pair ``(Cache,
+    context manager)`` (a list of two is accepted as a pair).
+
+    Raises:
+        FactoryResultError: anything else (a pair whose first item is no Cache or whose second has no
+            ``__enter__``/``__exit__``, a tuple of another length, None, ...), naming what was returned.
+    """
+    from transformers import Cache
+
+    if isinstance(built, Cache):
+        return built, None
+    pair = isinstance(built, (tuple, list)) and len(built) == 2
+    if pair and isinstance(built[0], Cache) and _is_context_manager(built[1]):
+        return built[0], built[1]
+    what = _describe(built)
+    if pair and isinstance(built[0], Cache):
+        why = (f"; its second item, a {type(built[1]).__name__}, is not a context manager (no __enter__/__exit__: "
+               f"return the context itself, e.g. press(model), not the press)")
+    elif pair and _is_context_manager(built[1]):
+        why = f"; its first item, a {type(built[0]).__name__}, is not a transformers.Cache"
+    else:
+        why = ""
+    raise FactoryResultError(
+        f"{name} returned {what}{why}; a factory returns a transformers.Cache, or a pair (cache, context manager) "
+        f"whose context kvconform enters around every forward and generate call, e.g. "
+        f"'return DynamicCache(config=config), press(model)'")
+
+
+class ModelLeftChanged(RuntimeError):
+    """A subject's context left the model changed after its ``__exit__`` (a hook still registered, a patched
+    ``forward``). kvconform has restored the model; ``str(err)`` names what was left and where, ``likely_cause`` is
+    the failure message's diagnosis."""
+
+    likely_cause = ("the context manager the factory returned does not undo on __exit__ what it did on __enter__ "
+                    "(keep the hook handles and remove them in a finally:, put patched methods back); kvconform "
+                    "entered it around one call and removed what was left, so the next call and the next subject run "
+                    "an unchanged model")
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called",
+                 "_global_forward_hooks_with_kwargs", "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+_METHODS: dict = {}
+
+
+def _methods(cls) -> frozenset:
+    """The names of ``cls``'s callable attributes (memoised per class)."""
+    if cls not in _METHODS:
+        _METHODS[cls] = frozenset(n for n in dir(cls) if callable(getattr(cls, n, None)))
+    return _METHODS[cls]
+
+
+def _model_state(model, modules=None) -> dict:
+    """What a context may change on ``model`` (an ``nn.Module``) and must restore: per module its hook ids, the
+    instance attributes that shadow a method of its class (a patched ``forward``; not what transformers caches on the
+    instance, such as ``generate``'s ``_compiled_call``) and its class's ``forward``; the global module hooks.
+    ``modules``: ``list(model.named_modules())`` when the caller has it. Cost: one walk over the modules (0.5 ms for
+    the 33-module zoo llama on a shared 2-core machine under load, where its decode step took 9 ms)."""
+    import torch
+
+    state: dict = {}
+    for name, module in modules if modules is not None else model.named_modules():
+        own = module.__dict__
+        for attr in _HOOK_DICTS:
+            hooks = own.get(attr)
+            if hooks:
+                state[("hook", name, attr)] = (module, hooks, frozenset(hooks))
+        for key in own.keys() & _methods(type(module)):  # an instance attribute shadowing a method
+            value = own[key]
+            if callable(value) and not isinstance(value, torch.nn.Module):
+                state[("attr", name, key)] = (module, key, value)
+        state[("class", type(module))] = type(module).__dict__.get("forward")
+    globals_ = torch.nn.modules.module
+    for attr in _GLOBAL_HOOKS:
+        hooks = getattr(globals_, attr, None)
+        if hooks is not None:
+            state[("global", attr)] = (hooks, frozenset(hooks))
+    return state
+
+
+def _restore(model, before: dict, modules=None) -> list[str]:
+    """Put ``model`` back to ``before`` (``_model_state``): remove hooks added since, restore instance attributes
+    and class ``forward`` methods. Returns what was changed, one phrase each (empty: nothing)."""
+    changes = []
+    after = _model_state(model, modules)
+    for key, value in after.items():
+        kind = key[0]
+        if kind == "hook":
+            _, name, attr = key
+            module, hooks, ids = value
+            extra = ids - (before[key][2] if key in before else frozenset())
+            for hook_id in extra:
+                hooks.pop(hook_id, None)
+            if extra and "always_called" not in attr and "with_kwargs" not in attr:
+                changes.append(f"{len(extra)} {attr.strip('_').replace('_', ' ')[:-1]} on {name or 'the model'}")
+        elif kind == "attr":
+            _, name, attr = key
+            module, _, fn = value
+            if key not in before:
+                del module.__dict__[attr]
+                changes.append(f"{name or 'the model'}.{attr} set on the instance")
+            elif before[key][2] is not fn:
+                module.__dict__[attr] = before[key][2]
+                changes.append(f"{name or 'the model'}.{attr} replaced")
+        elif kind == "class":
+            if key in before and before[key] is not value:
+                if before[key] is None:
+                    delattr(key[1], "forward")
+                else:
+                    setattr(key[1], "forward", before[key])
+                changes.append(f"{key[1].__name__}.forward replaced on the class")
+        elif kind == "global":
+            hooks, ids = value
+            extra = ids - (before[key][1] if key in before else frozenset())
+            for hook_id in extra:
+                hooks.pop(hook_id, None)
+            if extra and "always_called" not in key[1] and "with_kwargs" not in key[1]:
+                changes.append(f"{len(extra)} {key[1].strip('_').replace('_', ' ')[:-1]}")
+    for key, value in before.items():  # a callable attribute the context deleted
+        if key[0] == "attr" and key not in after:
+            module, attr, fn = value
+            module.__dict__[attr] = fn
+            changes.append(f"{key[1] or 'the model'}.{attr} deleted")
+    return changes
+
+
+class CallContext:
+    """The context of a ``(cache, context)`` factory result, entered per call (``around``).
+
+    Attributes:
+        subject: the subject's name (for messages).
+        context: the context manager the factory returned, entered for the first call; a
+            ``@contextlib.contextmanager`` object (single use) is recreated for every later call from an unentered
+            copy (``_recreate_cm``, the ``ContextDecorator`` protocol: the same function and arguments, so
+            ``press(model)`` again), any other object is entered again.
+        model: the ``nn.Module`` whose state is checked around each call (the factory's ``model``), or None (then
+            the model of the call is used).
+
+    ``copy.deepcopy`` and ``copy.copy`` return the object itself: a forked cache shares its original's context.
+    """
+
+    def __init__(self, subject: str, context, model=None):
+        self.subject, self.context, self.model = subject, context, model
+        self._used = False
+        self._active = False
+        # a @contextmanager object forgets its function once entered: keep an unentered copy to recreate from
+        self._template = context._recreate_cm() if hasattr(context, "func") and hasattr(context, "_recreate_cm") \
+            else None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+    def _fresh(self):
+        if not self._used:
+            self._used = True
+            return self.context
+        return self._template._recreate_cm() if self._template is not None else self.context
+
+    def around(self, model=None):
+        """A context manager: enter the subject's context, run the body, exit it (also when the body raises),
+        then restore ``model`` (default: ``self.model``) to its state before the entry.
+
+        Raises:
+            ModelLeftChanged: after the exit, the model still had hooks or patched methods the context added (they
+                are removed first); not raised when the body or the context itself raised (that error wins).
+        """
+        import contextlib
+
+        holder = self
+
+        @contextlib.contextmanager
+        def _around():
+            if holder._active:  # nested (a generate inside a wrapped region): already entered
+                yield
+                return
+            target = model if model is not None else holder.model
+            modules = list(target.named_modules()) if target is not None else None
+            before = _model_state(target, modules) if target is not None else None
+            holder._active = True
+            failed = False
+            try:
+                with holder._fresh():
+                    yield
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                holder._active = False
+                changes = _restore(target, before, modules) if before is not None else []
+                if changes and not failed:
+                    raise ModelLeftChanged(
+                        f"{holder.subject}'s context ({type(holder.context).__name__}) left the model changed "
+                        f"after __exit__: {'; '.join(changes[:2])}"
+                        f"{f'; +{len(changes) - 2} more' if len(changes) > 2 else ''}")
+
+        return _around()
+
+
+def _attach(cache, context: CallContext) -> None:
+    """Set ``cache``'s per-call context (``CALL_CONTEXT_ATTR``) to a function returning ``context``: a function is
+    what ``copy.deepcopy`` and memory walks (``held_tensors``) leave alone."""
+    def get():
+        return context
+
+    try:
+        setattr(cache, CALL_CONTEXT_ATTR, get)
+    except (AttributeError, TypeError) as exc:
+        raise FactoryResultError(f"{context.subject}: cannot attach its context to the {type(cache).__name__} it "
+                                 f"returned ({exc}); a cache with __slots__ needs a __dict__") from None
+
+
+def call_context(cache) -> CallContext | None:
+    """The ``CallContext`` of a cache built from a ``(cache, context)`` factory result, else None (any other
+    object, None included)."""
+    get = getattr(cache, CALL_CONTEXT_ATTR, None) if cache is not None else None
+    return get() if callable(get) else None
 
 
 class SubjectBuildError(Exception):
@@ -234,10 +546,39 @@ def accepted_names(factory) -> set | None:
         return None
 
 
-def accepted_kwargs(factory, available: Mapping) -> dict:
-    """The subset of ``available`` that ``factory`` accepts (see ``accepted_names``; all of it when any name is)."""
+def meta_model(config):
+    """A weightless transformers model of ``config`` on the meta device (``AutoModelForSeq2SeqLM`` for
+    encoder-decoders, else ``AutoModelForCausalLM``): what a model-aware factory gets where kvconform only needs to see
+    what it builds (``CacheSpec.plan_build``). Its parameters have shapes and dtypes (float32) but no data."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+def names_model(factory) -> bool:
+    """Whether ``factory`` names the ``model`` keyword: a function parameter, or a parameter of an ``__init__``
+    along a class's MRO up to the first without ``**kwargs`` (the chain ``accepted_names`` reads). A bare
+    ``**kwargs`` does not count: ``model`` is only handed to a factory that asks for it."""
+    try:
+        if not inspect.isclass(factory):
+            return MODEL_KWARG in _named(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return False
     names = accepted_names(factory)
-    return dict(available) if names is None else {k: v for k, v in available.items() if k in names}
+    return names is not None and MODEL_KWARG in names
+
+
+def accepted_kwargs(factory, available: Mapping) -> dict:
+    """The subset of ``available`` that ``factory`` accepts (see ``accepted_names``; all of it when any name is),
+    except ``model``, given only where the factory names it (``names_model``)."""
+    names = accepted_names(factory)
+    out = dict(available) if names is None else {k: v for k, v in available.items() if k in names}
+    if MODEL_KWARG in out and not names_model(factory):
+        del out[MODEL_KWARG]
+    return out
 
 
 def required_unknown_arguments(factory) -> list[str]:
@@ -587,15 +928,16 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
 
 
 def check_factory_builds_cache(spec: CacheSpec, config) -> None:
-    """Build ``spec`` once for ``config`` and make sure the result is a ``transformers.Cache``.
+    """Build ``spec`` once for ``config`` (``CacheSpec.plan_build``: a factory naming ``model`` gets a weightless
+    meta-device model) and make sure the result is a ``transformers.Cache`` or a ``(Cache, context manager)`` pair
+    (``unpack_factory_result``). A factory that cannot be built this way (it computes with the model's weights) has
+    its result checked when its items build it (a wrong one fails them).
 
     Raises:
         SpecError: the factory requires an argument kvconform never passes (``required_unknown_arguments``), or
-            returned something that is not a Cache.
+            returned something else.
     (An exception raised by the factory itself is left to the items: it fails them, not the session.)
     """
-    from transformers import Cache
-
     missing = required_unknown_arguments(spec.factory)
     if missing:
         raise SpecError(
@@ -604,12 +946,12 @@ def check_factory_builds_cache(spec: CacheSpec, config) -> None:
             f"{', '.join(CONSTRUCTION_KWARGS)} that the signature accepts); hand kvconform a factory instead, e.g. "
             f"def make_{spec.name.lower()}(config): return {spec.name}(config=config, {missing[0]}=...)")
     try:
-        built = spec.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
+        spec.plan_build(config)
+    except SubjectBuildError as exc:
+        if isinstance(exc.cause, FactoryResultError):
+            raise SpecError(f"{spec.source!r}: {exc.cause}") from None
     except Exception:  # noqa: BLE001 - reported per item
         return
-    if not isinstance(built, Cache):
-        raise SpecError(f"{spec.source!r}: {spec.name} built {with_article(type(built).__name__)}, not a "
-                        f"transformers.Cache")
 
 
 def as_cache_spec(obj, source: str = "python") -> CacheSpec:

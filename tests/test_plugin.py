@@ -95,7 +95,8 @@ def test_factory_returning_non_cache_is_usage_error(run_kvconform, pytester):
     pytester.makepyfile(mycaches="def NotACache(config=None):\n    return [1, 2, 3]\n")
     result = run_kvconform("--kvconform-cache", "mycaches.py:NotACache")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "built a list, not a transformers.Cache" in result.stderr.str()
+    assert ("NotACache returned a list of 3 (int, int, int); a factory returns a transformers.Cache, or a pair "
+            "(cache, context manager)") in result.stderr.str()
 
 
 def test_bad_model_spec_is_usage_error(run_kvconform):

@@ -343,7 +343,9 @@ class CheckContext:
         return max(64, self.case.total_tokens)
 
     def new_cache(self, spec=None):
-        """A fresh cache of ``spec`` (default: the subject) sized for this case."""
+        """A fresh cache of ``spec`` (default: the subject) sized for this case (``CacheSpec.build``: a factory
+        naming ``model`` gets the item's ``PreTrainedModel``; a ``(cache, context)`` result comes back as the cache,
+        its context attached and entered by ``_drive.subject_call`` around each call)."""
         spec = spec or self.subject
         return spec.build(self.model, max_cache_len=self.max_cache_len, batch_size=self.case.batch,
                           encoder_len=self.case.encoder_len)
@@ -390,7 +392,7 @@ def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
 
 def run_check(name: str, ctx: CheckContext) -> dict:
     """Run check ``name`` on ``ctx``; return its metrics. Raises ``ConformanceError`` on non-conformance."""
-    from kvconform.subjects import SubjectBuildError
+    from kvconform.subjects import FactoryResultError, SubjectBuildError
 
     info = load_checks()[name]
     ctx.check_name = name
@@ -400,11 +402,16 @@ def run_check(name: str, ctx: CheckContext) -> dict:
         from kvconform.checks._diagnosis import describe_exception
 
         try:
-            ctx.fail([f"building the subject raised {describe_exception(exc.cause)}",
+            wrong_result = isinstance(exc.cause, FactoryResultError)
+            cause = ("likely cause: the factory returns the wrong thing: a transformers.Cache or a pair (cache, "
+                     "context manager) is expected" if wrong_result else
+                     "likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
+                     "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
+                     "only those its signature accepts; model where it names it)")
+            ctx.fail([f"building the subject failed: {exc.cause}" if wrong_result else
+                      f"building the subject raised {describe_exception(exc.cause)}",
                       f"called: {exc.name}({', '.join(f'{k}=...' for k in exc.kwargs)}) for {ctx.model.name}",
-                      "likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
-                      "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
-                      "only those its signature accepts)"],
+                      cause],
                      {"raised": type(exc.cause).__name__, "failed_at": "construction"})
         except ConformanceError as err:
             raise SubjectNotBuilt(str(err), err.metrics) from None

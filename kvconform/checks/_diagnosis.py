@@ -108,11 +108,18 @@ def positions_label(ctx) -> str:
 def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
     """Fail the item because the subject raised: the exception (innermost frame), the ops with the op that raised
     (``ops_text``, default the case's), and the likely cause: what was measured at the raise
-    (``measured_cause``) when it explains it, else ``cause`` (the check's reading of where it raised)."""
+    (``measured_cause``) when it explains it, else ``cause`` (the check's reading of where it raised); a subject's
+    context that left the model changed has its own (``subjects.ModelLeftChanged.likely_cause``)."""
+    from kvconform.subjects import ModelLeftChanged
+
+    if isinstance(exc.cause, ModelLeftChanged):
+        cause = ModelLeftChanged.likely_cause
+    else:
+        cause = measured_cause(exc) or cause
     ctx.fail([
         f"the subject raised {describe_raise(exc)}",
         f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",
-        "likely cause: " + (measured_cause(exc) or cause),
+        "likely cause: " + cause,
     ], {"raised": type(exc.cause).__name__, "failed_at": exc.where})
 
 

@@ -12,6 +12,7 @@ import zlib
 
 from kvconform import compat
 from kvconform.oracle import padded_position_ids
+from kvconform.subjects import call_context
 
 FIRST_TOKEN = 3  # ids 0..2 are pad / bos / eos in the zoo
 PAD_TOKEN = 0
@@ -86,6 +87,22 @@ def wants_mask_after_prefill(model) -> bool:
     return _MASK_ON_WARM_STEPS[key]
 
 
+def subject_call(cache, m=None):
+    """The context manager to run one model call with ``cache`` under: the per-call context of a subject built from
+    a ``(cache, context)`` factory result (``subjects.CallContext.around``: entered, exited, ``m`` — an
+    ``nn.Module``, default the factory's model — restored and checked), else a no-op. Every forward and ``generate``
+    a check makes with a subject's cache goes through it (``forward``, ``generate``; the compile and speed families
+    call it around their own model calls).
+
+    Raises (on exit):
+        subjects.ModelLeftChanged: the subject's context left ``m`` hooked or patched.
+    """
+    import contextlib
+
+    context = call_context(cache)
+    return context.around(m) if context is not None else contextlib.nullcontext()
+
+
 def forward_kwargs(m, cache, new_tokens, start: int, encoder_ids=None, positions: bool = True) -> dict:
     """Keyword arguments of one forward of the transformers model ``m`` over ``new_tokens`` ``[B, k]`` (int64) at
     sequence offsets ``start..start+k-1``: the cache under the installed forward's keyword (``compat.cache_kwarg``;
@@ -129,7 +146,7 @@ def forward(model, cache, new_tokens, start: int, position_mode: str, encoder_id
             kwargs["attention_mask"] = mask.to(device)
         if compat.accepts_position_ids(m):
             kwargs["position_ids"] = padded_position_ids(mask)[:, start:start + k].to(device)
-    with torch.no_grad():
+    with torch.no_grad(), subject_call(cache, m):
         out = m(**kwargs)
     return out.logits.detach().to("cpu", torch.float64)
 
@@ -163,7 +180,8 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
         model: a zoo model (its ``.model`` is used) or a transformers ``PreTrainedModel`` (e.g. the float64 oracle
             model).
         input_ids: the prompt ``[B, S]`` int64.
-        cache_kwargs: ``compat.generate_cache_kwargs`` or ``{"use_cache": False}``.
+        cache_kwargs: ``compat.generate_cache_kwargs`` or ``{"use_cache": False}``; a subject's cache in it runs
+            under its per-call context (``subject_call``).
         attention_mask: ``[B, S]`` (default: all ones).
         extra: more ``generate`` keyword arguments (``num_beams``, ``output_scores``...).
     """
@@ -173,7 +191,8 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
     device = next(m.parameters()).device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    with torch.no_grad():
+    cache = next((v for v in cache_kwargs.values() if call_context(v) is not None), None)
+    with torch.no_grad(), subject_call(cache, m):
         out = m.generate(input_ids.to(device), attention_mask=attention_mask.to(device),
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                          return_dict_in_generate=True, output_logits=True, **cache_kwargs, **extra)

@@ -122,6 +122,10 @@ def fail_twin(ctx, failed, cause):
 
 
 def fail_subject_raised(ctx, exc: SubjectRaised, cause: str):
+    from kvconform.subjects import ModelLeftChanged
+
+    if isinstance(exc.cause, ModelLeftChanged):
+        cause = ModelLeftChanged.likely_cause
     ctx.fail([f"the subject raised {describe_raise(exc)}",
               f"ops: {ctx.case.ops_label()}   [raised at {exc.where}]",
               "likely cause: " + (measured_cause(exc) or cause)],

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
-from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, tensors_of
+from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call,
+                                     tensors_of)
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import fail_raised
 
@@ -55,8 +56,9 @@ _CLAIMS: dict = {}
 
 
 def declared_compileable(subject, model_info) -> bool | None:
-    """``is_compileable`` of ``subject``'s cache built for ``model_info``'s config (no tensors allocated), memoised;
-    None when it cannot be built here (then the item runs and reports the failure)."""
+    """``is_compileable`` of ``subject``'s cache built for ``model_info``'s config (no tensors allocated;
+    ``CacheSpec.plan_build``), memoised; None when it cannot be built here (then the item runs and reports the
+    failure)."""
     key = (subject.name, subject.source, model_info.spec)
     if key not in _CLAIMS:
         try:
@@ -64,7 +66,7 @@ def declared_compileable(subject, model_info) -> bool | None:
 
             config = zoo.zoo_config(model_info.spec) if model_info.spec in zoo.ZOO_NAMES else _checkpoint_config(
                 model_info.spec)
-            cache = subject.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None)
+            cache = subject.plan_build(config)
             _CLAIMS[key] = bool(cache.is_compileable)
         except Exception:  # noqa: BLE001 - reported by the item itself
             _CLAIMS[key] = None
@@ -199,10 +201,12 @@ def _drive(ctx, seqs, step_fn):
         else:
             cache.reset()
         with torch.no_grad():
-            m(**_kwargs(ctx, cache, tokens[:, :prefill], 0, enc))
+            with subject_call(cache, m):
+                m(**_kwargs(ctx, cache, tokens[:, :prefill], 0, enc))
             for s in range(steps):
                 pos = prefill + s
-                step_fn(name, s, _kwargs(ctx, cache, tokens[:, pos:pos + 1], pos, enc))
+                with subject_call(cache, m):  # a (cache, context) subject: its context around each call
+                    step_fn(name, s, _kwargs(ctx, cache, tokens[:, pos:pos + 1], pos, enc))
 
 
 def _first_guard(message: str) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from kvconform.checks import IGNORES_OPS, Param, register
 from kvconform.checks._diagnosis import fail_raised
-from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs
+from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call
 from kvconform.timing import Target, measure_interleaved
 
 DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_steps": 1, "repeats": 5, "warmup": 1,
@@ -94,7 +94,7 @@ def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Targ
     def setup():
         cache = spec.build(ctx.model, max_cache_len=context + steps, batch_size=ctx.case.batch)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), subject_call(cache, m):
                 m(**forward_kwargs(m, cache, tokens[:, :context], 0))
         except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
             raise SubjectRaised(f"{name}: prefill({context})", exc) from exc
@@ -105,7 +105,8 @@ def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Targ
             for s in range(steps):
                 pos = context + s
                 try:
-                    fwd(**forward_kwargs(m, cache, tokens[:, pos:pos + 1], pos))
+                    with subject_call(cache, m):  # a (cache, context) subject's context: part of its cost
+                        fwd(**forward_kwargs(m, cache, tokens[:, pos:pos + 1], pos))
                 except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
                     raise SubjectRaised(f"{name}: decode at position {pos}", exc) from exc
 
