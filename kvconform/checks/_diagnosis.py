@@ -72,6 +72,10 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
     ref_line, model_at_fault = oracle_line(ctx, position_mode, driver)
     observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
     tol_text = ctx.tolerance().describe(cmp.floor)
+    if step.index in verdict.widened:
+        tol_text = (f"the fresh instance's compression error: after a crop inside a forward or a batch-size change "
+                    f"its replay runs forwards of other shapes, so rounding may differ by a quantization level; "
+                    f"{tol_text}")
     versus = (f" vs {verdict.target}" if verdict.target else " vs its fake-quant twin"
               if getattr(ctx.subject, "twin", None) else "")
     own = verdict.own_error.get(step.index)

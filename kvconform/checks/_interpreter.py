@@ -95,6 +95,11 @@ class Step:
     a fresh instance of the same class is fed to give the target of a lossy subject (``_consistency``)."""
     position_mode: str = "auto"
     """How this forward passed positions (``"auto"``, ``"explicit"``, ``"implicit"``; see ``_drive.forward``)."""
+    same_shapes: bool = True
+    """Whether replaying ``chunks`` into a fresh cache repeats the subject's forwards shape for shape (same token
+    counts, same batch size): False after a crop cut a forward's tokens in two or a repeat / select changed the batch
+    size, until a reset. Then float rounding may differ from the subject's in the last bits (a lossy cache can turn
+    that into a quantization level: ``_judge.judge`` allows for it)."""
     ops_before: tuple = ()
     """Names of the non-forward ops (``crop``, ``reorder``, ``repeat``, ``select``, ``reset``, ``fork``) applied to
     this cache since its previous forward, oldest first (what the divergence of a lossy subject is blamed on)."""
@@ -142,6 +147,7 @@ class Runner:
         self.seq = torch.empty(self.batch, 0, dtype=torch.long)
         self.mask = None
         self.chunks: list[int] = []
+        self.same_shapes = True
         self.pending: list[str] = []
         self.steps: list[Step] = []
         self.trail: list[str] = []
@@ -184,7 +190,7 @@ class Runner:
         the same ``steps`` list with step labels prefixed by ``label``; ``gen`` draws its tokens (default: shared)."""
         other = copy.copy(self)
         other.cache, other.gen, other.prefix = cache, gen or self.gen, f"{label}: "
-        other.seq, other.mask, other.encoder_ids, other.batch, other.chunks = self._state()
+        other.seq, other.mask, other.encoder_ids, other.batch, other.chunks, other.same_shapes = self._state()
         other.pending = [*self.pending, "fork"] if self.length else []
         other.trail, other.op_names, other.parked = list(self.trail), list(self.op_names), []
         other.observers, other.partner = list(self.observers), None
@@ -237,7 +243,8 @@ class Runner:
         else:
             mask = None
         start = self.length
-        chunks = _held_chunks(self.chunks, start)
+        self._cut_chunks(start)
+        chunks = list(self.chunks)
         with UpdateWatch(self.cache) as watch:
             logits = self._call(label, forward, self.model, self.cache, new, start, self.position_mode,
                                 self.encoder_ids, mask, first)
@@ -246,7 +253,8 @@ class Runner:
         step = Step(len(self.steps), self.op_index, label, start, n, logits, self.seq.clone(),
                     seq_length(self.cache), None if mask is None else mask.clone(),
                     None if self.encoder_ids is None else self.encoder_ids.clone(),
-                    watch.fault or nonfinite_in(self.cache), tuple(chunks), self.position_mode, tuple(self.pending))
+                    watch.fault or nonfinite_in(self.cache), tuple(chunks), self.position_mode, self.same_shapes,
+                    tuple(self.pending))
         self.chunks, self.pending = [*chunks, n], []
         self.steps.append(step)
         self._notify("after_forward", step)
@@ -260,7 +268,7 @@ class Runner:
         keep = max(self.length - n, 0)
         self.seq = self.seq[:, :keep]
         self.mask = None if self.mask is None or keep == 0 else self.mask[:, :keep]
-        self.chunks = _held_chunks(self.chunks, keep)
+        self._cut_chunks(keep)
         self.pending.append("crop")
         self._mirror("crop", n, label)
 
@@ -275,10 +283,21 @@ class Runner:
 
     def _state(self):
         return (self.seq.clone(), None if self.mask is None else self.mask.clone(),
-                None if self.encoder_ids is None else self.encoder_ids.clone(), self.batch, list(self.chunks))
+                None if self.encoder_ids is None else self.encoder_ids.clone(), self.batch, list(self.chunks),
+                self.same_shapes)
+
+    def _cut_chunks(self, held: int) -> None:
+        """Cut ``chunks`` to the ``held`` tokens (``_held_chunks``); a cut inside a forward's tokens means a replay no
+        longer repeats the subject's forwards shape for shape (``Step.same_shapes``)."""
+        cut = _held_chunks(self.chunks, held)
+        if cut != self.chunks[:len(cut)]:
+            self.same_shapes = False
+        self.chunks = cut
 
     def _rows(self, index, op: str):
         self.pending.append(op)
+        if self.length and len(index) != self.batch:
+            self.same_shapes = False
         self.seq = self.seq[index]
         self.mask = None if self.mask is None else self.mask[index]
         self.encoder_ids = None if self.encoder_ids is None else self.encoder_ids[index]
@@ -326,6 +345,7 @@ class Runner:
         self.seq = torch.empty(self.batch, 0, dtype=torch.long)
         self.mask = None
         self.chunks = []
+        self.same_shapes = True
         self.pending.append("reset")
         if self.encoder_ids is not None:
             self.encoder_ids = encoder_ids_for(self.ctx, self.gen, self.batch) if encoder_ids is None \
@@ -423,19 +443,21 @@ class Runner:
             mirror = None if partner is None else (partner.cache, partner._state())
             for k, (label, cache, state) in enumerate(self.parked):
                 self.cache = cache
-                self.seq, self.mask, self.encoder_ids, self.batch, self.chunks = state
+                self.seq, self.mask, self.encoder_ids, self.batch, self.chunks, self.same_shapes = state
                 self.pending = ["fork"]
                 if self.seq.shape[1] == 0:  # forked before any token: nothing to compare yet
                     continue
                 step = self.feed(1, f"{label}: decode")
                 if partner is not None:
                     plabel, partner.cache, pstate = partner.parked[k]
-                    partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks = pstate
+                    partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks, partner.same_shapes = pstate
                     partner.feed(1, f"{plabel}: decode", tokens=step.seq[:, -1:])
-            self.cache, (self.seq, self.mask, self.encoder_ids, self.batch, self.chunks) = current[0], current[1]
+            self.cache, (self.seq, self.mask, self.encoder_ids, self.batch, self.chunks,
+                         self.same_shapes) = current[0], current[1]
             self.parked = []
             if partner is not None:
-                partner.cache, (partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks) = mirror
+                partner.cache, (partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks,
+                                partner.same_shapes) = mirror
                 partner.parked = []
         finally:
             self.partner = partner
