@@ -36,9 +36,11 @@ from kvconform.reference import (ATTENTION_LAYER_TYPES, HYBRID_LAYER_TYPES, Batc
 from kvconform.compat import layer_types_and_kwargs, linear_attention_protocol
 from kvconform.testing import FaultyCache
 
-INT8_BUDGET = {"kl_max": 1e-3, "top1_min": 0.97}
-"""Quality budget of ``Int8ResidualCache`` (mean KL(oracle ‖ subject) in nats, top-1 agreement), measured on the zoo
-over long contexts with a margin (see tests/test_lossy.py)."""
+INT8_BUDGET = {"kl_max": 1e-4, "top1_min": 0.95}
+"""Quality budget of ``Int8ResidualCache`` (mean KL(oracle ‖ subject) in nats per position, top-1 agreement with the
+float64 oracle). Measured over 223 greedy-free decode steps after a 32-token prompt (batch 2, fp32, residual 4) on
+the 12 zoo models with attention layers: mean KL 1e-6 … 2.1e-5 (qwen2), top-1 0.984 (phi3) … 1.0; the budget
+leaves ~5× on the KL and ~3 points on top-1."""
 
 
 def quantize(x: torch.Tensor):
