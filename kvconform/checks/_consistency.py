@@ -32,7 +32,9 @@ CAUSES = {
     "select": "batch_select_indices() did not keep the same rows in every part of the cache (quantized part / "
               "residual / scales)",
     "crop": "crop() did not cut every part of the cache to the kept tokens (quantized part / residual / length "
-            "counter): cropped tokens survive, or kept ones are lost",
+            "counter): cropped tokens survive, or kept ones are lost (a Δ near the compression error instead: the "
+            "tokens that re-enter the exact window after the crop stay quantized — keep exact copies of the last "
+            "tokens, or refuse crop)",
     "reset": "reset() did not clear every part of the cache (quantized part / residual / scales / length counter): "
              "the previous sequence survives into the next one",
     "fork": "copy.deepcopy did not copy every part of the cache (quantized part / residual / scales), or the copy "
