@@ -245,7 +245,8 @@ def known_fault_findings(results: dict, session) -> tuple[list, dict]:
     ``stale``: ``KnownFault`` entries that apply to the installed transformers and the run's models but match no
     planned item (``KVSession.stale_faults``). ``passed``: ``{label: [nodeid, ...]}`` of items expected to fail that
     passed — XPASS, or under ``--kvconform-strict`` a pass of an item a known fault names; ``label`` is the entry
-    id, or ``"<subject>.expected_failures"`` when the xfail came from the subject's own ``CacheSpec``.
+    id, or ``"<subject>.expected_failures"`` when the xfail came from the subject's own ``CacheSpec``. A pass of a
+    self-consistency-judged subject on a fault of the model's code is not listed (``_shared_by_fresh_instance``).
     """
     stale = session.stale_faults()
     subjects = {s.name: s for s in session.subjects}
@@ -259,11 +260,20 @@ def known_fault_findings(results: dict, session) -> tuple[list, dict]:
             label = f"{r['subject']}.expected_failures"
         else:
             fault = session.fault_entry(r["subject"], r["model"], r["check"], r["family"], r["case"])
-            if fault is None:
+            if fault is None or _shared_by_fresh_instance(session, subject, r):
                 continue
             label = fault.id
         passed.setdefault(label, []).append(r["nodeid"])
     return stale, passed
+
+
+def _shared_by_fresh_instance(session, subject, r) -> bool:
+    """Whether ``r``'s pass says nothing about its known fault: the subject is judged by self-consistency (lossy,
+    without a fake-quant twin: a fresh instance of its own class on the same model is the target) and the fault is
+    one of the model's code (it matches kvconform's ReferenceCache too), which that fresh instance shares."""
+    if getattr(subject, "kind", "exact") != "lossy" or getattr(subject, "twin", None) is not None:
+        return False
+    return session.fault_entry("ReferenceCache", r["model"], r["check"], r["family"], r["case"]) is not None
 
 
 def write_known_fault_summary(tr, results: dict, session) -> None:

@@ -160,8 +160,9 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
 
     Besides capabilities and model features: a check may declare its own rule in the registry,
     ``@register(..., applies=rule)`` with ``rule(subject, model, case, device=...) -> reason or None`` (lossy-only
-    checks, coverage checks tied to one subject); a lossy subject (``CacheSpec.twin``) is not held to the generate family's token-for-token
-    comparison with the exact model; ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
+    checks, coverage checks tied to one subject); a lossy subject (``CacheSpec.twin``, or ``kind="lossy"``) is not
+    held to the generate family's token-for-token comparison with the exact model, nor (without a twin) to an exact
+    cache's byte formula (``lossy_reason``); ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
     hardware.
     """
     from kvconform.cases import model_requirements_unmet
@@ -180,6 +181,9 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     if getattr(subject, "twin", None) is not None and check.family == "generate" and own_rule is None:
         return (f"{subject.name} is lossy: its greedy generate() is compared with its fake-quant twin "
                 f"(check_generate_vs_twin), not token for token with the exact model")
+    reason = lossy_reason(subject, check)
+    if reason:
+        return reason
     for requirement, hint in getattr(subject, "requires", {}).items():
         if missing_requirement(requirement):
             return f"requires {requirement} ({hint})"
@@ -192,6 +196,34 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
         return f"{model.name}'s forward takes no position_ids"
     if subject.applies_to is not None:
         return subject.applies_to(model)
+    return None
+
+
+LOSSY_NOT_EXACT = {
+    "check_memory_bytes": "its held bytes are judged by the quality family's compression check (check_compression), "
+                          "not by the exact cache's byte formula",
+    "check_memory_cuda_allocated": "its held bytes are judged by the quality family's compression check "
+                                   "(check_compression), not by the exact cache's byte formula",
+}
+"""Checks that compare with an *exact* cache's numbers and do not apply to a lossy subject without a fake-quant twin,
+with what judges that property instead (``lossy_reason``). Every other check either judges a lossy subject by
+self-consistency (through ``_judge.judge``: a fresh instance of its class fed the equivalent history), compares the
+subject with itself (compile: compiled vs eager), measures only lengths, addresses or timings, or declares its own
+``applies`` rule (generate-based checks: ``_judge.lossy_generate_rule``)."""
+
+
+def lossy_reason(subject, check) -> str | None:
+    """Why ``check`` does not apply to ``subject`` because it is lossy, or None. A lossy subject without a twin is
+    not compared token for token with the exact model by ``generate`` (a near-tie would flip a greedy token) nor held
+    to an exact cache's byte formula (``LOSSY_NOT_EXACT``)."""
+    if getattr(subject, "kind", "exact") != "lossy" or getattr(subject, "twin", None) is not None:
+        return None
+    if check.family == "generate" and check.applies is None:
+        return (f"{subject.name} is lossy: its greedy generate() is not compared token for token with the exact "
+                f"model (a near-tie would flip a greedy token); its cache operations are judged by self-consistency "
+                f"(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family")
+    if check.name in LOSSY_NOT_EXACT:
+        return f"{subject.name} is lossy: {LOSSY_NOT_EXACT[check.name]}"
     return None
 
 

@@ -72,9 +72,17 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
     ref_line, model_at_fault = oracle_line(ctx, position_mode, driver)
     observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
     tol_text = ctx.tolerance().describe(cmp.floor)
+    if step.index in verdict.widened:
+        tol_text = (f"the fresh instance's compression error: after a crop inside a forward or a batch-size change "
+                    f"its replay runs forwards of other shapes, so rounding may differ by a quantization level; "
+                    f"{tol_text}")
+    versus = (f" vs {verdict.target}" if verdict.target else " vs its fake-quant twin"
+              if getattr(ctx.subject, "twin", None) else "")
+    own = verdict.own_error.get(step.index)
     ctx.fail([
-        f"max|Δlogit| = {observed}{' vs its fake-quant twin' if getattr(ctx.subject, 'twin', None) else ''}, "
-        f"but should be ≤ {cmp.tol:.1e} ({tol_text})",
+        f"max|Δlogit| = {observed}{versus}, but should be ≤ {cmp.tol:.1e} ({tol_text})",
+        "" if own is None else f"the fresh instance's own distance to the oracle there (its compression error, for scale): "
+                               f"{own:.1e}",
         f"worst at batch={b} step={step.index} position={position}",
         f"ops: {ops_text or ctx.case.ops_label()}   [failed at {step.label}]"
         + f"; {positions_label(ctx)}",
@@ -82,10 +90,12 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
         ref_line,
         "likely cause: " + (MODEL_AT_FAULT if model_at_fault else _cache_fault_cause(step.nonfinite)
                             if getattr(step, "nonfinite", None) else step.unmasked
-                            if getattr(step, "unmasked", None) else f"{step.kv_mismatch} — {cause_fn(step, cmp)}"
-                            if getattr(step, "kv_mismatch", None) else cause_fn(step, cmp)),
+                            if getattr(step, "unmasked", None)
+                            else f"{step.kv_mismatch} — {verdict.cause or cause_fn(step, cmp)}"
+                            if getattr(step, "kv_mismatch", None) else verdict.cause or cause_fn(step, cmp)),
     ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label,
-        "position": position, "model_at_fault": model_at_fault})
+        "position": position, "model_at_fault": model_at_fault,
+        **({"compared_with": verdict.target, "distance_to_oracle": own} if verdict.target else {})})
 
 
 def _cache_fault_cause(fault: str) -> str:

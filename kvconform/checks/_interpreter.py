@@ -95,6 +95,21 @@ class Step:
     unmasked: str | None = None
     """Evidence that this step attended empty slots of a fixed-size cache without a mask (``_drive.unmasked_slots``),
     or None; the likely cause of a failure at this step when present."""
+    chunks: tuple = ()
+    """The chunk structure of the history the cache is supposed to hold before this forward: the lengths of the
+    forwards that fed it, oldest first, summing to ``start`` (a crop cuts the straddling chunk; a reset empties it;
+    reorder / select / repeat / fork keep it). With ``seq[:, :start]`` and ``mask`` it is the *equivalent history*
+    a fresh instance of the same class is fed to give the target of a lossy subject (``_consistency``)."""
+    position_mode: str = "auto"
+    """How this forward passed positions (``"auto"``, ``"explicit"``, ``"implicit"``; see ``_drive.forward``)."""
+    same_shapes: bool = True
+    """Whether replaying ``chunks`` into a fresh cache repeats the subject's forwards shape for shape (same token
+    counts, same batch size): False after a crop cut a forward's tokens in two or a repeat / select changed the batch
+    size, until a reset. Then float rounding may differ from the subject's in the last bits (a lossy cache can turn
+    that into a quantization level: ``_judge.judge`` allows for it)."""
+    ops_before: tuple = ()
+    """Names of the non-forward ops (``crop``, ``reorder``, ``repeat``, ``select``, ``reset``, ``fork``) applied to
+    this cache since its previous forward, oldest first (what the divergence of a lossy subject is blamed on)."""
 
 
 class Runner:
@@ -138,6 +153,9 @@ class Runner:
         self.encoder_ids = encoder_ids_for(ctx, self.gen)
         self.seq = torch.empty(self.batch, 0, dtype=torch.long)
         self.mask = None
+        self.chunks: list[int] = []
+        self.same_shapes = True
+        self.pending: list[str] = []
         self.steps: list[Step] = []
         self.trail: list[str] = []
         self.op_names: list[str] = []
@@ -179,7 +197,8 @@ class Runner:
         the same ``steps`` list with step labels prefixed by ``label``; ``gen`` draws its tokens (default: shared)."""
         other = copy.copy(self)
         other.cache, other.gen, other.prefix = cache, gen or self.gen, f"{label}: "
-        other.seq, other.mask, other.encoder_ids, other.batch = self._state()
+        other.seq, other.mask, other.encoder_ids, other.batch, other.chunks, other.same_shapes = self._state()
+        other.pending = [*self.pending, "fork"] if self.length else []
         other.trail, other.op_names, other.parked = list(self.trail), list(self.op_names), []
         other.observers, other.partner = list(self.observers), None
         return other
@@ -231,6 +250,8 @@ class Runner:
         else:
             mask = None
         start = self.length
+        self._cut_chunks(start)
+        chunks = list(self.chunks)
         watch = UpdateWatch(self.cache)
         try:
             with watch:
@@ -246,7 +267,9 @@ class Runner:
                     None if self.encoder_ids is None else self.encoder_ids.clone(),
                     watch.fault or nonfinite_in(self.cache),
                     kv_length_mismatch(watch.calls, watch.mask_sizes, layer_max_lengths(self.cache), start + n),
-                    unmasked_slots(self.cache, start + n, n, mask))
+                    unmasked_slots(self.cache, start + n, n, mask), tuple(chunks), self.position_mode,
+                    self.same_shapes, tuple(self.pending))
+        self.chunks, self.pending = [*chunks, n], []
         self.steps.append(step)
         self._notify("after_forward", step)
         self._mirror("feed", n, plain, tokens=new, tokens_mask=new_mask)
@@ -259,6 +282,8 @@ class Runner:
         keep = max(self.length - n, 0)
         self.seq = self.seq[:, :keep]
         self.mask = None if self.mask is None or keep == 0 else self.mask[:, :keep]
+        self._cut_chunks(keep)
+        self.pending.append("crop")
         self._mirror("crop", n, label)
 
     def fork(self, label: str = "fork"):
@@ -266,14 +291,27 @@ class Runner:
         copied = self._call(label, copy.deepcopy, self.cache)
         self.parked.append((f"original of {label} #{len(self.parked) + 1}", self.cache, self._state()))
         self.cache = copied
+        self.pending.append("fork")
         self._mirror("fork", label)
         return copied
 
     def _state(self):
         return (self.seq.clone(), None if self.mask is None else self.mask.clone(),
-                None if self.encoder_ids is None else self.encoder_ids.clone(), self.batch)
+                None if self.encoder_ids is None else self.encoder_ids.clone(), self.batch, list(self.chunks),
+                self.same_shapes)
 
-    def _rows(self, index):
+    def _cut_chunks(self, held: int) -> None:
+        """Cut ``chunks`` to the ``held`` tokens (``_held_chunks``); a cut inside a forward's tokens means a replay no
+        longer repeats the subject's forwards shape for shape (``Step.same_shapes``)."""
+        cut = _held_chunks(self.chunks, held)
+        if cut != self.chunks[:len(cut)]:
+            self.same_shapes = False
+        self.chunks = cut
+
+    def _rows(self, index, op: str):
+        self.pending.append(op)
+        if self.length and len(index) != self.batch:
+            self.same_shapes = False
         self.seq = self.seq[index]
         self.mask = None if self.mask is None else self.mask[index]
         self.encoder_ids = None if self.encoder_ids is None else self.encoder_ids[index]
@@ -288,7 +326,7 @@ class Runner:
             perm = torch.arange(self.batch - 1, -1, -1) if self.beam == "reverse" else torch.arange(self.batch).roll(1)
         perm = torch.as_tensor(perm, dtype=torch.long)
         self._call(label, lambda: self.cache.reorder_cache(perm.to(self._device())))
-        self._rows(perm)
+        self._rows(perm, "reorder")
         self._mirror("reorder", perm, label)
 
     def repeat(self, r: int, label: str | None = None):
@@ -296,7 +334,7 @@ class Runner:
         import torch
 
         self._call(label or f"repeat({r})", lambda: self.cache.batch_repeat_interleave(r))
-        self._rows(torch.arange(self.batch).repeat_interleave(r))
+        self._rows(torch.arange(self.batch).repeat_interleave(r), "repeat")
         self._mirror("repeat", r, label)
 
     def select(self, indices=None, label: str = "select"):
@@ -307,7 +345,7 @@ class Runner:
             indices = torch.arange(1, self.batch) if self.batch > 1 else torch.zeros(1, dtype=torch.long)
         indices = torch.as_tensor(indices, dtype=torch.long)
         self._call(label, lambda: self.cache.batch_select_indices(indices.to(self._device())))
-        self._rows(indices)
+        self._rows(indices, "select")
         self._mirror("select", indices, label)
 
     def reset(self, label: str = "reset", encoder_ids=None, batch: int | None = None):
@@ -320,6 +358,9 @@ class Runner:
         self.batch = int(batch or self.batch)
         self.seq = torch.empty(self.batch, 0, dtype=torch.long)
         self.mask = None
+        self.chunks = []
+        self.same_shapes = True
+        self.pending.append("reset")
         if self.encoder_ids is not None:
             self.encoder_ids = encoder_ids_for(self.ctx, self.gen, self.batch) if encoder_ids is None \
                 else encoder_ids
@@ -344,6 +385,8 @@ class Runner:
         self._notify("before_op", op, self.op_index)
         if op.name in self.handlers:
             self.handlers[op.name](self, op)
+            if op.name not in ("prefill", "chunk", "decode"):
+                self.pending.append(op.name)
             self.op_names.append(op.name)
             self._notify("after_op", op, self.op_index)
             return
@@ -414,21 +457,39 @@ class Runner:
             mirror = None if partner is None else (partner.cache, partner._state())
             for k, (label, cache, state) in enumerate(self.parked):
                 self.cache = cache
-                self.seq, self.mask, self.encoder_ids, self.batch = state
+                self.seq, self.mask, self.encoder_ids, self.batch, self.chunks, self.same_shapes = state
+                self.pending = ["fork"]
                 if self.seq.shape[1] == 0:  # forked before any token: nothing to compare yet
                     continue
                 step = self.feed(1, f"{label}: decode")
                 if partner is not None:
                     plabel, partner.cache, pstate = partner.parked[k]
-                    partner.seq, partner.mask, partner.encoder_ids, partner.batch = pstate
+                    partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks, partner.same_shapes = pstate
                     partner.feed(1, f"{plabel}: decode", tokens=step.seq[:, -1:])
-            self.cache, (self.seq, self.mask, self.encoder_ids, self.batch) = current[0], current[1]
+            self.cache, (self.seq, self.mask, self.encoder_ids, self.batch, self.chunks,
+                         self.same_shapes) = current[0], current[1]
             self.parked = []
             if partner is not None:
-                partner.cache, (partner.seq, partner.mask, partner.encoder_ids, partner.batch) = mirror
+                partner.cache, (partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks,
+                                partner.same_shapes) = mirror
                 partner.parked = []
         finally:
             self.partner = partner
+
+
+def _held_chunks(chunks, held: int) -> list:
+    """``chunks`` (forward lengths, oldest first) cut to the first ``held`` tokens: chunks past ``held`` dropped, the
+    straddling one shortened; when the runner holds more than they cover (a check's op handler fed tokens itself) the
+    rest is one more chunk."""
+    out, total = [], 0
+    for n in chunks:
+        if total >= held:
+            break
+        out.append(min(n, held - total))
+        total += out[-1]
+    if total < held:
+        out.append(held - total)
+    return out
 
 
 def run_ops(ctx, cache, position_mode: str | None = None, ops=None) -> list[Step]:

@@ -15,7 +15,7 @@ from kvconform import compat
 from kvconform.checks import IGNORES_OPS, OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
 from kvconform.checks._interpreter import run_ops
-from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
+from kvconform.checks._judge import judge, judged_by_consistency, lossy_generate_rule, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
 
@@ -161,11 +161,19 @@ def check_beam_search(ctx):
 
 
 # ------------------------------------------------------------------------------------------ reorder after a flush
-@register("batch", needs=("reorder",), applies=lossy_only,
+def _lossy_subject(subject, model, case, device="cpu"):
+    """Applicability: lossy subjects, with a fake-quant twin or judged by self-consistency (``kind="lossy"``)."""
+    if getattr(subject, "kind", "exact") == "lossy":
+        return None
+    return lossy_only(subject, model, case, device=device)
+
+
+@register("batch", needs=("reorder",), applies=_lossy_subject,
           ops=OpRule(allowed=LOSSY_OPS, required=("reorder",), min_batch=2, why="the rows are reversed around a flush"))
 def check_reorder_after_flush(ctx):
     """Beam ``reorder_cache`` (rows reversed) around a residual flush, then decode: every step equals the twin,
-    which reorders its quantized part and its residual together."""
+    which reorders its quantized part and its residual together (a lossy subject without a twin: a fresh instance
+    of its class fed the reordered history)."""
     if not any(op.name == "reorder" for op in ctx.case.ops) or ctx.case.batch < 2:
         raise ValueError(f"case {ctx.case.id}: check_reorder_after_flush needs a 'reorder' op and batch ≥ 2")
     try:
@@ -173,6 +181,12 @@ def check_reorder_after_flush(ctx):
     except SubjectRaised as exc:
         fail_subject_raised(ctx, exc, "reorder_cache() does not handle this state (e.g. an emptied residual after a flush)"
                 + _reorder_history())
+    if judged_by_consistency(ctx.subject):
+        verdict = judge(ctx, steps)
+        record_verdict(ctx, verdict, len(steps))
+        if not verdict.passed:
+            fail_verdict(ctx, verdict, lambda step, cmp: verdict.cause, driver=drive)
+        return
     failed, worst = judge_twin(ctx, steps)
     _, cmp = failed or worst
     ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=len(steps),

@@ -115,8 +115,11 @@ def _outcome(ctx, spec, program):
         return None
     step, cmp = verdict.first_fail
     observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
-    return ([f"max|Δlogit| = {observed}, but should be ≤ {cmp.tol:.1e} ({sctx.tolerance().describe(cmp.floor)}), "
-             f"worst at batch={cmp.worst[0]} position={step.start + cmp.worst[1]} [failed at {step.label}]"],
+    versus = f" vs {verdict.target}" if verdict.target else ""
+    return ([f"max|Δlogit| = {observed}{versus}, but should be ≤ {cmp.tol:.1e} "
+             f"({sctx.tolerance().describe(cmp.floor)}), worst at batch={cmp.worst[0]} "
+             f"position={step.start + cmp.worst[1]} [failed at {step.label}]",
+             f"diverged from the fresh instance: {verdict.cause}" if verdict.cause else ""],
             {"max_abs": cmp.max_abs, "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label},
             info)
 

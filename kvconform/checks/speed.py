@@ -150,11 +150,13 @@ def _measure(ctx, targets, extra):
 
 
 def _quantized(ctx) -> bool:
-    """Whether the subject's cache layers declare quantization (``nbits`` / ``fp8_dtype``, as the memory family
-    reads them): such a cache dequantizes its whole history at every step (and re-quantizes it every
+    """Whether the subject is declared lossy or its cache layers declare quantization (``nbits`` / ``fp8_dtype``, as
+    the memory family reads them): such a cache dequantizes its whole history at every step (and re-quantizes it every
     ``residual_length`` steps), so its budget against the uncached forward is ``params.min_speedup_quantized``."""
     from kvconform.checks.memory import cache_layers, quant_params
 
+    if getattr(ctx.subject, "kind", "exact") == "lossy":  # declared lossy (kvconform_lossy / CacheSpec.kind)
+        return True
     try:
         cache = ctx.new_cache()
     except Exception:  # noqa: BLE001 - the measurement will report the failure

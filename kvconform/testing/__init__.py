@@ -51,9 +51,9 @@ class FaultyCache:
 
 
 def faulty_caches() -> list[FaultyCache]:
-    """Every ``FaultyCache`` of every ``kvconform.testing.faulty_*`` module, sorted by name."""
+    """Every ``FaultyCache`` of every ``kvconform.testing`` module that lists them (``FAULTY``: the ``faulty_*``
+    modules, and the modules of bundled correct caches with their faulty variants), sorted by name."""
     out = []
     for module in pkgutil.iter_modules(__path__):
-        if module.name.startswith("faulty_"):
-            out.extend(importlib.import_module(f"{__name__}.{module.name}").FAULTY)
+        out.extend(getattr(importlib.import_module(f"{__name__}.{module.name}"), "FAULTY", []))
     return sorted(out, key=lambda f: f.name)

@@ -1,0 +1,144 @@
+"""Self-consistency targets: the judge's target for a lossy subject without a fake-quant twin.
+
+A lossy cache (quantized, compressed) is not equal to the oracle, so an operation on it — crop, reorder, select,
+repeat, reset and reuse, a deepcopy fork, a chunked continuation — cannot be judged against the oracle at float
+tolerance: its own compression error would hide a fault or fail a correct cache. What such an operation promises is
+that the cache afterwards behaves like *a fresh instance of the same class fed the equivalent history*: the same
+tokens (``Step.seq[:, :start]``, rows already reordered / selected / repeated), in the same chunks (``Step.chunks``:
+the forwards that fed them, a crop cutting the straddling one), with the same attention mask and encoder input. For
+a deterministic class that is exact: the fresh instance computes the same quantization of the same tokens, so a
+fault shows at its real size whatever the quantization noise, and the tolerance is the exact path's noise floor.
+
+The fresh instance is kept in lock-step: it is reused from one step to the next while the subject's history only
+grew by the previous step's forward, and replayed from scratch (its chunks, one forward each) only when the history
+changed otherwise (after crop / reorder / select / repeat / reset / fork), so the cost stays about twice the
+subject's own run.
+
+This module sits below the interpreter (it needs only ``_drive.forward``); ``_judge.judge`` calls it.
+"""
+
+from __future__ import annotations
+
+from kvconform.checks._drive import SubjectRaised, forward
+
+STRUCTURAL_OPS = ("crop", "reorder", "repeat", "select", "reset", "fork")
+"""Ops after which the fresh instance is replayed (and which a divergence is blamed on)."""
+
+CAUSES = {
+    "reorder": "reorder_cache() did not move every part of the cache with the rows (quantized part / residual / "
+               "scales): one part kept the old row order",
+    "repeat": "batch_repeat_interleave() did not repeat every part of the cache (quantized part / residual / "
+              "scales) row by row",
+    "select": "batch_select_indices() did not keep the same rows in every part of the cache (quantized part / "
+              "residual / scales)",
+    "crop": "crop() did not cut every part of the cache to the kept tokens (quantized part / residual / length "
+            "counter): cropped tokens survive, or kept ones are lost (a Δ near the compression error instead: the "
+            "tokens that re-enter the exact window after the crop stay quantized — keep exact copies of the last "
+            "tokens, or refuse crop)",
+    "reset": "reset() did not clear every part of the cache (quantized part / residual / scales / length counter): "
+             "the previous sequence survives into the next one",
+    "fork": "copy.deepcopy did not copy every part of the cache (quantized part / residual / scales), or the copy "
+            "and the original share a part that one of them then changed",
+}
+"""The likely cause of a divergence, by the last structural op before the first diverging step."""
+
+NO_OP_CAUSE = ("the same calls on a fresh instance of the same class give other logits: the cache is not "
+               "deterministic (state drawn per instance, e.g. an unseeded random rotation) or keeps state across "
+               "instances (class-level buffers)")
+
+
+def fresh_label(spec) -> str:
+    """``"a fresh <Class> fed the equivalent history"`` — how failure messages name the target."""
+    return f"a fresh {getattr(spec.factory, '__name__', spec.name)} fed the equivalent history"
+
+
+def divergence_cause(steps, failed) -> str:
+    """The likely cause of a lossy subject's first diverging step ``failed``: the last structural op (``CAUSES``)
+    applied to its cache at or before that step (``Step.ops_before``), or ``NO_OP_CAUSE``."""
+    by_index = {s.index: s for s in steps}
+    for index in range(failed.index, -1, -1):
+        step = by_index.get(index)
+        if step is None:
+            continue
+        ops = [op for op in step.ops_before if op in CAUSES]
+        if ops:
+            where = "" if index == failed.index else f" (before {step.label})"
+            return f"{CAUSES[ops[-1]]}{where}"
+        if step.start == 0:  # a fresh history: nothing earlier is blamed
+            break
+    return NO_OP_CAUSE
+
+
+class _Fresh:
+    """A fresh instance of the subject's class and the history it holds (tokens ``[B, T]``, mask or None, encoder
+    input or None, chunks, position mode)."""
+
+    def __init__(self, cache, seq, mask, enc, chunks, mode):
+        self.cache, self.seq, self.mask, self.enc, self.chunks, self.mode = cache, seq, mask, enc, list(chunks), mode
+
+    def holds(self, step, chunks, enc) -> bool:
+        """Whether this instance holds exactly ``step``'s equivalent history (then it continues in lock-step)."""
+        import torch
+
+        start = step.start
+        if self.chunks != chunks or self.mode != step.position_mode:
+            return False
+        if tuple(self.seq.shape) != (step.seq.shape[0], start) or not torch.equal(self.seq, step.seq[:, :start]):
+            return False
+        want = None if step.mask is None else step.mask[:, :start]
+        if self.mask is not None or want is not None:
+            have = self.mask if self.mask is not None else torch.ones_like(want)
+            want = want if want is not None else torch.ones_like(have)
+            if have.shape != want.shape or not torch.equal(have, want):
+                return False
+        return (self.enc is None and enc is None) or (self.enc is not None and enc is not None
+                                                      and torch.equal(self.enc, enc))
+
+
+def _feed(ctx, fresh, tokens, mask_full, label):
+    """One forward of ``tokens`` ``[B, n]`` into ``fresh`` (mask ``[B, start + n]`` or None); returns the logits."""
+    import torch
+
+    start = fresh.seq.shape[1]
+    try:
+        logits = forward(ctx.model, fresh.cache, tokens, start, fresh.mode, fresh.enc, mask_full, start == 0)
+    except Exception as exc:  # noqa: BLE001 - the subject's class failed on the equivalent history
+        raise SubjectRaised(f"{label} (a fresh instance fed the equivalent history)", exc) from exc
+    fresh.seq = torch.cat([fresh.seq, tokens], dim=1)
+    fresh.mask = mask_full
+    fresh.chunks.append(int(tokens.shape[1]))
+    return logits
+
+
+def consistency_targets(ctx, spec, steps) -> dict:
+    """``{step.index: target}``: the float64 logits ``[B, length, V]`` of a fresh instance of ``spec`` (built like
+    the subject: same factory, kwargs, model and dtype, batch size of the step) fed the step's equivalent history —
+    ``step.seq[:, :step.start]`` in ``step.chunks`` forwards, with the step's mask, encoder input and position mode —
+    then the step's own forward.
+
+    The fresh instance continues in lock-step while the history only grows by the previous step (see the module
+    docstring), so ``steps`` from one run cost about one more run; a fork, crop, reorder, select, repeat or reset
+    costs one replay of the history.
+
+    Raises:
+        SubjectRaised: the fresh instance raised on the equivalent history (names the step).
+    """
+    import torch
+
+    out, fresh = {}, None
+    for step in sorted(steps, key=lambda s: s.index):
+        enc = step.encoder_ids if step.encoder_ids is not None else getattr(ctx, "encoder_ids", None)
+        chunks = list(step.chunks) if sum(step.chunks) == step.start else ([step.start] if step.start else [])
+        if fresh is None or not fresh.holds(step, chunks, enc):
+            batch = int(step.seq.shape[0])
+            cache = spec.build(ctx.model, max_cache_len=ctx.max_cache_len, batch_size=batch,
+                               encoder_len=ctx.case.encoder_len)
+            fresh = _Fresh(cache, torch.empty(batch, 0, dtype=torch.long), None, enc, [], step.position_mode)
+            pos = 0
+            for n in chunks:
+                mask = None if step.mask is None else step.mask[:, :pos + n]
+                _feed(ctx, fresh, step.seq[:, pos:pos + n], mask, f"replay for {step.label}")
+                pos += n
+        mask = None if step.mask is None else step.mask[:, :step.start + step.length]
+        out[step.index] = _feed(ctx, fresh, step.seq[:, step.start:step.start + step.length], mask, step.label)
+    return out
