@@ -307,11 +307,14 @@ def check_compression_real(ctx):
 
 
 def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
-    """Why a lossy cache holds too much: full-precision tensors over every token fed (a kept dequantized view, or
-    nothing compressed), a sliding window it does not honour, or fewer bits saved than declared."""
+    """Why a lossy cache holds too much: tensors in the model's dtype with one token's keys (or values) for every
+    token fed (a kept dequantized view, or nothing compressed), a sliding window it does not honour, or fewer bits
+    saved than declared."""
     dtype = str(ctx.model.dtype).removeprefix("torch.")
+    per_token = {B * H * D for B, H, D, _ in (layer.dims for layer in layers if layer.dims)}  # one token's K
     full = [path for path, t in held_tensor_items(cache)
-            if t.is_floating_point() and t.dtype == ctx.model.dtype and t.dim() >= 2 and t.shape[-2] == tokens]
+            if t.is_floating_point() and t.dtype == ctx.model.dtype and t.dim() >= 2 and t.shape[-2] == tokens
+            and t.numel() // tokens in per_token]
     where = f" ({', '.join(full[:2])}{', ...' if len(full) > 2 else ''}: {dtype} over all {tokens} tokens)"
     windows = sorted(layer.window for layer in layers if layer.window and layer.window < tokens)
     uncompressed = 0.98 <= ratio <= 1.02
@@ -364,7 +367,9 @@ def check_memory_bound(ctx):
         f"the cache holds the equivalent of {kept:.0f} tokens; per layer: {per_layer}",
         f"largest tensors held: {_holdings(cache)}",
         f"ops: {ctx.case.ops_label()}",
-        "likely cause: " + ("the cache keeps every token (nothing is evicted)" if kept >= tokens - 0.5 else
+        "likely cause: " + (f"the cache holds all {tokens} tokens' worth: nothing is evicted, or what is evicted is "
+                            "still referenced (a list of old chunks, views pinning old buffers: see the largest "
+                            "tensors)" if kept >= tokens - 0.5 else
                             "the cache keeps more than tokens_max tokens (a window larger than declared, or "
                             "evicted keys/values still referenced: a list of old chunks, views pinning old buffers)"),
     ])
