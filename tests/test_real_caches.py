@@ -1,0 +1,110 @@
+"""Proof on real packages: published lossy caches run as kvconform lossy subjects, and the verdicts they get.
+
+* turboquant 0.2.0's ``TurboQuantCache`` (skipped with a reason where turboquant is not installed), declared lossy
+  with a budget measured here, on the long cases (272 tokens: it keeps its last 128 tokens exact, so 144 of them are
+  quantized by the end):
+  - its quality is within its budget (3-bit: KL 1.7e-2, top-1 0.69 on llama; 6e-4, 0.94 on gpt2);
+  - its compression is NOT real: every layer keeps the dequantized float32 view of every token (``layers[i].keys`` /
+    ``.values``, set in ``update``) besides its uint8 indices, 1.64× an exact cache's bytes; the same class without
+    that view (``tests/_turboquant.py: TQLean``) holds 0.64×, and passes;
+  - built the way a user passing the model config would (``TurboQuantCache(bits=3, config=config)``) it never
+    quantizes (``DynamicCache.__init__`` pre-builds plain layers): quality passes (it is exact), compression fails.
+* the built-in HQQ and quanto ``QuantizedCache`` subjects run *without* their fake-quant twins, as any published
+  lossy cache would: quality and compression pass within their budgets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+from kvconform import check_cache
+
+HERE = os.path.dirname(__file__)
+CASES = ["quality_long", "compression_long"]
+
+
+@pytest.fixture(scope="module")
+def tq():
+    pytest.importorskip("scipy", reason="turboquant 0.2.0 needs scipy (pip install turboquant==0.2.0)")
+    pytest.importorskip("turboquant", reason="turboquant is not installed (pip install turboquant==0.2.0)")
+    sys.path.insert(0, HERE)
+    try:
+        import _turboquant
+    finally:
+        sys.path.remove(HERE)
+    return _turboquant
+
+
+@pytest.fixture(scope="module")
+def tq_results(tq):
+    specs = [tq.spec("TurboQuant3", tq.tq3), tq.spec("TurboQuant4", tq.tq4, tq.TQ4_BUDGET),
+             tq.spec("TurboQuant3Config", tq.tq3_cfg), tq.spec("TurboQuant3Lean", tq.tq3_lean, capabilities={"forward"})]
+    results = check_cache(specs, models=["llama", "gpt2"], cases=CASES)
+    for r in results:
+        print(r.subject, r.model, r.check, r.outcome, {k: v for k, v in r.metrics.items()
+                                                       if k in ("kl_mean", "top1", "bytes_ratio", "bytes_held")})
+    return {(r.subject, r.check, r.model): r for r in results}
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("subject", ["TurboQuant3", "TurboQuant4"])
+def test_turboquant_quality_is_within_its_budget(tq_results, subject, model):
+    r = tq_results[(subject, "check_quality_budget", model)]
+    assert r.outcome == "passed", r.message
+    assert r.metrics["tokens"] == 272 and r.metrics["positions"] == 160
+    assert 1e-5 < r.metrics["kl_mean"] <= r.metrics["kl_max"]  # it does quantize: not exact
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_turboquant_keeps_a_float_copy_so_its_compression_is_not_real(tq_results, model):
+    r = tq_results[("TurboQuant3", "check_compression_real", model)]
+    assert r.outcome == "failed", r.message
+    assert r.metrics["bytes_ratio"] == pytest.approx(1.64, abs=0.01)
+    text = r.message
+    assert f"check_compression_real failed: TurboQuant3 on {model} (fp32, batch 2), case compression_long" in text
+    assert "an exact cache must hold, but should be < 1 (no bytes_ratio_max declared" in text
+    assert "largest tensors held: layers[0].keys float32 [2, " in text
+    assert ("likely cause: the cache keeps every token at full precision besides its compressed data "
+            "(layers[0].keys, layers[0].values, ...: float32 over all 272 tokens): a dequantized view kept as an "
+            "attribute after update() returned it") in text
+    lean = tq_results[("TurboQuant3Lean", "check_compression_real", model)]
+    assert lean.outcome == "passed", lean.message
+    # 128 exact float32 tokens + 144 tokens at one uint8 index an element and a float32 norm a (row, head, token)
+    assert lean.metrics["bytes_ratio"] == pytest.approx(0.64, abs=0.01)
+
+
+def test_turboquant_built_with_the_config_never_quantizes(tq_results):
+    quality = tq_results[("TurboQuant3Config", "check_quality_budget", "llama")]
+    assert quality.outcome == "passed" and quality.metrics["kl_mean"] < 1e-9  # exact: nothing was quantized
+    r = tq_results[("TurboQuant3Config", "check_compression_real", "llama")]
+    assert r.outcome == "failed", r.message
+    assert "1.000× the 278,528 B an exact cache must hold" in r.message
+    assert "likely cause: nothing is compressed: the cache holds what an exact cache holds" in r.message
+
+
+def test_turboquant_generate_items_skip_with_what_judges_them(tq):
+    (r,) = check_cache(tq.spec("TurboQuant3", tq.tq3), models=["llama"], checks=["check_generate_greedy"])
+    assert r.outcome == "skipped"
+    assert r.message.startswith("TurboQuant3 is lossy: its greedy generate() is not compared token for token")
+
+
+@pytest.mark.parametrize("name", ["QuantizedCache_hqq4", "QuantizedCache_quanto4"])
+def test_builtin_quantized_caches_pass_as_lossy_subjects_without_twin(name):
+    from kvconform.subjects import quantized_subjects
+
+    spec = next(s for s in quantized_subjects() if s.name == name)
+    for module in spec.requires:
+        pytest.importorskip(module.split(":")[0])
+    bare = dataclasses.replace(spec, name=name + "_bare", twin=None)  # judged as any published lossy cache
+    results = check_cache(bare, models=["llama", "gpt2"], cases=CASES)
+    assert len(results) == 4, [(r.id, r.outcome, r.message) for r in results]
+    for r in results:
+        assert r.outcome == "passed", r.message
+        if r.check == "check_quality_budget":
+            assert "twin_kl_mean" not in r.metrics and 0 < r.metrics["kl_mean"] <= spec.budget.kl_max
+        else:
+            assert r.metrics["bytes_ratio"] <= spec.budget.bytes_ratio_max
