@@ -169,15 +169,15 @@ def _sink_window_cache(**kwargs):
     return build
 
 
-# 4 sinks + 252 recent tokens: after 272 tokens, 16 are evicted. Measured on llama (quality_long): KL 6e-4, top-1
-# 0.98. (A tiny random model attends almost uniformly: its quality tells how much was dropped, not which tokens —
+# 4 sinks + 220 recent tokens: after 240 tokens, 16 are evicted. Measured on llama (quality_long): KL 7.9e-4, top-1
+# 0.99. (A tiny random model attends almost uniformly: its quality tells how much was dropped, not which tokens —
 # keeping the oldest instead of the newest costs the same KL there.)
-SINK_BUDGET = Budget(kl_max=5e-3, top1_min=0.9, tokens_max=256)
-SINK_WINDOW = CacheSpec("SinkWindowCache", _sink_window_cache(sinks=4, window=252),
+SINK_BUDGET = Budget(kl_max=5e-3, top1_min=0.9, tokens_max=224)
+SINK_WINDOW = CacheSpec("SinkWindowCache", _sink_window_cache(sinks=4, window=220),
                         capabilities=frozenset({"forward"}), kind="evicting", budget=SINK_BUDGET)
 EVICTS_TOO_MUCH = CacheSpec("EvictsTooMuchCache", _sink_window_cache(sinks=4, window=60),
                             capabilities=frozenset({"forward"}), kind="evicting", budget=SINK_BUDGET)
-LEAKS_EVICTED = CacheSpec("LeaksEvictedCache", _sink_window_cache(sinks=4, window=252, leak=True),
+LEAKS_EVICTED = CacheSpec("LeaksEvictedCache", _sink_window_cache(sinks=4, window=220, leak=True),
                           capabilities=frozenset({"forward"}), kind="evicting", budget=SINK_BUDGET)
 
 
@@ -200,7 +200,7 @@ def test_int8_token_cache_passes_quality_and_compression(lossy_results):
     c = lossy_results[("Int8TokenCache", "check_compression_real", "llama")]
     assert q.outcome == "passed" and c.outcome == "passed", (q.message, c.message)
     print("int8 llama:", {k: q.metrics[k] for k in ("kl_mean", "top1", "positions")}, c.metrics["bytes_ratio"])
-    assert q.metrics["positions"] == 2 * (16 + 48 + 16) and q.metrics["tokens"] == 272
+    assert q.metrics["positions"] == 2 * (8 + 48 + 8) and q.metrics["tokens"] == 240
     assert 0 < q.metrics["kl_mean"] <= INT8_BUDGET.kl_max
     # 1 byte + a float32 scale per 16 elements (llama-tiny's head_dim), over 4 bytes: 0.3125
     assert c.metrics["bytes_ratio"] == pytest.approx(0.3125, abs=1e-3)
@@ -214,7 +214,7 @@ def test_quantization_worse_than_declared_fails_quality(lossy_results):
     text = r.message
     assert "check_quality_budget failed: Int2AsInt8Cache on llama (fp32, batch 2), case quality_long" in text
     assert "but should be ≤ 1.00e-03 (Int2AsInt8Cache's budget)" in text
-    assert "mean KL per op: decode×16: " in text and "(272 tokens)" in text
+    assert "mean KL per op: decode×8: " in text and "(240 tokens)" in text
     assert "likely cause: the cache loses more than its declared budget allows" in text
     assert r.metrics["kl_mean"] > 10 * INT8_BUDGET.kl_max
 
@@ -224,17 +224,17 @@ def test_float_copy_fails_compression(lossy_results):
     r = lossy_results[("Int8KeepsFloatCache", "check_compression_real", "llama")]
     assert r.outcome == "failed", r.message
     text = r.message
-    assert "held bytes = 365,568 B after 272 tokens, 1.312× the 278,528 B an exact cache must hold" in text
-    assert "2 attention layers × 2·B2·H_kv2·D16·4B a token × 272 tokens" in text
-    assert "largest tensors held: layers[0].float_keys float32 [2, 2, 272, 16]" in text
+    assert "held bytes = 322,560 B after 240 tokens, 1.312× the 245,760 B an exact cache must hold" in text
+    assert "2 attention layers × 2·B2·H_kv2·D16·4B a token × 240 tokens" in text
+    assert "largest tensors held: layers[0].float_keys float32 [2, 2, 240, 16]" in text
     assert ("likely cause: the cache keeps every token at full precision besides its compressed data "
-            "(layers[0].float_keys, layers[0].float_values, ...: float32 over all 272 tokens)") in text
+            "(layers[0].float_keys, layers[0].float_values, ...: float32 over all 240 tokens)") in text
 
 
 def test_declared_bytes_ratio_is_held(lossy_results):
     r = lossy_results[("Int8OverclaimsCache", "check_compression_real", "llama")]
     assert r.outcome == "failed", r.message
-    assert "0.312× the 278,528 B an exact cache must hold, but should be ≤ 0.200 (bytes_ratio_max)" in r.message
+    assert "0.312× the 245,760 B an exact cache must hold, but should be ≤ 0.200 (bytes_ratio_max)" in r.message
     assert "likely cause: the cache compresses less than it declares" in r.message, r.message
 
 
@@ -244,8 +244,8 @@ def test_sink_window_cache_passes_quality_and_memory_bound(evicting_results):
     assert q.outcome == "passed" and m.outcome == "passed", (q.message, m.message)
     print("sinks+window llama:", {k: q.metrics[k] for k in ("kl_mean", "top1")}, m.metrics)
     assert 0 < q.metrics["kl_mean"]  # evicted tokens are missed: not exact
-    # 256 tokens × 2 layers × K+V [B2, H_kv2, D16] fp32; it holds exactly that
-    assert m.metrics["bytes_held"] == 256 * 2 * 2 * 2 * 2 * 16 * 4 and m.metrics["tokens_equivalent"] == 256
+    # 224 tokens × 2 layers × K+V [B2, H_kv2, D16] fp32; it holds exactly that
+    assert m.metrics["bytes_held"] == 224 * 2 * 2 * 2 * 2 * 16 * 4 and m.metrics["tokens_equivalent"] == 224
     compression = evicting_results[("SinkWindowCache", "check_compression_real", "llama")]
     assert compression.outcome == "skipped" and "is evicting: its bytes are bounded by check_memory_bound" in \
         compression.message
@@ -257,8 +257,8 @@ def test_evicting_more_than_declared_fails_quality(evicting_results):
     assert r.outcome == "failed", r.message
     text = r.message
     assert "but should be ≤ 5.00e-03 (EvictsTooMuchCache's budget)" in text
-    assert "mean KL per op: decode×16: " in text and "chunk(48): " in text
-    assert "likely cause: the tokens the cache keeps (budget.tokens_max = 256) do not carry the context" in text
+    assert "mean KL per op: decode×8: " in text and "chunk(48): " in text
+    assert "likely cause: the tokens the cache keeps (budget.tokens_max = 224) do not carry the context" in text
 
 
 def test_keeping_evicted_tokens_fails_memory_bound(evicting_results):
@@ -266,12 +266,12 @@ def test_keeping_evicted_tokens_fails_memory_bound(evicting_results):
     assert evicting_results[("LeaksEvictedCache", "check_quality_budget", "llama")].outcome == "passed"
     assert r.outcome == "failed", r.message
     text = r.message
-    assert "held bytes = 278,528 B after 272 tokens, but should be ≤ 262,656 B (budget.tokens_max = 256)" in text
-    assert ("bound: 256 tokens × 1,024 B a token over 2 attention layers (2·B2·H_kv2·D16·4B each) + "
+    assert "held bytes = 245,760 B after 240 tokens, but should be ≤ 229,888 B (budget.tokens_max = 224)" in text
+    assert ("bound: 224 tokens × 1,024 B a token over 2 attention layers (2·B2·H_kv2·D16·4B each) + "
             "linear-attention states 0 B + slack 256 B × 2 layers") in text
-    assert "the cache holds the equivalent of 272 tokens" in text
-    assert "largest tensors held: layers[0].keys float32 [2, 2, 256, 16]" in text
-    assert ("likely cause: the cache holds all 272 tokens' worth: nothing is evicted, or what is evicted is still "
+    assert "the cache holds the equivalent of 240 tokens" in text
+    assert "largest tensors held: layers[0].keys float32 [2, 2, 224, 16]" in text
+    assert ("likely cause: the cache holds all 240 tokens' worth: nothing is evicted, or what is evicted is still "
             "referenced") in text
 
 

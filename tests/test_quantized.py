@@ -114,7 +114,7 @@ def test_quantized_subjects_within_budget_offloaded_skipped(run_kvconform, pytes
             assert quality["outcome"] == "passed", quality["message"]
             m = quality["metrics"]
             assert m["kl_mean"] <= m["kl_max"] and m["top1"] >= m["top1_min"]
-            assert 0 < m["kl_mean"] and m["kl_mean"] == pytest.approx(m["twin_kl_mean"])
+            assert 0 < m["kl_mean"] and "twin_kl_mean" not in m  # the twin runs only to explain a failure
             compression = by[(subject, model, "compression_long")]
             assert compression["outcome"] == "passed", compression["message"]
             c = compression["metrics"]
@@ -176,6 +176,7 @@ def test_faulty_quantized_caches_are_caught():
     assert keys2.outcome == "failed", keys2.message
     assert ("likely cause: the subject loses more than its declared quantization does: the fault is in the subject "
             "(its twin meets the budget)") in keys2.message
+    assert keys2.metrics["twin_kl_mean"] <= keys2.metrics["kl_max"] < keys2.metrics["kl_mean"]
     late = by[("FlushOneLateCache", "check_quality_budget", "quality_long", "llama")]
     assert late.outcome == "passed" and late.metrics["kl_mean"] <= late.metrics["kl_max"]
 
