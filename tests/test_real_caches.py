@@ -109,3 +109,76 @@ def test_builtin_quantized_caches_pass_as_lossy_subjects_without_twin(name):
             assert "twin_kl_mean" not in r.metrics and 0 < r.metrics["kl_mean"] <= spec.budget.kl_max
         else:
             assert r.metrics["bytes_ratio"] <= spec.budget.bytes_ratio_max
+
+
+# ------------------------------------------------------------------------------------------ turboquant's cache ops
+# What self-consistency (a fresh instance of the same class fed the equivalent history, in lock-step) sees in
+# turboquant 0.2.0: TurboQuantLayer inherits crop / reorder_cache from DynamicLayer, which act on ``keys`` /
+# ``values`` only — the view that the next ``update`` rebuilds from the quantized indices and the exact residual, which
+# they did not touch. So crop and reorder are undone at the next step, and reset() leaves ``_total_len`` counting
+# (a new sequence then fails: its mask is sized for the old length).
+# Measured here with the raw model (the self-consistency checks judge the same through kvconform's cases).
+def _tq_forward(zm, cache, ids, start):
+    import torch
+
+    from kvconform.compat import cache_kwarg
+
+    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    with torch.no_grad():
+        out = zm.model(input_ids=ids, position_ids=positions, use_cache=True, **{cache_kwarg(zm.model): cache})
+    return out.logits.double()
+
+
+@pytest.fixture(scope="module")
+def tq_llama(tq):
+    import torch
+
+    from kvconform.zoo import build_zoo_model
+
+    zm = build_zoo_model("llama")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 177), generator=gen)  # 176 in the cache (48 quantized) + one next token
+    return zm, ids
+
+
+def test_turboquant_reorder_is_undone_by_the_next_update(tq, tq_llama):
+    import torch
+
+    zm, ids = tq_llama
+    cache = tq.tq3()
+    _tq_forward(zm, cache, ids[:, :176], 0)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    after = _tq_forward(zm, cache, ids[[1, 0], 176:], 176)[:, -1]
+    fresh = tq.tq3()  # the equivalent history: the rows swapped from the start
+    _tq_forward(zm, fresh, ids[[1, 0], :176], 0)
+    expected = _tq_forward(zm, fresh, ids[[1, 0], 176:], 176)[:, -1]
+    delta = float((after - expected).abs().max())
+    assert delta > 0.1, delta  # the rows' histories were not swapped: a full-size fault, not quantization noise
+    control = tq.tq3()  # the same class without the reorder agrees with itself to float noise
+    _tq_forward(zm, control, ids[[1, 0], :176], 0)
+    assert float((_tq_forward(zm, control, ids[[1, 0], 176:], 176)[:, -1] - expected).abs().max()) < 1e-5
+
+
+def test_turboquant_crop_is_undone_by_the_next_update(tq, tq_llama):
+    zm, ids = tq_llama
+    cache = tq.tq3()
+    _tq_forward(zm, cache, ids[:, :176], 0)
+    cache.crop(-16)  # back to 160 tokens: the next token is fed at position 160
+    assert cache.get_seq_length() == 176  # _total_len is not cropped either
+    after = _tq_forward(zm, cache, ids[:, 176:], 160)[:, -1]
+    assert cache.layers[0].keys.shape[-2] == 177  # attention read all 176 tokens + the new one
+    fresh = tq.tq3()
+    _tq_forward(zm, fresh, ids[:, :160], 0)
+    expected = _tq_forward(zm, fresh, ids[:, 176:], 160)[:, -1]
+    assert float((after - expected).abs().max()) > 0.05
+
+
+def test_turboquant_reset_keeps_counting(tq, tq_llama):
+    zm, ids = tq_llama
+    cache = tq.tq3()
+    _tq_forward(zm, cache, ids[:, :176], 0)
+    cache.reset()
+    assert cache.get_seq_length() == 176 and tq.tq3().get_seq_length() == 0  # _total_len survives reset()
+    # a new sequence into the reset cache: the mask is sized for 176 + 8 keys, attention gets 8
+    with pytest.raises(RuntimeError, match=r"size of tensor a \(8\) must match the size of tensor b \(184\)"):
+        _tq_forward(zm, cache, ids[:, :8], 0)
