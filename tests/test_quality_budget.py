@@ -6,7 +6,8 @@ Each check must fail on a faulty cache and pass on a correct one:
   int8 budget ("quantization far worse than declared"), fails it; an evicting sinks + window cache passes its budget,
   and one that keeps the oldest tokens instead of the newest fails it.
 * ``check_compression_real``: the int8 cache passes (ratio 0.31); the same cache keeping a float32 copy of what it
-  quantized fails, naming the copy; a cache that declares a bytes ratio tighter than it achieves fails.
+  quantized fails, naming the copy; a cache that declares a bytes ratio tighter than it achieves fails; a "lossy"
+  cache that never quantizes (exact: its quality passes) fails.
 * ``check_memory_bound``: the sinks + window cache passes; one that keeps the evicted tokens in a list fails.
 
 The caches are written here, small and plain (``CacheLayerMixin`` layers in a ``transformers.Cache``), and run
@@ -99,6 +100,18 @@ INT2_DECLARED_INT8 = CacheSpec("Int2AsInt8Cache", _token_quant_cache(2), capabil
                                kind="lossy", budget=INT8_BUDGET)
 INT8_KEEPS_FLOAT = CacheSpec("Int8KeepsFloatCache", _token_quant_cache(8, keep_float=True),
                              capabilities=frozenset({"forward"}), kind="lossy", budget=INT8_BUDGET)
+
+
+def _never_quantizes(config):
+    """A "3-bit" cache whose exact window (128 tokens, as turboquant's or QuantizedCache's default) never fills in a
+    short case, and that never quantizes at all: a DynamicCache."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+NEVER_QUANTIZES = CacheSpec("NeverQuantizesCache", _never_quantizes, capabilities=frozenset({"forward"}), kind="lossy",
+                            budget=Budget(kl_max=5e-2, top1_min=0.6))
 INT8_OVERCLAIMS = CacheSpec("Int8OverclaimsCache", _token_quant_cache(8), capabilities=frozenset({"forward"}),
                             kind="lossy", budget=Budget(kl_max=1e-3, top1_min=0.9, bytes_ratio_max=0.2))
 
@@ -187,7 +200,7 @@ def _run(specs, cases=CASES, models=MODELS):
 
 @pytest.fixture(scope="module")
 def lossy_results():
-    return _run([INT8, INT2_DECLARED_INT8, INT8_KEEPS_FLOAT, INT8_OVERCLAIMS])
+    return _run([INT8, INT2_DECLARED_INT8, INT8_KEEPS_FLOAT, INT8_OVERCLAIMS, NEVER_QUANTIZES])
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +242,16 @@ def test_float_copy_fails_compression(lossy_results):
     assert "largest tensors held: layers[0].float_keys float32 [2, 2, 240, 16]" in text
     assert ("likely cause: the cache keeps every token at full precision besides its compressed data "
             "(layers[0].float_keys, layers[0].float_values, ...: float32 over all 240 tokens)") in text
+
+
+def test_a_cache_that_never_quantizes_passes_quality_and_fails_compression(lossy_results):
+    quality = lossy_results[("NeverQuantizesCache", "check_quality_budget", "llama")]
+    assert quality.outcome == "passed" and quality.metrics["kl_mean"] < 1e-9  # exact
+    r = lossy_results[("NeverQuantizesCache", "check_compression_real", "llama")]
+    assert r.outcome == "failed", r.message
+    assert "1.000× the 245,760 B an exact cache must hold, but should be < 1" in r.message
+    assert ("likely cause: nothing is compressed: the cache holds what an exact cache holds (layers[0].keys, "
+            "layers[0].values, ...: float32 over all 240 tokens)") in r.message
 
 
 def test_declared_bytes_ratio_is_held(lossy_results):
