@@ -43,7 +43,8 @@ def tq():
 @pytest.fixture(scope="module")
 def tq_results(tq):
     specs = [tq.spec("TurboQuant3", tq.tq3), tq.spec("TurboQuant4", tq.tq4, tq.TQ4_BUDGET),
-             tq.spec("TurboQuant3Config", tq.tq3_cfg), tq.spec("TurboQuant3Lean", tq.tq3_lean, capabilities={"forward"})]
+             tq.spec("TurboQuant3Config", tq.tq3_cfg),
+             tq.spec("TurboQuant3Lean", tq.tq3_lean, capabilities={"forward"})]
     results = check_cache(specs, models=["llama", "gpt2"], cases=CASES)
     for r in results:
         print(r.subject, r.model, r.check, r.outcome, {k: v for k, v in r.metrics.items()
@@ -114,8 +115,8 @@ def test_builtin_quantized_caches_pass_as_lossy_subjects_without_twin(name):
 # ------------------------------------------------------------------------------------------ turboquant's cache ops
 # What self-consistency (a fresh instance of the same class fed the equivalent history, in lock-step) sees in
 # turboquant 0.2.0: TurboQuantLayer inherits crop / reorder_cache from DynamicLayer, which act on ``keys`` /
-# ``values`` only — the view that the next ``update`` rebuilds from the quantized indices and the exact residual, which
-# they did not touch. So crop and reorder are undone at the next step, and reset() leaves ``_total_len`` counting
+# ``values`` only — the view that the next ``update`` rebuilds from the quantized indices and the exact residual,
+# which they did not touch. So crop and reorder are undone at the next step, and reset() leaves ``_total_len`` counting
 # (a new sequence then fails: its mask is sized for the old length).
 # Measured here with the raw model (the self-consistency checks judge the same through kvconform's cases).
 def _tq_forward(zm, cache, ids, start):

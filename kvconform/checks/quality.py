@@ -13,9 +13,9 @@ quantized caches keep the last 128 tokens exact), so that the compressor or the 
   reachable tensor once per storage, quanto's / HQQ's packed tensors through their inner data and scales) are fewer
   than an exact cache must hold after the same ops (every token's keys and values of a full-attention layer, the
   window of a sliding layer, the linear-attention states), and ≤ ``budget.bytes_ratio_max`` of it when declared. A
-  compressed cache that keeps the whole history of a sliding layer may hold more than ``DynamicCache`` does: it
-  fails here, with that cause. A "quantized" cache that also keeps a full-precision copy, or that never quantizes, fails here even
-  though its quality is perfect.
+  "quantized" cache that also keeps a full-precision copy, or that never quantizes, fails here even though its
+  quality is perfect. A compressed cache that keeps the whole history of a sliding layer may hold more than
+  ``DynamicCache`` does: it fails here too, with that cause.
 * ``check_memory_bound`` (evicting): the bytes held after the long context are ≤ what ``budget.tokens_max`` tokens'
   keys and values take in each attention layer, plus each layer's linear-attention states (hybrid models).
 
@@ -98,7 +98,7 @@ def _cache_positions(steps):
 
 
 def _per_op(ctx, steps, oracle_by_step) -> str:
-    """Mean KL per op of the case after the first forward (``"decode 16: 1.2e-03, chunk 48: ..."``)."""
+    """Mean KL per op of the case after the first forward (``"decode×8: 1.2e-03, chunk(48): ..."``)."""
     import torch
 
     from kvconform.quant import quality_metrics

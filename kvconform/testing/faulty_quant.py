@@ -44,7 +44,8 @@ INHERITED = {
 
 def _spec(name, layer_cls, capabilities=("forward", "generate", "reorder", "reset")):
     return CacheSpec(name, _cache_with(layer_cls), capabilities=frozenset(capabilities), twin=twin_factory(DECLARED),
-                     kind="lossy", budget=QUANTIZED_BUDGETS["QuantizedCache_quanto4"], applies_to=full_attention_only, source=f"{__name__}:{name}", expected_failures=INHERITED,
+                     kind="lossy", budget=QUANTIZED_BUDGETS["QuantizedCache_quanto4"], applies_to=full_attention_only,
+                     source=f"{__name__}:{name}", expected_failures=INHERITED,
                      requires={"optimum.quanto": "pip install kvconform[quanto]"})
 
 
