@@ -15,7 +15,8 @@ comparisons instead:
   ``CacheSpec.twin`` is set with the twin run on the same ops, same model and dtype, under the exact path's noise
   floor (``kvconform.checks._twin.twin_targets``).
 * **a quality budget, against the exact oracle**: KL divergence of the next-token distributions and top-1
-  agreement (``quality_metrics``), budgets declared per case (``params = {kl_max = ..., top1_min = ...}``).
+  agreement (``quality_metrics``), within the subject's ``Budget`` (``subjects.QUANTIZED_BUDGETS`` for the built-in
+  ones; the quality family's checks).
 
 The quantization rules mirrored here (transformers 5.24 ``cache_utils``, optimum-quanto 0.2.7):
 

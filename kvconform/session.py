@@ -160,9 +160,10 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
 
     Besides capabilities and model features: a check may declare its own rule in the registry,
     ``@register(..., applies=rule)`` with ``rule(subject, model, case, device=...) -> reason or None`` (lossy-only
-    checks, coverage checks tied to one subject); a lossy subject (``CacheSpec.twin``, or ``kind="lossy"``) is not
-    held to the generate family's token-for-token comparison with the exact model, nor (without a twin) to an exact
-    cache's byte formula (``lossy_reason``); ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
+    checks, coverage checks tied to one subject); a lossy subject (``CacheSpec.twin``, or ``kind="lossy"``) or an
+    evicting one on a case longer than its ``budget.tokens_max`` is not held to the generate family's token-for-token
+    comparison with the exact model, nor (without a twin) to an exact cache's byte formula (``lossy_reason``);
+    ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
     hardware.
     """
     from kvconform.cases import model_requirements_unmet
@@ -184,6 +185,14 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     reason = lossy_reason(subject, check)
     if reason:
         return reason
+    kind, tokens_max = getattr(subject, "kind", "exact"), getattr(getattr(subject, "budget", None), "tokens_max", None)
+    if check.family == "generate" and own_rule is None and (
+            kind == "lossy" or (kind == "evicting" and case.total_tokens > (tokens_max or 0))):
+        return (f"{subject.name} is {kind}" + (f" and this case feeds {case.total_tokens} tokens > tokens_max "
+                                               f"{tokens_max}" if kind == "evicting" else "") +
+                ": its greedy generate() is not compared token for token with the exact model (a near-tie may flip); "
+                "it is judged by check_quality_budget against the float64 oracle and by " +
+                ("check_memory_bound" if kind == "evicting" else "self-consistency") + " instead")
     for requirement, hint in getattr(subject, "requires", {}).items():
         if missing_requirement(requirement):
             return f"requires {requirement} ({hint})"

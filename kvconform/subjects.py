@@ -643,10 +643,32 @@ _REQUIRES = {
 }
 
 
-QUANTIZED_BUDGETS = {8: Budget(kl_max=5e-3, top1_min=0.75), 4: Budget(kl_max=2.5e-2, top1_min=0.6),
-                     2: Budget(kl_max=0.3, top1_min=0.1)}
-"""Quality budgets of the built-in quantized subjects by bit width (8: fp8), from the quality family's measurements
-(conformance_cases/quality.toml)."""
+QUANTIZED_BUDGETS = {
+    "QuantizedCache_quanto4": Budget(kl_max=5e-3, top1_min=0.75, bytes_ratio_max=0.25),
+    "QuantizedCache_quanto2": Budget(kl_max=0.15, top1_min=0.4, bytes_ratio_max=0.16),
+    "QuantizedCache_hqq4": Budget(kl_max=1.5e-2, top1_min=0.7, bytes_ratio_max=0.25),
+    "QuantizedCache_hqq2": Budget(kl_max=0.4, top1_min=0.2, bytes_ratio_max=0.16),
+    "QuantizedCache_fp8": Budget(kl_max=1e-3, top1_min=0.85, bytes_ratio_max=0.3),
+}
+"""Budgets of the built-in quantized subjects, by subject name, calibrated on the quality family's long cases
+(``quality_long`` / ``compression_long``: 240 tokens, fp32, batch 2) on llama / gpt2 / phi3 with transformers 5.24,
+optimum-quanto 0.2.7 and hqq 0.2.8 (the fake-quant twins measure the same, bit for bit). Measured, then budget:
+
+* quanto 4-bit: KL 1.0e-3 / 1.4e-4 / 9.5e-4, top-1 0.930 / 0.984 / 0.859 → KL 5e-3, top-1 0.75;
+* HQQ 4-bit: KL 2.9e-3 / 2.8e-4 / 2.2e-3, top-1 0.875 / 0.992 / 0.891 → KL 1.5e-2, top-1 0.70;
+* quanto 2-bit: KL 3.3e-2 / 3.1e-3 / 3.0e-2, top-1 0.688 / 0.914 / 0.578 → KL 0.15, top-1 0.40;
+* HQQ 2-bit: KL 6.0e-2 / 9.2e-3 / 5.7e-2, top-1 0.523 / 0.820 / 0.547 → KL 0.4, top-1 0.20 (a 272-token variant of
+  the case measured up to KL 0.12, top-1 0.36);
+* fp8: KL 2.7e-4 / 1.0e-5 / 2.7e-4, top-1 0.953 / 1.000 / 0.938 → KL 1e-3, top-1 0.85;
+* bytes held / an exact cache's: 4-bit 0.1875 (llama, phi3: group 32) / 0.156 (gpt2: group 64), i.e. 4 bits plus a
+  float32 scale and shift per group, for quanto and HQQ alike; 2-bit 0.125 / 0.094; fp8 0.250 (8 of 32 bits and one
+  frozen scale per layer) → 0.25, 0.16 and 0.30.
+
+Margins: about 4× on KL, 0.1–0.15 on top-1 (a tiny random model's margins are small: at 2 bits a third of the tokens
+flip at a KL of 0.05, so KL is the sharp bound), and byte ratios that storage at the next larger width would exceed
+(4-bit stored as 8-bit: 0.31 > 0.25; 2-bit stored as 4-bit: 0.19 > 0.16). The byte ratios are of float32 keys and
+values. A subject declaring quanto 4-bit that stores its keys at 2 bits is over its budget (tests/test_quantized.py).
+"""
 
 
 def quantized_subjects() -> list:
@@ -662,9 +684,8 @@ def quantized_subjects() -> list:
     for name, qc in QUANTIZED:
         caps = {"forward", "generate", "reorder", "reset", "batch_repeat", "batch_select"}
         caps |= {"deepcopy"} if qc.backend != "quanto" else set()
-        bits = 8 if qc.backend == "fp8" else qc.nbits
         out.append(CacheSpec(name, quantized_factory(qc), capabilities=frozenset(caps), twin=twin_factory(qc),
-                             kind="lossy", budget=QUANTIZED_BUDGETS[bits],
+                             kind="lossy", budget=QUANTIZED_BUDGETS[name],
                              applies_to=full_attention_only, requires=_REQUIRES[qc.backend],
                              tier="full" if qc.nbits == 2 else "default"))
     return out

@@ -119,8 +119,8 @@ def test_quantized_subjects_within_budget_offloaded_skipped(run_kvconform, pytes
     crop fault of transformers is an xfail naming it, HQQ and offloading skip with their reasons on CPU; without
     optimum-quanto the quanto subjects skip naming the extra, and the fp8 one (transformers' own) still runs."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models: one thread each, no oversubscription
-    keep = ("(QuantizedCache and (decode_explicit_positions or quality_decode or generate_twin or flush_then_reorder"
-            " or crop_after_flush)) or (offloaded and decode_explicit_positions)")
+    keep = ("(QuantizedCache and (decode_explicit_positions or quality_long or compression_long or generate_twin"
+            " or flush_then_reorder or crop_after_flush)) or (offloaded and decode_explicit_positions)")
     result = run_kvconform("--kvconform-model", "llama", "--kvconform-model", "gpt2", "-k", keep,
                            "--kvconform-json", "report.json")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -134,11 +134,15 @@ def test_quantized_subjects_within_budget_offloaded_skipped(run_kvconform, pytes
                                 "requires optimum.quanto (pip install kvconform[quanto])" for r in mine), mine
             continue
         for model in ("llama", "gpt2"):
-            quality = by[(subject, model, "quality_decode")]
+            quality = by[(subject, model, "quality_long")]
             assert quality["outcome"] == "passed", quality["message"]
             m = quality["metrics"]
             assert m["kl_mean"] <= m["kl_max"] and m["top1"] >= m["top1_min"]
-            assert 0 < m["kl_mean"] and m["kl_mean"] == pytest.approx(m["twin_kl_mean"])
+            assert 0 < m["kl_mean"] and "twin_kl_mean" not in m  # the twin runs only to explain a failure
+            compression = by[(subject, model, "compression_long")]
+            assert compression["outcome"] == "passed", compression["message"]
+            c = compression["metrics"]
+            assert c["bytes_ratio"] <= c["bytes_ratio_max"] < 1 and c["bytes_held"] < c["bytes_exact"]
             for case in ("decode_explicit_positions", "generate_twin", "flush_then_reorder"):
                 assert by[(subject, model, case)]["outcome"] == "passed", (subject, model, case)
             crop = by[(subject, model, "crop_after_flush")]
@@ -158,13 +162,15 @@ def test_two_bit_subject_within_budget_in_the_full_tier():
     from kvconform.subjects import quantized_subjects
 
     quanto2 = next(s for s in quantized_subjects() if s.name == "QuantizedCache_quanto2")
-    assert check_cache(quanto2, models=["llama"], cases=["quality_decode"]) == []  # not in the default tier
-    results = check_cache(quanto2, models=["llama", "gpt2"], cases=["quality_decode", "decode_explicit_positions"],
-                          full=True)
-    assert len(results) == 4 and all(r.outcome == "passed" for r in results), [(r.id, r.message) for r in results]
+    assert check_cache(quanto2, models=["llama"], cases=["quality_long"]) == []  # not in the default tier
+    results = check_cache(quanto2, models=["llama", "gpt2"],
+                          cases=["quality_long", "compression_long", "decode_explicit_positions"], full=True)
+    assert len(results) == 6 and all(r.outcome == "passed" for r in results), [(r.id, r.message) for r in results]
     for r in results:
-        if r.case == "quality_decode":
+        if r.case == "quality_long":
             assert r.metrics["kl_mean"] <= r.metrics["kl_max"] and r.metrics["top1"] >= r.metrics["top1_min"]
+        elif r.case == "compression_long":  # 2 bits + a float32 scale and shift per group (32 on llama, 64 on gpt2)
+            assert r.metrics["bytes_ratio"] == pytest.approx({"llama": 0.125, "gpt2": 0.094}[r.model], abs=2e-3)
         else:
             assert r.metrics["max_abs"] == 0.0  # bit for bit its fake-quant twin
 
@@ -172,23 +178,27 @@ def test_two_bit_subject_within_budget_in_the_full_tier():
 @NEEDS_QUANTO
 def test_faulty_quantized_caches_are_caught():
     """Each faulty cache of kvconform.testing.faulty_quant fails its target check with the pinned message; the
-    2-bit-keys cache is also over its 4-bit quality budget, while the one-late flush stays within it (only the twin
-    sees it). Run in-process through ``kvconform.check_cache`` (the plugin runs the same items)."""
+    2-bit-keys cache is also over its quanto 4-bit quality budget on the long case (KL 1.1e-2, ten times its twin's),
+    while the one-late flush stays within it (only the twin sees it). Run in-process through ``kvconform.check_cache`` (the plugin runs the same items)."""
     from kvconform import check_cache
 
     faulty = faulty_quant.FAULTY
     results = check_cache([f.spec for f in faulty],
                           models=sorted({f.model for f in faulty}),
                           checks=sorted({f.check for f in faulty} | {"check_quality_budget"}),
-                          cases=sorted({f.case for f in faulty} | {"quality_decode"}))
+                          cases=sorted({f.case for f in faulty} | {"quality_long"}))
     by = {(r.subject, r.check, r.case, r.model): r for r in results}
     for f in faulty:
         r = by[(f.attr, f.check, f.case, f.model)]
         assert r.outcome == "failed", (f.name, r.outcome, r.message)
         for line in f.message:
             assert line in r.message, (f.name, line, r.message)
-    assert by[("KeysAt2BitsCache", "check_quality_budget", "quality_decode", "llama")].outcome == "failed"
-    late = by[("FlushOneLateCache", "check_quality_budget", "quality_decode", "llama")]
+    keys2 = by[("KeysAt2BitsCache", "check_quality_budget", "quality_long", "llama")]
+    assert keys2.outcome == "failed", keys2.message
+    assert ("likely cause: the subject loses more than its declared quantization does: the fault is in the subject "
+            "(its twin meets the budget)") in keys2.message
+    assert keys2.metrics["twin_kl_mean"] <= keys2.metrics["kl_max"] < keys2.metrics["kl_mean"]
+    late = by[("FlushOneLateCache", "check_quality_budget", "quality_long", "llama")]
     assert late.outcome == "passed" and late.metrics["kl_mean"] <= late.metrics["kl_max"]
 
 

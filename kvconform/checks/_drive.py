@@ -1,6 +1,6 @@
 """Driving a transformers model the way real callers do: one cached forward (``forward``, ``forward_kwargs``),
 ``model.generate`` (``generate``), seeded random tokens, and reading what a cache holds (``seq_length``,
-``tensors_of``).
+``tensors_of``), and counting the bytes a cache holds (``held_bytes``, ``cache_layers``).
 
 This is the lowest layer of the checks' machinery (``_drive`` < ``_interpreter`` < ``_judge`` < ``_diagnosis`` <
 family modules, see ARCHITECTURE.md): it imports none of the others.
@@ -418,3 +418,129 @@ def kv_length_mismatch(calls, mask_sizes: dict, layer_max: list, held: int) -> s
             return (f"update(layer_idx={layer_idx}) returned keys of length {returned}, but get_mask_sizes() sized "
                     f"the attention mask for {mask_sizes[layer_idx][0]} (the cache should hold {held} tokens)")
     return None
+
+# ------------------------------------------------------------------------------------------------ counting bytes
+# How bytes are counted (the memory family's formula checks and the quality family's compression / memory-bound
+# checks): every tensor reachable from a cache's attributes, counted once per storage (a view keeps its whole buffer
+# alive); a wrapper tensor subclass (optimum-quanto's QTensor: packed ``_data``, ``_scale``, ``_shift``) through its
+# inner tensors (``__tensor_flatten__``), because its own ``nbytes`` is its logical, unpacked size.
+def _opaque_types() -> tuple:
+    import types
+
+    return (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+            types.CodeType, types.FrameType, types.GeneratorType)
+
+
+def _is_wrapper_subclass(t) -> bool:
+    import torch
+
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
+
+
+def held_tensor_items(obj, max_depth: int = 8) -> list:
+    """``[(path, tensor)]`` for every plain tensor reachable from ``obj``'s attributes (lists, tuples, sets, dicts,
+    objects with ``__dict__``/``__slots__``), in traversal order; ``path`` is how it was reached
+    (``layers[0]._quantized_keys._data``). Wrapper tensor subclasses are replaced by their inner tensors;
+    ``nn.Module``s, transformers configs, classes, functions (closures) and generators are not entered (a cache may
+    refer to its model or config: their weights are not the cache's). Each object is visited once."""
+    import torch
+
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # pragma: no cover
+        PretrainedConfig = ()
+    opaque = _opaque_types()
+    out, seen = [], set()
+
+    def visit(x, path, depth):
+        if x is None or isinstance(x, (int, float, str, bytes, bool, torch.dtype, torch.device)):
+            return
+        if id(x) in seen or depth > max_depth:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            if _is_wrapper_subclass(x):
+                names, _ = x.__tensor_flatten__()
+                for name in names:
+                    visit(getattr(x, name), f"{path}.{name}", depth + 1)
+            else:
+                out.append((path, x))
+            return
+        if isinstance(x, opaque) or isinstance(x, (torch.nn.Module, PretrainedConfig, torch.Generator)):
+            return
+        if isinstance(x, dict):
+            for k, v in x.items():
+                visit(v, f"{path}[{k!r}]", depth + 1)
+            return
+        if isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                visit(v, f"{path}[{i}]", depth + 1)
+            return
+        if isinstance(x, (set, frozenset)):
+            for v in x:
+                visit(v, f"{path}{{}}", depth + 1)
+            return
+        if hasattr(x, "__dict__"):
+            for k, v in vars(x).items():
+                visit(v, f"{path}.{k}" if path else k, depth + 1)
+        for slot in getattr(type(x), "__slots__", ()) or ():
+            if isinstance(slot, str) and hasattr(x, slot):
+                visit(getattr(x, slot), f"{path}.{slot}" if path else slot, depth + 1)
+
+    visit(obj, "", 0)
+    return out
+
+
+def held_tensors(obj, max_depth: int = 8) -> list:
+    """Every plain tensor reachable from ``obj`` (``held_tensor_items`` without the paths)."""
+    return [t for _, t in held_tensor_items(obj, max_depth)]
+
+
+def _storage_key(t) -> tuple:
+    """``(key, bytes)`` of the storage behind ``t`` (a sparse, meta or functional tensor: its own elements)."""
+    try:
+        storage = t.untyped_storage()
+        return (t.device.type, storage.data_ptr(), storage.nbytes()), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return ("tensor", id(t)), t.numel() * t.element_size()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view costs its whole storage, once)."""
+    total, seen = 0, set()
+    for t in tensors:
+        key, size = _storage_key(t)
+        if size and key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
+def held_bytes(obj) -> int:
+    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object."""
+    return storage_bytes(held_tensors(obj))
+
+
+def largest_holdings(obj, n: int = 3) -> list:
+    """``[(path, bytes, description)]`` of the ``n`` largest distinct storages ``obj`` holds, largest first
+    (``description``: dtype and shape of the first tensor reached on it), for failure messages."""
+    seen, rows = set(), []
+    for path, t in held_tensor_items(obj):
+        key, size = _storage_key(t)
+        if size and key not in seen:
+            seen.add(key)
+            rows.append((path, size, f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"))
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
+def cache_layers(cache) -> list:
+    """``[(label, layer)]``: ``"layer 0"``… for a decoder cache; ``"self 0"``/``"cross 0"`` for an
+    ``EncoderDecoderCache``. A cache without ``layers`` counts as one pseudo-layer ``"cache"``."""
+    inner = [("self", getattr(cache, "self_attention_cache", None)), ("cross", getattr(cache, "cross_attention_cache",
+                                                                                         None))]
+    if inner[0][1] is not None:
+        return [(f"{kind} {i}", layer) for kind, c in inner if c is not None for i, layer in enumerate(c.layers)]
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return [("cache", cache)]
+    return [(f"layer {i}", layer) for i, layer in enumerate(layers)]

@@ -52,12 +52,13 @@ lower GPU peak while decoding.
 from __future__ import annotations
 
 import math
-import types
 from dataclasses import dataclass, field
 
 from kvconform import compat
 from kvconform.checks import OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
+# counting bytes lives in _drive (the quality family's compression checks count them too); re-exported here
+from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, storage_bytes  # noqa: F401
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import FORWARD_OPS, run_observed
@@ -66,99 +67,6 @@ from kvconform.oracle import Tolerance
 DEFAULT_SLACK_BYTES = 256
 QUANT_BAND = 0.10
 MEMORY_OPS = ("prefill", "decode", "chunk", "crop", "reset")
-
-
-# ------------------------------------------------------------------------------------------------ counting bytes
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-           types.CodeType, types.FrameType, types.GeneratorType)
-"""Objects ``held_tensors`` does not enter: what they refer to is not the cache's (closures are not followed)."""
-
-
-def _is_wrapper_subclass(t) -> bool:
-    import torch
-
-    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
-
-
-def held_tensors(obj, max_depth: int = 8) -> list:
-    """Every plain tensor reachable from ``obj``'s attributes (lists, tuples, sets, dicts, objects with
-    ``__dict__``/``__slots__``), wrapper tensor subclasses replaced by their inner tensors. ``nn.Module``s,
-    transformers configs, classes and functions are not entered (a cache may refer to its model or config; their
-    weights are not the cache's)."""
-    import torch
-
-    try:
-        from transformers import PretrainedConfig
-    except ImportError:  # pragma: no cover
-        PretrainedConfig = ()
-    out, seen = [], set()
-
-    def visit(x, depth):
-        if x is None or isinstance(x, (int, float, str, bytes, bool, torch.dtype, torch.device)):
-            return
-        if id(x) in seen or depth > max_depth:
-            return
-        seen.add(id(x))
-        if isinstance(x, torch.Tensor):
-            if _is_wrapper_subclass(x):
-                names, _ = x.__tensor_flatten__()
-                for name in names:
-                    visit(getattr(x, name), depth + 1)
-            else:
-                out.append(x)
-            return
-        if isinstance(x, _OPAQUE) or isinstance(x, (torch.nn.Module, PretrainedConfig, torch.Generator)):
-            return
-        if isinstance(x, dict):
-            for v in x.values():
-                visit(v, depth + 1)
-            return
-        if isinstance(x, (list, tuple, set, frozenset)):
-            for v in x:
-                visit(v, depth + 1)
-            return
-        if hasattr(x, "__dict__"):
-            for v in vars(x).values():
-                visit(v, depth + 1)
-        for slot in getattr(type(x), "__slots__", ()) or ():
-            if isinstance(slot, str) and hasattr(x, slot):
-                visit(getattr(x, slot), depth + 1)
-
-    visit(obj, 0)
-    return out
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view costs its whole storage, once)."""
-    total, seen = 0, set()
-    for t in tensors:
-        try:
-            storage = t.untyped_storage()
-            key, size = (t.device.type, storage.data_ptr(), storage.nbytes()), storage.nbytes()
-        except (RuntimeError, NotImplementedError, TypeError):  # sparse, meta, functional tensors
-            key, size = ("tensor", id(t)), t.numel() * t.element_size()
-        if size and key not in seen:
-            seen.add(key)
-            total += size
-    return total
-
-
-def held_bytes(obj) -> int:
-    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object."""
-    return storage_bytes(held_tensors(obj))
-
-
-def cache_layers(cache) -> list[tuple[str, object]]:
-    """``[(label, layer)]``: ``"layer 0"``… for a decoder cache; ``"self 0"``/``"cross 0"`` for an
-    ``EncoderDecoderCache``. A cache without ``layers`` counts as one pseudo-layer ``"cache"``."""
-    inner = [("self", getattr(cache, "self_attention_cache", None)), ("cross", getattr(cache, "cross_attention_cache",
-                                                                                         None))]
-    if inner[0][1] is not None:
-        return [(f"{kind} {i}", layer) for kind, c in inner if c is not None for i, layer in enumerate(c.layers)]
-    layers = getattr(cache, "layers", None)
-    if not layers:
-        return [("cache", cache)]
-    return [(f"layer {i}", layer) for i, layer in enumerate(layers)]
 
 
 # ------------------------------------------------------------------------------------------------ the formula

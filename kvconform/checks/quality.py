@@ -1,58 +1,95 @@
-"""Family ``quality``: a lossy subject's next-token distributions stay within a budget of the exact oracle.
+"""Family ``quality``: lossy and evicting subjects, judged by what they promise (their ``Budget``) instead of exactness.
 
-* ``check_quality_budget``: KL divergence and top-1 agreement against the exact oracle, within the budget the case
-  declares (``params = {kl_max = ..., top1_min = ...}``), measured values in the metrics.
+A subject declares ``kind="lossy"`` or ``kind="evicting"`` with a ``kvconform.Budget`` (``CacheSpec(kind=...,
+budget=...)``, or ``kvconform_lossy = {...}`` / ``kvconform_evicting = {...}`` on its class or factory). Its cases
+(``conformance_cases/quality.toml``) go well past the exact window such caches keep (transformers' and turboquant's
+quantized caches keep the last 128 tokens exact), so that the compressor or the eviction is reached:
 
-The other checks of lossy subjects live in their families' modules; their shared helpers in ``_lossy``.
+* ``check_quality_budget`` (lossy and evicting): the next-token distributions of every position that read the cache
+  (every forward after the first) against the float64 oracle: mean KL(oracle ‖ subject) ≤ ``budget.kl_max`` nats
+  and top-1 agreement ≥ ``budget.top1_min``. When it fails, a subject with a fake-quant twin (``CacheSpec.twin``) has
+  its twin's quality in the message too (is the loss the declared quantization's, or the subject's own?).
+* ``check_compression_real`` (lossy): the bytes the cache holds after the long context (``_drive.held_bytes``: every
+  reachable tensor once per storage, quanto's / HQQ's packed tensors through their inner data and scales) are fewer
+  than an exact cache must hold after the same ops (every token's keys and values of a full-attention layer, the
+  window of a sliding layer, the linear-attention states), and ≤ ``budget.bytes_ratio_max`` of it when declared. A
+  "quantized" cache that also keeps a full-precision copy, or that never quantizes, fails here even though its
+  quality is perfect. A compressed cache that keeps the whole history of a sliding layer may hold more than
+  ``DynamicCache`` does: it fails here too, with that cause.
+* ``check_memory_bound`` (evicting): the bytes held after the long context are ≤ what ``budget.tokens_max`` tokens'
+  keys and values take in each attention layer, plus each layer's linear-attention states (hybrid models).
+
+Per-token bytes and state sizes are measured on kvconform's ``ReferenceCache`` run on the same ops (it keeps
+exactly what the model hands it), so no table of config attribute names is needed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvconform.checks import OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised
-from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, lossy_only, oracle_slices, twin_spec
+from kvconform.checks._drive import (SubjectRaised, cache_layers, held_bytes, held_tensor_items, largest_holdings,
+                                     storage_bytes)
+from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
+
+BUDGETED_KINDS = ("lossy", "evicting")
+DEFAULT_SLACK_BYTES = 256
+LONG_CONTEXT_RULE = OpRule(allowed=LOSSY_OPS, min_forwards=2, why="it judges every position after the first forward")
+"""What the quality family's checks need of a case: the ops their driver runs, and a forward after the first."""
+
+
+# ------------------------------------------------------------------------------------------ applicability
+def _kind(subject) -> str:
+    return getattr(subject, "kind", "exact")
+
+
+def _declares_no_budget(subject, case) -> str | None:
+    if getattr(subject, "budget", None) is None and not {"kl_max", "top1_min"} <= set(case.params or {}):
+        return (f"{subject.name} declares no quality budget: declare kind='lossy' (or 'evicting') with "
+                f"budget=kvconform.Budget(kl_max=..., top1_min=...)")
+    return None
+
+
+def budgeted(subject, model, case, device="cpu"):
+    """Applicability rule of ``check_quality_budget``: lossy and evicting subjects (``CacheSpec.kind``), and
+    subjects with a fake-quant twin. A twin subject of kind ``exact`` without a budget (and no ``kl_max`` /
+    ``top1_min`` in the case) is skipped with the declaration it lacks."""
+    if _kind(subject) in BUDGETED_KINDS:
+        return None
+    if getattr(subject, "twin", None) is not None:
+        return _declares_no_budget(subject, case)
+    return "applies to lossy and evicting subjects only (CacheSpec kind='lossy' or 'evicting', with a Budget)"
+
+
+def compressing(subject, model, case, device="cpu"):
+    """Applicability rule of ``check_compression_real``: lossy subjects (kind ``lossy``, or a fake-quant twin)."""
+    if _kind(subject) == "lossy" or (_kind(subject) == "exact" and getattr(subject, "twin", None) is not None):
+        return None
+    if _kind(subject) == "evicting":
+        return f"{subject.name} is evicting: its bytes are bounded by check_memory_bound (budget.tokens_max)"
+    return "applies to lossy subjects only (CacheSpec kind='lossy')"
+
+
+def evicting(subject, model, case, device="cpu"):
+    """Applicability rule of ``check_memory_bound``: evicting subjects (kind ``evicting``, ``budget.tokens_max``)."""
+    if _kind(subject) == "evicting":
+        return None
+    return "applies to evicting subjects only (CacheSpec kind='evicting' with budget.tokens_max)"
 
 
 # ------------------------------------------------------------------------------------------ quality budget
-def _bits(subject) -> int | None:
-    qc = getattr(subject.twin, "quant_config", None)
-    if qc is None:
-        return None
-    return 8 if qc.backend == "fp8" else qc.nbits
-
-
-def _budget(ctx) -> tuple[float, float]:
-    """``(kl_max, top1_min)`` from the case params: numbers, or tables keyed by the subject's declared bits
-    (``"8"`` for fp8) with an optional ``"default"``."""
-    params, bits = ctx.case.params, _bits(ctx.subject)
-
-    def pick(key):
-        value = params.get(key)
-        if isinstance(value, dict):
-            value = value.get(str(bits), value.get("default"))
-        return float(value)
-
-    try:
-        return pick("kl_max"), pick("top1_min")
-    except (TypeError, ValueError):
-        raise ValueError(f"case {ctx.case.id}: check_quality_budget needs params kl_max and top1_min (numbers, or "
-                         f"tables keyed by bits with a 'default'); none applies to {ctx.subject.name} "
-                         f"({bits} bits): {params!r}") from None
-
-
-def _budget_case(case):
-    """Load-time rule of ``check_quality_budget`` (``register(validate=...)``): a budget table is keyed by bit widths
-    (``"8"``, ``"4"``...) and has a ``default`` (the subjects' bits are known only at run time)."""
-    for key in ("kl_max", "top1_min"):
-        value = case.params.get(key)
-        if isinstance(value, dict):
-            bad = [k for k in value if k != "default" and not k.isdigit()]
-            if bad:
-                return f"params.{key}", f"table keys are bit widths (\"8\", \"4\") or 'default'; got {bad[0]!r}"
-            if "default" not in value:
-                return f"params.{key}", (f"a budget table needs a 'default' entry for the bit widths it does not list "
-                                         f"(a subject's bits are known only when it runs); got keys {sorted(value)}")
-    return None
+def _budget(ctx) -> tuple[float, float, str]:
+    """``(kl_max, top1_min, where from)``: the subject's ``Budget``, each value replaced by the case's ``params``
+    ``kl_max`` / ``top1_min`` where the case gives it (a case may tighten or loosen a budget)."""
+    budget, params = getattr(ctx.subject, "budget", None), ctx.case.params or {}
+    kl_max = params.get("kl_max", getattr(budget, "kl_max", None))
+    top1_min = params.get("top1_min", getattr(budget, "top1_min", None))
+    if kl_max is None or top1_min is None:
+        raise ValueError(f"case {ctx.case.id}: {ctx.subject.name} declares no quality budget; declare kind='lossy' "
+                         f"with budget=kvconform.Budget(kl_max=..., top1_min=...)")
+    overridden = [k for k in ("kl_max", "top1_min") if k in params]
+    source = f"case {ctx.case.id} params ({', '.join(overridden)})" if overridden else f"{ctx.subject.name}'s budget"
+    return float(kl_max), float(top1_min), source
 
 
 def _cache_positions(steps):
@@ -62,22 +99,39 @@ def _cache_positions(steps):
     return torch.cat([s.logits for s in steps[1:]], dim=1)
 
 
-@register("quality", needs=("forward",), applies=lossy_only, params={
-    "kl_max": Param((float, dict), required=True, items=float, min=0,
-                    doc="mean KL(oracle ‖ subject) budget in nats: a number, or a table keyed by bits with a default"),
-    "top1_min": Param((float, dict), required=True, items=float, min=0, max=1,
-                      doc="top-1 agreement budget: a number, or a table keyed by bits with a default"),
-}, ops=OpRule(allowed=LOSSY_OPS, min_forwards=2, why="it judges every position after the first forward"),
-   validate=_budget_case)
-def check_quality_budget(ctx):
-    """A lossy subject's next-token distributions stay within the case's budget of the exact oracle: mean
-    KL(oracle ‖ subject) ≤ ``kl_max`` nats and top-1 agreement ≥ ``top1_min``, over every position that read the
-    cache (all forwards after the first)."""
+def _per_op(ctx, steps, oracle_by_step) -> str:
+    """Mean KL per op of the case after the first forward (``"decode×8: 1.2e-03, chunk(48): ..."``)."""
     import torch
 
     from kvconform.quant import quality_metrics
 
-    kl_max, top1_min = _budget(ctx)
+    groups: dict = {}
+    for s in steps[1:]:
+        groups.setdefault(s.op_index, []).append(s)
+    parts = []
+    for op_index, group in groups.items():
+        obs = torch.cat([s.logits for s in group], dim=1)
+        ref = torch.cat([oracle_by_step[s.index] for s in group], dim=1)
+        parts.append(f"{ctx.case.ops[op_index].label}: {quality_metrics(obs, ref)['kl_mean']:.1e}")
+    return ", ".join(parts)
+
+
+@register("quality", needs=("forward",), applies=budgeted, params={
+    "kl_max": Param(float, min=0, doc="replaces the subject's budget.kl_max (mean KL(oracle ‖ subject), nats)"),
+    "top1_min": Param(float, min=0, max=1, doc="replaces the subject's budget.top1_min (top-1 agreement)"),
+}, ops=LONG_CONTEXT_RULE)
+def check_quality_budget(ctx):
+    """A lossy or evicting subject's next-token distributions stay within its budget of the float64 oracle: mean
+    KL(oracle ‖ subject) ≤ ``budget.kl_max`` nats and top-1 agreement ≥ ``budget.top1_min``, over every position
+    that read the cache (all forwards after the first; ``[B, N]`` positions). A case may replace either bound
+    (``params``). On a failure, a subject with a fake-quant twin has the twin's own quality on the same ops in the
+    message and metrics (``twin_kl_mean``, ``twin_top1``): is the loss the declared quantization's, or the
+    subject's?"""
+    import torch
+
+    from kvconform.quant import quality_metrics
+
+    kl_max, top1_min, source = _budget(ctx)
     try:
         steps = drive(ctx, ctx.new_cache())
     except SubjectRaised as exc:
@@ -85,23 +139,241 @@ def check_quality_budget(ctx):
     if len(steps) < 2:
         raise ValueError(f"case {ctx.case.id}: check_quality_budget needs ops after the first forward")
     exact = oracle_slices(ctx, steps)
-    oracle = torch.cat([exact[s.index][0] for s in steps[1:]], dim=1)
+    oracle_by_step = {s.index: exact[s.index][0] for s in steps}
+    oracle = torch.cat([oracle_by_step[s.index] for s in steps[1:]], dim=1)
     q = quality_metrics(_cache_positions(steps), oracle)
-    twin_steps = drive(ctx, ctx.new_cache(twin_spec(ctx)))  # the twin's own quality, same model and dtype
-    tq = quality_metrics(_cache_positions(twin_steps), oracle)
     ctx.metrics.update(kl_mean=q["kl_mean"], kl_worst=q["kl_worst"], top1=q["top1"], positions=q["positions"],
-                       kl_max=kl_max, top1_min=top1_min, twin_kl_mean=tq["kl_mean"], twin_top1=tq["top1"])
+                       kl_max=kl_max, top1_min=top1_min, tokens=int(steps[-1].seq.shape[1]))
     if q["kl_mean"] <= kl_max and q["top1"] >= top1_min:
         return
-    inherent = tq["kl_mean"] > kl_max or tq["top1"] < top1_min
-    ctx.fail([
-        f"KL(oracle ‖ subject) = {q['kl_mean']:.2e} nats (mean of {q['positions']} positions, worst "
-        f"{q['kl_worst']:.2e}), but should be ≤ {kl_max:.2e}",
+    tq = None
+    if getattr(ctx.subject, "twin", None) is not None:  # the twin's own quality, same model and dtype
+        twin_steps = drive(ctx, ctx.new_cache(twin_spec(ctx)))
+        tq = quality_metrics(_cache_positions(twin_steps), oracle)
+        ctx.metrics.update(twin_kl_mean=tq["kl_mean"], twin_top1=tq["top1"])
+    b, offset = q["worst"]
+    first = steps[1].start
+    lines = [
+        f"KL(oracle ‖ subject) = {q['kl_mean']:.2e} nats (mean of {q['positions']} positions), but should be ≤ "
+        f"{kl_max:.2e} ({source})",
         f"top-1 agreement = {q['top1']:.3f}, but should be ≥ {top1_min:.3f}",
+        f"worst KL {q['kl_worst']:.2e} at batch={b} position={first + offset}; mean KL per op: "
+        f"{_per_op(ctx, steps, oracle_by_step)}",
+        f"ops: {ctx.case.ops_label()} ({steps[-1].seq.shape[1]} tokens)",
+    ]
+    kind = _kind(ctx.subject)
+    if tq is not None:
+        inherent = tq["kl_mean"] > kl_max or tq["top1"] < top1_min
+        lines.append(f"fake-quant twin on the same case: KL {tq['kl_mean']:.2e}, top-1 {tq['top1']:.3f}")
+        cause = ("the declared quantization itself loses this much on this model: the budget is too tight for it"
+                 if inherent else "the subject loses more than its declared quantization does: the fault is in the "
+                 "subject (its twin meets the budget)")
+    elif kind == "evicting":
+        cause = ("the tokens the cache keeps (budget.tokens_max = "
+                 f"{ctx.subject.budget.tokens_max}) do not carry the context this model needs, or the kept tokens "
+                 "are attended at the wrong positions: compare the mean KL per op before and after eviction starts")
+    else:
+        cause = ("the cache loses more than its declared budget allows (coarser quantization than declared, or a "
+                 "fault beyond the rounding: see the self-consistency checks)")
+    ctx.fail([*lines, "likely cause: " + cause])
+
+
+# ------------------------------------------------------------------------------------------ bytes held
+def _mib(n) -> str:
+    return f"{int(n):,} B" if abs(n) < 1 << 20 else f"{n / (1 << 20):.2f} MiB"
+
+
+@dataclass(frozen=True)
+class ExactLayer:
+    """What an exact cache must hold in one layer, measured on ``ReferenceCache`` after a run.
+
+    Attributes:
+        label: ``"layer 0"``… (``_drive.cache_layers``).
+        token_bytes: one token's keys + values over the batch, ``B·H_kv·(D_k + D_v)·b`` bytes; 0 without attention.
+        tokens: the tokens an exact cache must keep: every token fed, ``min(fed, window)`` for a sliding layer
+            (whose older tokens the model no longer attends: ``DynamicCache`` drops them).
+        state_bytes: the layer's other bytes (conv + recurrent states of a linear-attention layer).
+        dims: ``(B, H_kv, D_k, b)`` for messages; ``()`` without attention.
+        window: the sliding window, or None.
+    """
+
+    label: str
+    token_bytes: int
+    tokens: int
+    state_bytes: int
+    dims: tuple = ()
+    window: int | None = None
+
+    @property
+    def exact_bytes(self) -> int:
+        return self.token_bytes * self.tokens + self.state_bytes
+
+
+def exact_layer_bytes(ref_cache) -> list:
+    """``[ExactLayer]`` of a ``ReferenceCache`` (or an ``EncoderDecoderCache`` of them) after a run."""
+    out = []
+    for label, layer in cache_layers(ref_cache):
+        chunks = getattr(layer, "key_chunks", None) or []
+        window = getattr(layer, "sliding_window", None) or None
+        if not chunks:
+            out.append(ExactLayer(label, 0, 0, held_bytes(layer)))
+            continue
+        k, v = chunks[0], layer.value_chunks[0]
+        token_bytes = k.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()
+        fed = sum(c.shape[-2] for c in chunks)
+        kv_bytes = storage_bytes(list(chunks) + list(layer.value_chunks))
+        out.append(ExactLayer(label, token_bytes, min(fed, int(window)) if window else fed,
+                              held_bytes(layer) - kv_bytes, (k.shape[0], k.shape[1], k.shape[-1], k.element_size()),
+                              int(window) if window else None))
+    return out
+
+
+def _formula(layers) -> str:
+    """``"2 attention layers × 2·B2·H_kv2·D16·4B a token × 240 tokens + linear-attention states"``."""
+    groups: dict = {}
+    for layer in layers:
+        if layer.token_bytes:
+            groups.setdefault((layer.tokens, layer.dims), []).append(layer)
+    parts = [f"{len(group)} attention layer{'s' if len(group) > 1 else ''} × 2·B{B}·H_kv{H}·D{D}·{b}B a token × "
+             f"{tokens} tokens" + (f" (window {group[0].window})" if group[0].window else "")
+             for (tokens, (B, H, D, b)), group in sorted(groups.items())]
+    if any(layer.state_bytes for layer in layers):
+        parts.append(f"linear-attention states {_mib(sum(layer.state_bytes for layer in layers))}")
+    return " + ".join(parts)
+
+
+_REFERENCE: dict = {}
+"""``exact_layer_bytes`` per (model, dtype, case, batch, reference): the same for every subject of a run."""
+
+
+def _reference_layers(ctx) -> list:
+    key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
+    if key not in _REFERENCE:
+        ref = ctx.new_cache(ctx.reference)
+        try:
+            drive(ctx, ref)
+        except SubjectRaised as exc:
+            ctx.fail([f"the reference cache raised {type(exc.cause).__name__}: {exc.cause} — cannot measure what an "
+                      f"exact cache holds", f"ops: {ctx.case.ops_label()}",
+                      "likely cause: the model does not support these ops"], {"model_at_fault": True})
+        if len(_REFERENCE) > 64:
+            _REFERENCE.clear()
+        _REFERENCE[key] = exact_layer_bytes(ref)
+    return _REFERENCE[key]
+
+
+def _run_subject(ctx):
+    """Run the case on a fresh subject cache; return ``(cache, tokens fed)``, failing the item if the subject
+    raises."""
+    cache = ctx.new_cache()
+    try:
+        steps = drive(ctx, cache)
+    except SubjectRaised as exc:
+        fail_subject_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    return cache, int(steps[-1].seq.shape[1])
+
+
+def _holdings(cache) -> str:
+    return "; ".join(f"{path or 'cache'} {desc} {_mib(size)}" for path, size, desc in largest_holdings(cache, 3))
+
+
+@register("quality", needs=("forward",), applies=compressing, params={
+    "bytes_ratio_max": Param(float, min=0, doc="replaces the subject's budget.bytes_ratio_max (held / exact bytes)"),
+}, ops=LONG_CONTEXT_RULE)
+def check_compression_real(ctx):
+    """A lossy subject's compression is real: the bytes it holds after the case's long context
+    (``_drive.held_bytes``: each reachable storage once, wrapper tensors through their packed data and scales) are
+    below what an exact cache must hold after the same ops (``exact_layer_bytes`` on ``ReferenceCache``: every token's
+    keys and values of a full-attention layer, the window of a sliding layer, the linear-attention states): ratio <
+    1, and ≤ ``budget.bytes_ratio_max`` when the subject (or the case, ``params``) declares one. The ratio is of the
+    case dtype's bytes (the built-in cases: float32)."""
+    cache, tokens = _run_subject(ctx)
+    layers = _reference_layers(ctx)
+    exact = sum(layer.exact_bytes for layer in layers)
+    held = held_bytes(cache)
+    ratio = held / exact if exact else float("inf")
+    budget = getattr(ctx.subject, "budget", None)
+    declared = (ctx.case.params or {}).get("bytes_ratio_max", getattr(budget, "bytes_ratio_max", None))
+    ctx.metrics.update(bytes_held=held, bytes_exact=exact, bytes_ratio=round(ratio, 4), bytes_ratio_max=declared,
+                       tokens=tokens)
+    if ratio < 1 and (declared is None or ratio <= declared):
+        return
+    bound = (f"≤ {declared:.3f} (bytes_ratio_max)" if declared is not None else
+             "< 1 (no bytes_ratio_max declared: compression must at least be real)")
+    ctx.fail([
+        f"held bytes = {_mib(held)} after {tokens} tokens, {ratio:.3f}× the {_mib(exact)} an exact cache must hold, "
+        f"but should be {bound}",
+        f"exact: {_mib(exact)} = {_formula(layers)} (measured on {ctx.reference.name} fed the same ops)",
+        f"largest tensors held: {_holdings(cache)}",
         f"ops: {ctx.case.ops_label()}",
-        f"fake-quant twin on the same case: KL {tq['kl_mean']:.2e}, top-1 {tq['top1']:.3f}",
-        "likely cause: " + ("the declared quantization itself loses this much on this model: the budget is "
-                            "too tight for it" if inherent else
-                            "the subject loses more than its declared quantization does: the fault is in the "
-                            "subject (its twin meets the budget)"),
+        "likely cause: " + _compression_cause(ctx, cache, layers, ratio, tokens),
+    ])
+
+
+def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
+    """Why a lossy cache holds too much: tensors in the model's dtype with one token's keys (or values) for every
+    token fed (a kept dequantized view, or nothing compressed), a sliding window it does not honour, or fewer bits
+    saved than declared."""
+    dtype = str(ctx.model.dtype).removeprefix("torch.")
+    per_token = {B * H * D for B, H, D, _ in (layer.dims for layer in layers if layer.dims)}  # one token's K
+    full = [path for path, t in held_tensor_items(cache)
+            if t.is_floating_point() and t.dtype == ctx.model.dtype and t.dim() >= 2 and t.shape[-2] == tokens
+            and t.numel() // tokens in per_token]
+    where = f" ({', '.join(full[:2])}{', ...' if len(full) > 2 else ''}: {dtype} over all {tokens} tokens)"
+    windows = sorted(layer.window for layer in layers if layer.window and layer.window < tokens)
+    uncompressed = 0.98 <= ratio <= 1.02
+    if windows and not uncompressed:
+        return (f"the model has sliding-window layers (window {windows[0]}): an exact cache keeps only the window "
+                f"there, this cache keeps tokens the model no longer attends" + (where if full else ""))
+    if full and not uncompressed:
+        return ("the cache keeps every token at full precision besides its compressed data" + where + ": a "
+                "dequantized view kept as an attribute after update() returned it")
+    if full or uncompressed:
+        return ("nothing is compressed: the cache holds what an exact cache holds" + (where if full else "") +
+                " — the compressor is never reached (an exact window longer than the case, or layers built before "
+                "the cache could install its own quantizing layers)")
+    if ratio >= 1:
+        return "the cache holds more than an exact one: its compressed form plus its buffers cost more"
+    return "the cache compresses less than it declares (more bits, smaller groups or a longer exact window)"
+
+
+@register("quality", needs=("forward",), applies=evicting, params={
+    "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0,
+                         doc="bytes per layer allowed above the bound (bookkeeping: positions, counters)"),
+}, ops=LONG_CONTEXT_RULE)
+def check_memory_bound(ctx):
+    """An evicting subject holds no more than it declares: the bytes held after the case's long context are ≤
+    ``budget.tokens_max`` tokens' keys and values in each attention layer (``B·H_kv·(D_k + D_v)·b`` bytes a token,
+    measured on ``ReferenceCache`` fed the same ops) plus each layer's linear-attention states, plus ``slack_bytes``
+    (default 256) per layer."""
+    tokens_max = int(ctx.subject.budget.tokens_max)
+    slack = int((ctx.case.params or {}).get("slack_bytes", DEFAULT_SLACK_BYTES))
+    cache, tokens = _run_subject(ctx)
+    layers = _reference_layers(ctx)
+    token_bytes = sum(layer.token_bytes for layer in layers)
+    states = sum(layer.state_bytes for layer in layers)
+    bound = tokens_max * token_bytes + states + slack * len(layers)
+    held = held_bytes(cache)
+    kept = (held - states) / token_bytes if token_bytes else float("nan")
+    ctx.metrics.update(bytes_held=held, bytes_bound=bound, tokens_max=tokens_max, tokens=tokens,
+                       tokens_equivalent=round(kept, 1))
+    if held <= bound:
+        return
+    attention = [layer for layer in layers if layer.token_bytes]
+    B, H, D, b = attention[0].dims if attention else (0, 0, 0, 0)
+    per_layer = ", ".join(f"{label} {_mib(held_bytes(layer))}" for label, layer in cache_layers(cache))
+    ctx.fail([
+        f"held bytes = {_mib(held)} after {tokens} tokens, but should be ≤ {_mib(bound)} "
+        f"(budget.tokens_max = {tokens_max})",
+        f"bound: {tokens_max} tokens × {_mib(token_bytes)} a token over {len(attention)} attention layers "
+        f"(2·B{B}·H_kv{H}·D{D}·{b}B each) + linear-attention states {_mib(states)} + slack {slack} B × "
+        f"{len(layers)} layers",
+        f"the cache holds the equivalent of {kept:.0f} tokens; per layer: {per_layer}",
+        f"largest tensors held: {_holdings(cache)}",
+        f"ops: {ctx.case.ops_label()}",
+        "likely cause: " + (f"the cache holds all {tokens} tokens' worth: nothing is evicted, or what is evicted is "
+                            "still referenced (a list of old chunks, views pinning old buffers: see the largest "
+                            "tensors)" if kept >= tokens - 0.5 else
+                            "the cache keeps more than tokens_max tokens (a window larger than declared, or "
+                            "evicted keys/values still referenced: a list of old chunks, views pinning old buffers)"),
     ])

@@ -16,7 +16,7 @@ from transformers import QuantizedCache, StaticCache
 from transformers.cache_utils import QuantoQuantizedLayer
 
 from kvconform.quant import QuantConfig, group_size_for, twin_factory
-from kvconform.subjects import CacheSpec, full_attention_only
+from kvconform.subjects import QUANTIZED_BUDGETS, CacheSpec, full_attention_only
 from kvconform.testing import FaultyCache
 
 DECLARED = QuantConfig("quanto", nbits=4)
@@ -44,7 +44,8 @@ INHERITED = {
 
 def _spec(name, layer_cls, capabilities=("forward", "generate", "reorder", "reset")):
     return CacheSpec(name, _cache_with(layer_cls), capabilities=frozenset(capabilities), twin=twin_factory(DECLARED),
-                     applies_to=full_attention_only, source=f"{__name__}:{name}", expected_failures=INHERITED,
+                     kind="lossy", budget=QUANTIZED_BUDGETS["QuantizedCache_quanto4"], applies_to=full_attention_only,
+                     source=f"{__name__}:{name}", expected_failures=INHERITED,
                      requires={"optimum.quanto": "pip install kvconform[quanto]"})
 
 
