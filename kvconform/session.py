@@ -162,7 +162,8 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     ``@register(..., applies=rule)`` with ``rule(subject, model, case, device=...) -> reason or None`` (lossy-only
     checks, coverage checks tied to one subject); a lossy subject (``CacheSpec.twin``) is not held to the generate family's token-for-token
     comparison with the exact model; ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
-    hardware.
+    hardware; an evicting subject skips the cases that make it hold more than its ``tokens_max`` tokens
+    (``evicting_skip_reason``).
     """
     from kvconform.cases import model_requirements_unmet
     from kvconform.compat import missing_requirement
