@@ -163,8 +163,8 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     checks, coverage checks tied to one subject); a lossy subject (``CacheSpec.twin``, or ``kind="lossy"``) or an
     evicting one on a case longer than its ``budget.tokens_max`` is not held to the generate family's token-for-token
     comparison with the exact model, nor (without a twin) to an exact cache's byte formula (``lossy_reason``);
-    ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and
-    hardware.
+    ``CacheSpec.requires`` and ``CacheSpec.needs_cuda`` gate optional backends and hardware; an evicting subject
+    skips the cases that make it hold more than its ``tokens_max`` tokens (``evicting_skip_reason``).
     """
     from kvconform.cases import model_requirements_unmet
     from kvconform.compat import missing_requirement
@@ -177,6 +177,9 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
         return f"{subject.name} does not declare capability '{missing[0]}'" + (f": {note}" if note else "")
     own_rule = check.applies
     reason = own_rule(subject, model, case, device=device) if own_rule is not None else None
+    if reason:
+        return reason
+    reason = evicting_skip_reason(subject, check, case)
     if reason:
         return reason
     if getattr(subject, "twin", None) is not None and check.family == "generate" and own_rule is None:
@@ -234,6 +237,50 @@ def lossy_reason(subject, check) -> str | None:
     if check.name in LOSSY_NOT_EXACT:
         return f"{subject.name} is lossy: {LOSSY_NOT_EXACT[check.name]}"
     return None
+EVICTING_JUDGED_FAMILIES = ("quality", "speed")
+"""Families whose checks judge an evicting subject as such whatever the case's length: quality (KL / top-1 and the
+memory bound over long contexts) and speed (timing ratios; an evicting cache's decode stays flat). A check elsewhere
+that judges evicting subjects itself sets ``evicting_judged = True`` on its function (``checks/evicting.py``)."""
+
+
+def most_tokens_held(case, check) -> int:
+    """The most tokens per row a cache holds while the case runs (an upper bound), from its ops: ``prefill``,
+    ``chunk`` and ``decode`` add their tokens, ``crop`` removes (not below 0), ``reset`` empties, batch ops and
+    ``fork`` keep; checks that also generate add the tokens they feed and generate (a case without ops: ``prompt +
+    max_new_tokens``; ``check_prefix_generate`` / ``check_multi_turn``: ``suffix`` / ``user`` + ``max_new_tokens``),
+    and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
+    if check.family == "fuzz":
+        return 10 + 5 * int(case.params.get("max_ops", 6)) + 1
+    held = most = 0
+    for op in case.ops:
+        if op.name in ("prefill", "chunk", "decode"):
+            held += op.n
+        elif op.name == "crop":
+            held = max(held - op.n, 0)
+        elif op.name == "reset":
+            held = 0
+        most = max(most, held)
+    if not case.ops:
+        return case.prompt + case.max_new_tokens
+    if check.name in ("check_prefix_generate", "check_multi_turn"):
+        extra = case.params.get("suffix", case.params.get("user", 4))
+        most = max(most, held + int(extra) + case.max_new_tokens)
+    return most
+
+
+def evicting_skip_reason(subject, check, case) -> str | None:
+    """Why an exact-family item does not apply to an evicting subject, or None. An evicting subject is exact until
+    it holds ``budget.tokens_max`` tokens, so a case that never makes it hold more (``most_tokens_held``) is judged
+    against the oracle unchanged; a longer one is left to the quality family and the memory bound."""
+    if getattr(subject, "kind", "exact") != "evicting" or subject.budget is None:
+        return None
+    if check.family in EVICTING_JUDGED_FAMILIES or getattr(check.fn, "evicting_judged", False):
+        return None
+    most, limit = most_tokens_held(case, check), subject.budget.tokens_max
+    if limit is None or most <= limit:
+        return None
+    return (f"{subject.name} evicts past {limit} tokens and case {case.id} makes it hold up to {most}: judged by "
+            f"quality and the memory bound, not against the exact oracle")
 
 
 def _cuda_device(device: str) -> bool:
