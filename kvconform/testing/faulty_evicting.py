@@ -111,7 +111,7 @@ FAULTY = [
         message=("check_evicting_bounds failed: HeldLengthSinkCache on llama",
                  "get_seq_length() = 64 after prefill(69), but should be 69 (tokens seen)",
                  "likely cause: get_seq_length() reports the tokens held (64), not the tokens seen"),
-        also_caught_by=(),
+        also_caught_by=(), case="evicting_bounds", cause=r"reports the tokens held \(64\), not the tokens seen",
     ),
     FaultyCache(
         name="evicting_never", attr="NeverEvictsSinkCache", module=__name__, family="contract",
@@ -119,7 +119,7 @@ FAULTY = [
         message=("check_evicting_bounds failed: NeverEvictsSinkCache on llama",
                  "attention layer 0 holds 69 tokens per row after prefill(69) (69 seen), but tokens_max is 64",
                  "likely cause: the cache does not evict"),
-        also_caught_by=(),
+        also_caught_by=(), case="evicting_bounds", cause=r"the cache does not evict",
     ),
     FaultyCache(
         name="evicting_own_chunk", attr="EvictsOwnChunkCache", module=__name__, family="contract",
@@ -127,7 +127,7 @@ FAULTY = [
         message=("check_evicting_bounds failed: EvictsOwnChunkCache on llama",
                  "prefill(69) into an empty cache: max|Δlogit| = ",
                  "likely cause: the cache evicts inside the forward that brings the tokens (its own chunk)"),
-        also_caught_by=(),
+        also_caught_by=(), case="evicting_bounds", cause=r"evicts inside the forward that brings the tokens",
     ),
     FaultyCache(
         name="evicting_crops_evicted", attr="CropsEvictedSinkCache", module=__name__, family="contract",
@@ -136,7 +136,7 @@ FAULTY = [
                  "crop(-2) after eviction was accepted, and the next logits differ from a fresh instance fed the "
                  "first 67 of the tokens",
                  "likely cause: the cache accepts a crop back past tokens it has already evicted"),
-        also_caught_by=(),
+        also_caught_by=(), case="evicting_crop", cause=r"accepts a crop back past tokens it has already evicted",
     ),
     FaultyCache(
         name="evicting_reorder_window_only", attr="ReorderWindowOnlySinkCache", module=__name__, family="contract",
@@ -145,6 +145,6 @@ FAULTY = [
                  "after reorder: max|Δlogit| = ",
                  "against a fresh instance of the same class fed the equivalent history",
                  "likely cause: reorder_cache() does not move every held tensor (sinks and window, per layer)"),
-        also_caught_by=(),
+        also_caught_by=(), cause=r"reorder_cache\(\) does not move every held tensor",
     ),
 ]

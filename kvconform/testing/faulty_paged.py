@@ -74,6 +74,7 @@ FAULTY = [
         message=("check_memory_bytes failed: PagePerTokenCache on llama", "(4.00× the formula)",
                  "+ one page per row (4 tokens", "granularity of layer 0: pages of 4 tokens, declared",
                  "likely cause: a new page (4 tokens, 2048 B) is allocated for every token"),
+        cause=r"a new page \(4 tokens, 2048 B\) is allocated for every token",
     ),
     FaultyCache(
         name="never_freed_pages", attr="NeverFreedPagesCache", module=__name__, family="memory",
@@ -81,5 +82,6 @@ FAULTY = [
         message=("check_memory_bytes failed: NeverFreedPagesCache on llama", "after the reset",
                  "granularity of layer 0: pages of 4 tokens, declared",
                  "likely cause: pages are not freed by reset()"),
+        cause=r"pages are not freed by reset\(\)",
     ),
 ]
