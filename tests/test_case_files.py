@@ -119,7 +119,7 @@ WRONG_FOR_CHECK = [
     ("crop_refused_reset", 'check = "check_crop_refused"\nops = ["prefill 6", "reset", "prefill 4", "crop 1"]', "ops",
      "check_crop_refused cannot run op 'reset'"),
     ("memory_fork", 'check = "check_memory_bytes"\nops = ["prefill 6", "fork", "decode 2"]', "ops",
-     "check_memory_bytes cannot run op 'fork': its driver accepts only 'prefill', 'decode', 'chunk', 'reset'"),
+     "check_memory_bytes cannot run op 'fork': its driver accepts only 'prefill', 'decode', 'chunk', 'crop', 'reset'"),
     ("bookkeeping_fork", 'check = "check_length_bookkeeping"\nops = ["prefill 6", "fork", "decode 2"]', "ops",
      "check_length_bookkeeping cannot run op 'fork'"),
     ("crop_refused_no_crop", 'check = "check_crop_refused"\nops = ["prefill 6", "decode 2"]', "ops",
@@ -155,8 +155,8 @@ WRONG_FOR_CHECK = [
      "params.context", "check_speed_vs_uncached needs context ≥ 512"),
     ("speed_growth_span", 'check = "check_speed_flat_decode"\nparams = {short = 256, long = 512, max_growth = 2.0}',
      "params.long", "check_speed_flat_decode needs long ≥ 4 × short to see growth; got short = 256, long = 512"),
-    ("quality_table_without_default", 'check = "check_quality_budget"\nops = ["prefill 12", "decode 4"]\n'
-     'params = {kl_max = {"4" = 0.1}, top1_min = 0.5}', "params.kl_max", "a budget table needs a 'default' entry"),
+    ("quality_budget_table", 'check = "check_quality_budget"\nops = ["prefill 12", "decode 4"]\n'
+     'params = {kl_max = {"4" = 0.1}, top1_min = 0.5}', "params.kl_max", "expected number ≥ 0, got dict"),
     # silent no-ops
     ("crop_past_held", 'check = "check_prefill_then_decode"\nops = ["prefill 12", "crop 20", "decode 2"]', "ops",
      "op 2 'crop 20' removes 20 tokens from a cache holding 12 (ops ['prefill 12', 'crop 20', 'decode 2']): crop at "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 
-from kvconform.checks import CheckSkipped, Param, register
+from kvconform.checks import IGNORES_OPS, CheckSkipped, Param, register
 from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, forward, random_tokens,
                                      seq_length)
 from kvconform.checks._diagnosis import describe_exception, fail_raised
@@ -96,7 +96,7 @@ def _max_abs(a, b) -> float:
 
 
 # ------------------------------------------------------------------------------------------ bounds and length
-@register("contract", needs=("forward",), applies=evicting_only, params=_PARAMS)
+@register("contract", needs=("forward",), applies=evicting_only, params=_PARAMS, ops=IGNORES_OPS)
 def check_evicting_bounds(ctx):
     """Past ``tokens_max``: the forward that brings the cache past it is exact, ``get_seq_length()`` counts the
     tokens seen, and each attention layer holds at most ``tokens_max`` tokens per row after every forward."""
@@ -175,7 +175,8 @@ check_evicting_bounds.evicting_judged = True  # session.evicting_skip_reason: ju
 
 # ------------------------------------------------------------------------------------------ crop
 @register("contract", needs=("forward", "crop"), applies=evicting_only, params={
-    **_PARAMS, "crop": Param(int, default=2, min=1, doc="tokens the crop removes after the eviction")})
+    **_PARAMS, "crop": Param(int, default=2, min=1, doc="tokens the crop removes after the eviction")},
+    ops=IGNORES_OPS)
 def check_evicting_crop(ctx):
     """After eviction, ``crop(-k)`` leaves the cache exactly as a fresh instance fed all but the last ``k`` tokens
     (judged on the next step's logits), or is refused with a clear error that changes nothing."""
@@ -253,7 +254,8 @@ _NEEDS = {"reorder": "reorder", "select": "batch_select", "repeat": "batch_repea
 
 
 @register("contract", needs=("forward",), applies=evicting_only, params={
-    **_PARAMS, "op": Param(str, required=True, choices=OPS, doc="the op applied after the eviction")})
+    **_PARAMS, "op": Param(str, required=True, choices=OPS, doc="the op applied after the eviction")},
+    ops=IGNORES_OPS)
 def check_evicting_ops(ctx):
     """After eviction, ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` / ``reset`` /
     ``copy.deepcopy`` give the next logits of a fresh instance of the same class fed the equivalent history (the
