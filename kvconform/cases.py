@@ -299,13 +299,7 @@ def _zoo_features(name) -> frozenset:
         config = zoo.zoo_config(name)
         types, _ = zoo._layer_types(config)
         probe = zoo.ZooModel(name, None, config, None, bool(getattr(config, "is_encoder_decoder", False)), types, None)
-        feats = {"encoder_decoder" if probe.is_encoder_decoder else "decoder_only"}
-        if probe.has_attention:
-            feats.add("attention")
-        if probe.has_sliding:
-            feats.add("sliding")
-        if probe.has_linear_attention:
-            feats.add("linear_attention")
+        feats = probe.features
         _FEATURES[name] = frozenset(feats)
     return _FEATURES[name]
 

@@ -28,15 +28,7 @@ class ModelInfo:
     def features(self) -> set:
         from kvconform.zoo import ZooModel
 
-        probe = ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None)
-        feats = {"encoder_decoder" if self.is_encoder_decoder else "decoder_only"}
-        if probe.has_attention:
-            feats.add("attention")
-        if probe.has_sliding:
-            feats.add("sliding")
-        if probe.has_linear_attention:
-            feats.add("linear_attention")
-        return feats
+        return set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
 
 
 def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:

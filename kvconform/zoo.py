@@ -117,7 +117,17 @@ class ZooModel:
 
     @property
     def has_sliding(self) -> bool:
+        """True if any layer attends a sliding (or chunked) window."""
         return any(t in ("sliding_attention", "chunked_attention", "hybrid_sliding") for t in self.layer_types)
+
+    @property
+    def features(self) -> frozenset:
+        """The case ``requires`` vocabulary this model satisfies (``cases.REQUIREMENTS``): ``decoder_only`` or
+        ``encoder_decoder``, and ``attention`` / ``sliding`` / ``linear_attention`` where its layers have them."""
+        feats = {"encoder_decoder" if self.is_encoder_decoder else "decoder_only"}
+        feats |= {name for name, has in (("attention", self.has_attention), ("sliding", self.has_sliding),
+                                         ("linear_attention", self.has_linear_attention)) if has}
+        return frozenset(feats)
 
     def oracle_model(self):
         """The same weights in float64 on CPU (built once, lazily): the oracle's model."""
