@@ -180,14 +180,6 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     reason = lossy_reason(subject, check)
     if reason:
         return reason
-    kind, tokens_max = getattr(subject, "kind", "exact"), getattr(getattr(subject, "budget", None), "tokens_max", None)
-    if check.family == "generate" and own_rule is None and (
-            kind == "lossy" or (kind == "evicting" and case.total_tokens > (tokens_max or 0))):
-        return (f"{subject.name} is {kind}" + (f" and this case feeds {case.total_tokens} tokens > tokens_max "
-                                               f"{tokens_max}" if kind == "evicting" else "") +
-                ": its greedy generate() is not compared token for token with the exact model (a near-tie may flip); "
-                "it is judged by check_quality_budget against the float64 oracle and by " +
-                ("check_memory_bound" if kind == "evicting" else "self-consistency") + " instead")
     for requirement, hint in getattr(subject, "requires", {}).items():
         if missing_requirement(requirement):
             return f"requires {requirement} ({hint})"
@@ -225,7 +217,8 @@ def lossy_reason(subject, check) -> str | None:
     if check.family == "generate" and check.applies is None:
         return (f"{subject.name} is lossy: its greedy generate() is not compared token for token with the exact "
                 f"model (a near-tie would flip a greedy token); its cache operations are judged by self-consistency "
-                f"(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family")
+                f"(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family "
+                f"(check_quality_budget against the float64 oracle)")
     if check.name in LOSSY_NOT_EXACT:
         return f"{subject.name} is lossy: {LOSSY_NOT_EXACT[check.name]}"
     return None

@@ -24,6 +24,16 @@ def pytest_configure(config):
 
 
 
+@pytest.fixture(autouse=True)
+def _inner_runs_are_not_xdist_workers(monkeypatch):
+    """Under ``pytest tests -n auto`` this process is an xdist worker, and its environment says so
+    (``PYTEST_XDIST_WORKER``): the pytest runs a test starts (pytester, subprocesses) would inherit it, and
+    pytest-benchmark would then disable itself there, so their speed items would skip. Each run a test starts is a
+    plain user run: without the worker's variables."""
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """In-process tests with tiny models: several torch threads on a shared 2-core machine oversubscribe and run

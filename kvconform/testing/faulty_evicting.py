@@ -111,7 +111,7 @@ FAULTY = [
         message=("check_evicting_bounds failed: HeldLengthSinkCache on llama",
                  "get_seq_length() = 64 after prefill(69), but should be 69 (tokens seen)",
                  "likely cause: get_seq_length() reports the tokens held (64), not the tokens seen"),
-        also_caught_by=(), case="evicting_bounds", cause=r"reports the tokens held \(64\), not the tokens seen",
+        also_caught_by=("quality",), case="evicting_bounds", cause=r"reports the tokens held \(64\), not the tokens seen",
     ),
     FaultyCache(
         name="evicting_never", attr="NeverEvictsSinkCache", module=__name__, family="contract",
@@ -119,7 +119,7 @@ FAULTY = [
         message=("check_evicting_bounds failed: NeverEvictsSinkCache on llama",
                  "attention layer 0 holds 69 tokens per row after prefill(69) (69 seen), but tokens_max is 64",
                  "likely cause: the cache does not evict"),
-        also_caught_by=(), case="evicting_bounds", cause=r"the cache does not evict",
+        also_caught_by=("quality",), case="evicting_bounds", cause=r"the cache does not evict",
     ),
     FaultyCache(
         name="evicting_own_chunk", attr="EvictsOwnChunkCache", module=__name__, family="contract",
@@ -127,7 +127,7 @@ FAULTY = [
         message=("check_evicting_bounds failed: EvictsOwnChunkCache on llama",
                  "prefill(69) into an empty cache: max|Δlogit| = ",
                  "likely cause: the cache evicts inside the forward that brings the tokens (its own chunk)"),
-        also_caught_by=(), case="evicting_bounds", cause=r"evicts inside the forward that brings the tokens",
+        also_caught_by=("quality",), case="evicting_bounds", cause=r"evicts inside the forward that brings the tokens",
     ),
     FaultyCache(
         name="evicting_crops_evicted", attr="CropsEvictedSinkCache", module=__name__, family="contract",
