@@ -260,7 +260,8 @@ TQ4_r4.kvconform_lossy = {"kl_max": 0.5, "top1_min": 0.5}
 def test_turboquant_residual_ignoring_ops_fail_self_consistency(tmp_path):
     """turboquant 0.2.0 inherits DynamicLayer's reorder / crop / reset, which see only ``self.keys`` (rebuilt from its
     quantized part and residual at every update): reorder is a fault of real size (Δ ≈ 5 logits, far above its
-    4-bit error), crop leaves the length and the tokens, reset leaves both parts."""
+    4-bit error), crop leaves the length and the tokens, reset keeps
+    its length counter (the next prefill's mask is sized for the old tokens too)."""
     (tmp_path / "tq_factories.py").write_text(TURBOQUANT_FACTORIES)
     results = {(r.check, r.case): r for r in _run(f"{tmp_path / 'tq_factories.py'}:TQ4_r4", ["llama"],
                                                    ["check_prefill_then_decode", "check_reorder_then_decode",
@@ -274,7 +275,11 @@ def test_turboquant_residual_ignoring_ops_fail_self_consistency(tmp_path):
     crop = results[("check_crop_then_continue", "crop_short")]
     assert crop.outcome == "failed" and "likely cause: crop() removed a different number of tokens" in crop.message
     reset = results[("check_reset_then_reuse", "reset_reuse")]
-    assert reset.outcome == "failed" and "likely cause: reset() leaves the cache in a state" in reset.message
+    # reset() keeps turboquant's own length counter: the next prefill's mask is sized for the old tokens too, and the
+    # cause says what was measured at that raise
+    assert reset.outcome == "failed" and "[raised at prefill(5)]" in reset.message, reset.message
+    assert ("likely cause: get_mask_sizes(layer 0) sized the attention mask for 13 keys (offset 0) for a cache that "
+            "should hold 5 tokens" in reset.message and "a length counter is off" in reset.message), reset.message
 
 
 @pytest.mark.skipif(importlib.util.find_spec("optimum") is None, reason="requires optimum-quanto")
