@@ -236,7 +236,7 @@ class CheckInfo:
         needs: the subject capabilities it needs (else the item is skipped, naming the first missing one).
         doc: the function's docstring.
         applies: ``applies(subject, model, case, device="cpu") -> reason or None``: the check's own applicability
-            rule (lossy subjects only, CUDA only, one subject's row, ...); ``session.skip_reason`` calls it. None:
+            rule (lossy subjects only, CUDA only, one subject's row, ...); ``plan.skip_reason`` calls it. None:
             no rule of its own.
         params: ``{key: Param}``: the keys a case of this check may give in ``params`` (validated at load).
         ops: the ``OpRule`` its cases' ``ops`` must follow (checked at load); None: not declared (any ops; every

@@ -61,15 +61,14 @@ def declared_kind(obj, where: str) -> tuple:
     declares neither.
 
     Raises:
-        SpecError: both attributes.
+        SpecError: more than one ``kvconform_<kind>`` attribute.
     """
-    lossy, evicting = getattr(obj, "kvconform_lossy", None), getattr(obj, "kvconform_evicting", None)
-    if lossy is not None and evicting is not None:
-        raise SpecError(f"{where}: declares both kvconform_lossy and kvconform_evicting; a subject has one kind "
-                        f"(an evicting cache that also quantizes declares kvconform_evicting)")
-    if lossy is None and evicting is None:
-        return "exact", None
-    return ("lossy", lossy) if lossy is not None else ("evicting", evicting)
+    declared = [(kind, value) for kind in KINDS if kind != "exact"
+                if (value := getattr(obj, f"kvconform_{kind}", None)) is not None]
+    if len(declared) > 1:
+        raise SpecError(f"{where}: declares both {' and '.join(f'kvconform_{k}' for k, _ in declared)}; a subject "
+                        f"has one kind (an evicting cache that also quantizes declares kvconform_evicting)")
+    return declared[0] if declared else ("exact", None)
 
 
 def _declared(obj, where: str) -> dict:

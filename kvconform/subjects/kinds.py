@@ -17,13 +17,20 @@ A check that does not name a kind in ``judges`` does not apply to its subjects, 
 (``Kind.not_judged``); the default (``DEFAULT_JUDGES``) is every kind but ``evicting``, which is then judged only on
 the cases that never make it hold more than ``tokens_max`` tokens.
 
-Adding a kind: a ``Kind`` subclass here (its ``name``, ``target``, ``not_judged`` reason), its case in ``kind_of``,
-its declaration in ``subjects.declared_kind`` / ``validate_kind``, and ``judges=`` on the checks that judge it.
+Adding a kind: here, a ``Kind`` subclass (its ``name``, ``target``, ``not_judged`` reason), its name in
+``KIND_NAMES``, its declared name in ``DECLARED_KINDS`` (which gives the ``kvconform_<kind>`` attribute) and its case
+in ``kind_of``; the budget rules of its declaration in ``declare.validate_kind``; ``judges=`` on the checks that
+judge it.
 """
 
 from __future__ import annotations
 
 from typing import Callable
+
+DECLARED_KINDS = ("exact", "lossy", "evicting")
+"""What a subject may declare as its ``CacheSpec.kind`` (``kind="..."``, or a ``kvconform_<kind> = {budget}``
+attribute on a Cache subclass or factory for every kind but exact); ``kind_of`` maps a declaration (with its twin,
+if any) to a ``Kind``."""
 
 EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING = "exact", "lossy_twin", "lossy_fresh", "evicting"
 KIND_NAMES = (EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from kvconform.outcomes import UsageError
+from kvconform.subjects.kinds import DECLARED_KINDS
 
 from kvconform.subjects.construction import (MODEL_KWARG, FactoryResultError, SubjectBuildError, accepted_kwargs,
                                              meta_model, names_model, unpack_factory_result)
@@ -16,8 +17,8 @@ CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_rep
                 "compile")
 """Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
 
-KINDS = ("exact", "lossy", "evicting")
-"""What a subject promises about the logits it gives:
+KINDS = DECLARED_KINDS
+"""What a subject promises (``CacheSpec.kind``; ``kinds.DECLARED_KINDS``) about the logits it gives:
 
 * ``exact``: the logits of the uncached model, within float noise (the default);
 * ``lossy``: it compresses what it holds (quantization, low rank, ...): judged by quality against the float64 oracle
