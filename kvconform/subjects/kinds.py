@@ -78,11 +78,6 @@ class Kind:
         return getattr(self.subject, "twin", None) is not None
 
     @property
-    def lossy(self) -> bool:
-        """Whether it compresses what it holds: declared lossy, or has a fake-quant twin."""
-        return self.declared == "lossy" or self.has_twin
-
-    @property
     def declared_lossy(self) -> bool:
         """Whether it declares ``kind="lossy"`` (``kvconform_lossy``)."""
         return self.declared == "lossy"
@@ -130,10 +125,6 @@ class Kind:
         fake-quant twin"`` for a subject judged against its twin, else ``""`` (the oracle is implied)."""
         return " vs its fake-quant twin" if self.target == TWIN else ""
 
-    def describe(self) -> str:
-        """One phrase for messages: what the subject is and what judges it."""
-        return "exact: judged against the float64 oracle"
-
     # ------------------------------------------------------------------------------------------------ applicability
     def not_judged(self, check, case, held: Callable[[], int]) -> str | None:
         """Why an item of ``check`` (a ``CheckInfo``) on ``case`` does not apply to this kind, or None. Consulted
@@ -159,9 +150,6 @@ class LossyWithTwin(Kind):
     name = LOSSY_TWIN
     target = TWIN
 
-    def describe(self) -> str:
-        return "lossy: judged against its fake-quant twin and by its quality budget"
-
     def not_judged(self, check, case, held) -> str | None:
         name = self.subject.name
         if check.family == "generate":
@@ -184,9 +172,6 @@ class SelfConsistent(Kind):
     name = LOSSY_FRESH
     target = FRESH
 
-    def describe(self) -> str:
-        return "lossy: judged by self-consistency (a fresh instance of its class) and by its quality budget"
-
     def not_judged(self, check, case, held) -> str | None:
         name = self.subject.name
         if check.family == "generate":
@@ -208,10 +193,6 @@ class Evicting(Kind):
     @property
     def target(self) -> str:  # type: ignore[override]
         return TWIN if self.has_twin else ORACLE
-
-    def describe(self) -> str:
-        return (f"evicting past {self.tokens_max} tokens: exact below, judged by its quality budget and memory bound "
-                f"above")
 
     def not_judged(self, check, case, held) -> str | None:
         limit = self.tokens_max

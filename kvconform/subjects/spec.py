@@ -146,11 +146,11 @@ class CacheSpec:
     page_size: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.budget, Mapping):  # a dict is accepted for convenience; validate_spec checks it
-            try:
-                object.__setattr__(self, "budget", Budget.from_mapping(self.budget, repr(self.name)))
-            except SpecError:
-                pass  # kept as given: validate_spec reports it with where it came from
+        budget = self.budget
+        if isinstance(budget, Mapping) and set(budget) <= set(BUDGET_KEYS) and {"kl_max", "top1_min"} <= set(budget):
+            # a dict is accepted for convenience: converted here, validated in validate_spec (once, with where it
+            # came from); a dict that is not even shaped like a Budget is kept as given for validate_spec to report
+            object.__setattr__(self, "budget", Budget(**budget))
 
     def build_one(self, **available):
         """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``; ``model``
