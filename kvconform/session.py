@@ -12,6 +12,7 @@ import platform
 from dataclasses import dataclass, field
 
 from kvconform import zoo
+from kvconform.ops import tokens_held
 
 
 @dataclass(frozen=True)
@@ -236,15 +237,8 @@ def most_tokens_held(case, check) -> int:
     and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
     if check.family == "fuzz":
         return 10 + 5 * int(case.params.get("max_ops", 6)) + 1
-    held = most = 0
-    for op in case.ops:
-        if op.name in ("prefill", "chunk", "decode"):
-            held += op.n
-        elif op.name == "crop":
-            held = max(held - op.n, 0)
-        elif op.name == "reset":
-            held = 0
-        most = max(most, held)
+    most = max(tokens_held(case.ops), default=0)
+    held = tokens_held(case.ops)[-1] if case.ops else 0
     if not case.ops:
         return case.prompt + case.max_new_tokens
     if check.name in ("check_prefix_generate", "check_multi_turn"):

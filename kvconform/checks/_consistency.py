@@ -20,27 +20,14 @@ This module sits below the interpreter (it needs only ``_drive.forward``); ``_ju
 from __future__ import annotations
 
 from kvconform.checks._drive import SubjectRaised, forward
+from kvconform.ops import CAUSES as OP_CAUSES, op_names
 
-STRUCTURAL_OPS = ("crop", "reorder", "repeat", "select", "reset", "fork")
-"""Ops after which the fresh instance is replayed (and which a divergence is blamed on)."""
+STRUCTURAL_OPS = op_names(feeds=False)
+"""Ops after which the fresh instance is replayed (and which a divergence is blamed on): every op that does not feed
+tokens (``kvconform.ops``)."""
 
-CAUSES = {
-    "reorder": "reorder_cache() did not move every part of the cache with the rows (quantized part / residual / "
-               "scales): one part kept the old row order",
-    "repeat": "batch_repeat_interleave() did not repeat every part of the cache (quantized part / residual / "
-              "scales) row by row",
-    "select": "batch_select_indices() did not keep the same rows in every part of the cache (quantized part / "
-              "residual / scales)",
-    "crop": "crop() did not cut every part of the cache to the kept tokens (quantized part / residual / length "
-            "counter): cropped tokens survive, or kept ones are lost (a Δ near the compression error instead: the "
-            "tokens that re-enter the exact window after the crop stay quantized — keep exact copies of the last "
-            "tokens, or refuse crop)",
-    "reset": "reset() did not clear every part of the cache (quantized part / residual / scales / length counter): "
-             "the previous sequence survives into the next one",
-    "fork": "copy.deepcopy did not copy every part of the cache (quantized part / residual / scales), or the copy "
-            "and the original share a part that one of them then changed",
-}
-"""The likely cause of a divergence, by the last structural op before the first diverging step."""
+CAUSES = OP_CAUSES
+"""The likely cause of a divergence, by the last structural op before the first diverging step (``OpSpec.cause``)."""
 
 NO_OP_CAUSE = ("the same calls on a fresh instance of the same class give other logits: the cache is not "
                "deterministic (state drawn per instance, e.g. an unseeded random rotation) or keeps state across "

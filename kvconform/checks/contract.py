@@ -29,12 +29,11 @@ from kvconform.checks._judge import judge, judged_by_consistency, record_verdict
 from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised, oracle_slices
 from kvconform.checks._observe import FORWARD_OPS, run_observed
 from kvconform.checks.crop import CROP_WORDS, clear_error
+from kvconform.ops import OP_CAPABILITY, op_names
 from kvconform.oracle import compare_logits
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
 SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")
-OP_CAPABILITY = {"crop": "crop", "fork": "deepcopy", "reorder": "reorder", "repeat": "batch_repeat",
-                 "select": "batch_select", "reset": "reset"}
 
 
 # ------------------------------------------------------------------------------------------------ api contract
@@ -345,7 +344,7 @@ class Bookkeeping:
 
 
 @register("contract", needs=("forward",), params=OP_PARAMS,
-          ops=OpRule(allowed=("prefill", "decode", "chunk", "crop", "reorder", "repeat", "select", "reset"),
+          ops=OpRule(allowed=op_names(copies=False),
                      why="it spies on update(); a fork would share the spy between copies"))
 def check_length_bookkeeping(ctx):
     """After every op, ``get_seq_length()`` equals the tokens held and ``get_max_length()`` is stable; at every

@@ -32,6 +32,7 @@ from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_
                                      seq_length)
 from kvconform.checks._diagnosis import describe_exception, fail_raised
 from kvconform.checks.crop import CROP_WORDS, changed, clear_error, snapshot
+from kvconform.ops import OP_CAPABILITY
 
 
 def evicting_only(subject, model, case, device="cpu"):
@@ -249,8 +250,8 @@ check_evicting_crop.evicting_judged = True
 
 # ------------------------------------------------------------------------------------------ batch ops, reset, fork
 OPS = ("reorder", "select", "repeat", "reset", "fork")
-_NEEDS = {"reorder": "reorder", "select": "batch_select", "repeat": "batch_repeat", "reset": "reset",
-          "fork": "deepcopy"}
+"""The ops this check applies after an eviction (each one's capability: ``kvconform.ops.OP_CAPABILITY``)."""
+_NEEDS = OP_CAPABILITY
 
 
 @register("contract", needs=("forward",), applies=evicting_only, params={

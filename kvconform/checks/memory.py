@@ -62,11 +62,12 @@ from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, stor
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import FORWARD_OPS, run_observed
+from kvconform.ops import op_names
 from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
 QUANT_BAND = 0.10
-MEMORY_OPS = ("prefill", "decode", "chunk", "crop", "reset")
+MEMORY_OPS = op_names(copies=False, rows=("keep", "new"))
 
 
 # ------------------------------------------------------------------------------------------------ the formula
