@@ -236,13 +236,13 @@ def most_tokens_held(case, check) -> int:
     max_new_tokens``; ``check_prefix_generate`` / ``check_multi_turn``: ``suffix`` / ``user`` + ``max_new_tokens``),
     and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
     if check.family == "fuzz":
-        return 10 + 5 * int(case.params.get("max_ops", 6)) + 1
+        return 10 + 5 * int(case.params["max_ops"]) + 1
     most = max(tokens_held(case.ops), default=0)
     held = tokens_held(case.ops)[-1] if case.ops else 0
     if not case.ops:
         return case.prompt + case.max_new_tokens
     if check.name in ("check_prefix_generate", "check_multi_turn"):
-        extra = case.params.get("suffix", case.params.get("user", 4))
+        extra = case.params.get("suffix") or case.params["user"]
         most = max(most, held + int(extra) + case.max_new_tokens)
     return most
 

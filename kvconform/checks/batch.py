@@ -112,7 +112,7 @@ def check_beam_search(ctx):
     import torch
 
     case, model = ctx.case, ctx.model
-    beams = int(case.params.get("beams", 2))
+    beams = int(case.params["beams"])
     if beams < 2:
         raise ValueError(f"case {case.id}: params.beams must be ≥ 2")
     gen = case_generator(case, model.name)

@@ -256,8 +256,8 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
     cudagraphs = mode in ("reduce-overhead", "max-autotune")
     torch.compiler.reset()
     counters.clear()
-    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=bool(params.get("dynamic", False)),
-                             backend=params.get("backend", "inductor"), mode=mode)
+    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=bool(params["dynamic"]),
+                             backend=params["backend"], mode=mode)
     state = {"warm": False, "dead": False}
 
     def compiled_step(name, s, kwargs):

@@ -104,14 +104,14 @@ def run_crop_case(ctx, cache, records=None):
     """
     params = ctx.case.params
     runner = Runner(ctx, cache)
-    if params.get("record") and hasattr(cache, "activate_past_recording"):
+    if params["record"] and hasattr(cache, "activate_past_recording"):
         runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
         runner.trail.append("activate_past_recording()")
     records = [] if records is None else records
 
     def crop(runner, op):
         """The crop under test: refusals judged, positive arguments, lengths after."""
-        positive = bool(params.get("positive"))
+        positive = bool(params["positive"])
         label = f"crop({op.n})" if positive or op.n == 0 else op.label
         rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
         records.append(rec)
@@ -220,7 +220,7 @@ def _crop_check(ctx):
                      + (measured or "its keys, length counter and get_mask_sizes() no longer agree") + ")")
         else:
             cause = measured or "the cache does not support this sequence of calls (see the exception)"
-        recording = "activate_past_recording() → " if ctx.case.params.get("record") else ""
+        recording = "activate_past_recording() → " if ctx.case.params["record"] else ""
         ctx.fail([f"the subject raised {describe_exception(exc.cause)}",
                   f"ops: {recording}{ctx.case.ops_label()}   [raised at {exc.where}]", "likely cause: " + cause],
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})

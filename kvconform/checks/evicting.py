@@ -101,7 +101,7 @@ def _max_abs(a, b) -> float:
 def check_evicting_bounds(ctx):
     """Past ``tokens_max``: the forward that brings the cache past it is exact, ``get_seq_length()`` counts the
     tokens seen, and each attention layer holds at most ``tokens_max`` tokens per row after every forward."""
-    T, over = _tokens_max(ctx), int(ctx.case.params.get("over", 5))
+    T, over = _tokens_max(ctx), int(ctx.case.params["over"])
     gen = case_generator(ctx.case, ctx.model.name)
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
@@ -183,7 +183,7 @@ def check_evicting_crop(ctx):
     (judged on the next step's logits), or is refused with a clear error that changes nothing."""
     from kvconform import compat
 
-    T, over, k = _tokens_max(ctx), int(ctx.case.params.get("over", 5)), int(ctx.case.params.get("crop", 2))
+    T, over, k = _tokens_max(ctx), int(ctx.case.params["over"]), int(ctx.case.params["crop"])
     gen = case_generator(ctx.case, ctx.model.name)
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
@@ -266,7 +266,7 @@ def check_evicting_ops(ctx):
     op = ctx.case.params["op"]
     if _NEEDS[op] not in ctx.subject.capabilities:
         raise CheckSkipped(f"{ctx.subject.name} does not declare capability '{_NEEDS[op]}'")
-    T, over = _tokens_max(ctx), int(ctx.case.params.get("over", 5))
+    T, over = _tokens_max(ctx), int(ctx.case.params["over"])
     gen = case_generator(ctx.case, ctx.model.name)
     B = ctx.case.batch
     enc = encoder_ids_for(ctx, gen)

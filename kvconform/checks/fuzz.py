@@ -208,9 +208,9 @@ def check_op_sequences(ctx):
 
     params = ctx.case.params
     ops, left_out = _available_ops(ctx)
-    max_ops = int(params.get("max_ops", 6))
+    max_ops = int(params["max_ops"])
     long_profile = ctx.case.tier == "full"  # full-tier cases run only under --kvconform-full (ctx.full)
-    examples = int(params.get("full_examples", 60)) if long_profile else int(params.get("max_examples", 8))
+    examples = int(params["full_examples"]) if long_profile else int(params["max_examples"])
     reference = ctx.reference
     stats = {"programs": 0, "model_faults": 0}
 

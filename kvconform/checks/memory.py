@@ -413,7 +413,7 @@ def check_memory_bytes(ctx):
     A subject that does not declare capability ``reset`` (``crop``) is measured up to the case's first ``reset``
     (``crop``) op. A paged subject may hold one page per row and layer above the formula (see the module docstring:
     its ``page_size``, declared or inferred); the metrics ``granularity`` and ``page_tokens`` say which was used."""
-    slack = int(ctx.case.params.get("slack_bytes", DEFAULT_SLACK_BYTES))
+    slack = int(ctx.case.params["slack_bytes"])
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
                   and op.name not in ctx.subject.capabilities]
     if undeclared:
@@ -561,7 +561,7 @@ def check_memory_cuda_allocated(ctx):
     import torch
 
     device = next(ctx.model.model.parameters()).device
-    slack = int(ctx.case.params.get("cuda_slack_bytes", 1 << 20))
+    slack = int(ctx.case.params["cuda_slack_bytes"])
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -630,7 +630,7 @@ def check_offloaded_matches(ctx):
         raise ValueError(f"{ctx.subject.name}: same_as names no built-in subject ({ctx.subject.same_as!r})")
     if not torch.cuda.is_available():  # the session's rule skips this item; a direct call must not pass
         raise RuntimeError("offloading needs CUDA")
-    model = _deeper(ctx.model, int(ctx.case.params.get("layers", 6)))
+    model = _deeper(ctx.model, int(ctx.case.params["layers"]))
     dctx = copy.copy(ctx)
     dctx.model = dataclasses.replace(ctx.model, model=model, config=model.config)
     prefill = next(op.n for op in ctx.case.ops if op.name == "prefill")

@@ -52,7 +52,7 @@ CUDA_DEVICE = Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off 
 
 def _min_context_case(case):
     """Load-time rule of ``check_speed_vs_uncached`` (``register(validate=...)``): ``params.context`` ≥ 512."""
-    context = case.params.get("context", DEFAULTS["context"])
+    context = case.params["context"]
     if context < 512:
         return "params.context", (f"check_speed_vs_uncached needs context ≥ 512 (below, the uncached forward is too "
                                   f"cheap to tell a cache apart); got {context}")
@@ -61,8 +61,8 @@ def _min_context_case(case):
 
 def _growth_case(case):
     """Load-time rule of ``check_speed_flat_decode``: ``params.long`` ≥ 4 × ``params.short``."""
-    short = case.params.get("short", DEFAULTS["short"])
-    long = case.params.get("long", DEFAULTS["long"])
+    short = case.params["short"]
+    long = case.params["long"]
     if long < 4 * short:
         return "params.long", (f"check_speed_flat_decode needs long ≥ 4 × short to see growth; got short = {short}, "
                                f"long = {long}: raise long to ≥ {4 * short} or lower short")
@@ -70,7 +70,7 @@ def _growth_case(case):
 
 
 def _param(ctx, name):
-    value = ctx.case.params.get(name, DEFAULTS.get(name))
+    value = ctx.case.params.get(name)  # defaults filled at case load
     if value is None:
         raise ValueError(f"case {ctx.case.id}: {ctx.check_name} needs params.{name}")
     return value
