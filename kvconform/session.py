@@ -226,7 +226,7 @@ def lossy_reason(subject, check) -> str | None:
 EVICTING_JUDGED_FAMILIES = ("quality", "speed")
 """Families whose checks judge an evicting subject as such whatever the case's length: quality (KL / top-1 and the
 memory bound over long contexts) and speed (timing ratios; an evicting cache's decode stays flat). A check elsewhere
-that judges evicting subjects itself sets ``evicting_judged = True`` on its function (``checks/evicting.py``)."""
+that judges evicting subjects itself sets ``evicting_judged = True`` on its function (the evicting section of ``checks/contract.py``)."""
 
 
 def most_tokens_held(case, check) -> int:

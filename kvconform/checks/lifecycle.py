@@ -16,7 +16,7 @@ from kvconform.checks._drive import SubjectRaised, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict
-from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
+from kvconform.checks._refusal import RAW_ERRORS, changed, clear_error, snapshot
 
 BATCH_WORDS = ("batch",)
 """A clear refusal of reuse with another batch size names it."""

@@ -58,7 +58,7 @@ from kvconform import compat
 from kvconform.checks import OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 # counting bytes lives in _drive (the quality family's compression checks count them too); re-exported here
-from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, storage_bytes  # noqa: F401
+from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import FORWARD_OPS, run_observed
@@ -103,20 +103,6 @@ def reference_shapes(ref_cache) -> dict[str, LayerShape]:
         kind = "hybrid" if token_bytes and state_bytes else "attention" if token_bytes else "linear"
         out[label] = LayerShape(kind, token_bytes, dims, state_bytes)
     return out
-
-
-def quant_params(layer) -> tuple | None:
-    """``(nbits, group, residual)`` a quantized layer declares, or None for an exact layer.
-
-    ``Fp8QuantizedLayer`` → ``(8, None, 0)`` (one per-tensor scale, no residual); ``QuantizedLayer`` (quanto, hqq)
-    → ``(nbits, q_group_size, residual_length)``.
-    """
-    if hasattr(layer, "fp8_dtype"):
-        return (8, None, 0)
-    nbits = getattr(layer, "nbits", None)
-    if isinstance(nbits, int):
-        return (nbits, getattr(layer, "q_group_size", None), int(getattr(layer, "residual_length", 0) or 0))
-    return None
 
 
 def quant_ratio(nbits: int, group, elem_bytes: int) -> float:

@@ -27,7 +27,7 @@ from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_ve
 from kvconform.checks._drive import forward, seq_length
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised
-from kvconform.checks.crop import changed, snapshot
+from kvconform.checks._refusal import changed, snapshot
 from kvconform.oracle import compare_logits
 
 

@@ -153,7 +153,7 @@ def _quantized(ctx) -> bool:
     """Whether the subject is declared lossy or its cache layers declare quantization (``nbits`` / ``fp8_dtype``, as
     the memory family reads them): such a cache dequantizes its whole history at every step (and re-quantizes it every
     ``residual_length`` steps), so its budget against the uncached forward is ``params.min_speedup_quantized``."""
-    from kvconform.checks.memory import cache_layers, quant_params
+    from kvconform.checks._drive import cache_layers, quant_params
 
     if getattr(ctx.subject, "kind", "exact") == "lossy":  # declared lossy (kvconform_lossy / CacheSpec.kind)
         return True
@@ -259,9 +259,9 @@ def check_speed_flat_decode(ctx):
 
 
 def _compiled_applies(subject, model, case, device="cpu"):
-    from kvconform.checks.compile import _applies
+    from kvconform.checks._compiled import compile_applies
 
-    return _applies(True)(subject, model, case, device=device)
+    return compile_applies(True)(subject, model, case, device=device)
 
 
 @register("speed", needs=("compile",), applies=_compiled_applies, params={
