@@ -240,6 +240,18 @@ def _validate_held(path, case, known_checks):
                   f"(ops {_ops_text(case.ops)}): {fix}{edge}")
 
 
+def _validate_op_batch(path, case):
+    """An op that needs more rows than the case's ``batch`` (``OpSpec.min_batch``: ``swap_rows`` exchanges two rows)
+    is an error, while the batch is still the case's (before an op that resizes or renews the rows)."""
+    for i, op in enumerate(case.ops):
+        spec = OPS[op.name]
+        if spec.rows in ("resize", "new"):
+            return
+        if case.batch < spec.min_batch:
+            _fail(path, case.id, "batch", f"op {i + 1} {op.name!r} needs batch ≥ {spec.min_batch}; got batch = "
+                  f"{case.batch}: raise batch or remove the op")
+
+
 def _validate_padding(path, case):
     """``params.padding`` has one count per row of ``batch``, each leaving a real token in its row's prompt (the
     first ``prefill N``; the ``prompt`` length for a check without ops)."""
@@ -411,6 +423,7 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         if info is not None:
             _validate_for_check(path, case, info, known_checks)
         _validate_held(path, case, known_checks)
+        _validate_op_batch(path, case)
         _validate_padding(path, case)
         _validate_requirements(path, case)
         cases.append(case)

@@ -33,6 +33,9 @@ class OpSpec:
         capability: the subject capability it needs (``CacheSpec.capabilities``); None: every cache can (feeds).
         min_batch: the smallest batch it makes sense on (``swap_rows`` exchanges rows 0 and 1).
         runner: the name of the ``checks._interpreter.Runner`` method that applies it, ``method(op)``.
+        method: the cache method the op calls, as messages name it (``"reorder_cache"``); None for the feeding ops.
+        fault: the likely cause named when an exact cache's rows are wrong after this batch op (the batch family);
+            None where that family does not judge the op.
         cause: the likely cause named when a cache diverges after this op (a lossy subject compared with a fresh
             instance of its class, ``checks._consistency``); None for the feeding ops.
         fuzz: the ``(low, high)`` counts the op-sequence fuzzer draws (``(0, 0)``: an op without count), or None:
@@ -51,6 +54,8 @@ class OpSpec:
     capability: str | None = None
     min_batch: int = 1
     runner: str = ""
+    method: str | None = None
+    fault: str | None = None
     cause: str | None = None
     fuzz: tuple[int, int] | None = None
 
@@ -84,26 +89,32 @@ _OPS = (
            runner="op_decode", fuzz=(1, 3)),
     OpSpec("chunk", count="required", label="chunk({n})", feeds=True, held="adds", runner="op_feed", fuzz=(2, 5)),
     OpSpec("crop", count="required", min_count=0, label="crop(-{n})", held="removes", capability="crop",
-           runner="op_crop", fuzz=(1, 4),
+           runner="op_crop", method="crop", fuzz=(1, 4),
            cause="crop() did not cut every part of the cache to the kept tokens (quantized part / residual / length "
                  "counter): cropped tokens survive, or kept ones are lost (a Δ near the compression error instead: "
                  "the tokens that re-enter the exact window after the crop stay quantized — keep exact copies of "
                  "the last tokens, or refuse crop)"),
-    OpSpec("fork", copies=True, capability="deepcopy", runner="op_fork", fuzz=(0, 0),
+    OpSpec("fork", copies=True, capability="deepcopy", runner="op_fork", method="copy.deepcopy", fuzz=(0, 0),
            cause="copy.deepcopy did not copy every part of the cache (quantized part / residual / scales), or the "
                  "copy and the original share a part that one of them then changed"),
-    OpSpec("reorder", rows="permute", capability="reorder", min_batch=1, runner="op_reorder", fuzz=(0, 0),
+    OpSpec("reorder", rows="permute", capability="reorder", runner="op_reorder", method="reorder_cache", fuzz=(0, 0),
+           fault="reorder_cache() did not move every tensor of every layer with its row (keys and values, conv and "
+                 "recurrent states, and any per-row counter)",
            cause="reorder_cache() did not move every part of the cache with the rows (quantized part / residual / "
                  "scales): one part kept the old row order"),
     OpSpec("repeat", count="required", label="repeat({n})", rows="resize", capability="batch_repeat",
-           runner="op_repeat", fuzz=(2, 2),
+           runner="op_repeat", method="batch_repeat_interleave", fuzz=(2, 2),
+           fault="batch_repeat_interleave() did not repeat every tensor row by row ([b0, b0, b1, b1]: "
+                 "repeat_interleave, not tile)",
            cause="batch_repeat_interleave() did not repeat every part of the cache (quantized part / residual / "
                  "scales) row by row"),
-    OpSpec("select", rows="resize", capability="batch_select", runner="op_select", fuzz=(0, 0),
+    OpSpec("select", rows="resize", capability="batch_select", runner="op_select", method="batch_select_indices",
+           fuzz=(0, 0),
+           fault="batch_select_indices() did not keep exactly the selected rows of every tensor of every layer",
            cause="batch_select_indices() did not keep the same rows in every part of the cache (quantized part / "
                  "residual / scales)"),
     OpSpec("reset", count="optional", label="reset(then batch {n})", held="empties", rows="new", capability="reset",
-           runner="op_reset", fuzz=(0, 0),
+           runner="op_reset", method="reset", fuzz=(0, 0),
            cause="reset() did not clear every part of the cache (quantized part / residual / scales / length "
                  "counter): the previous sequence survives into the next one"),
 )
