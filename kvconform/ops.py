@@ -102,6 +102,12 @@ _OPS = (
                  "recurrent states, and any per-row counter)",
            cause="reorder_cache() did not move every part of the cache with the rows (quantized part / residual / "
                  "scales): one part kept the old row order"),
+    OpSpec("swap_rows", rows="permute", capability="reorder", min_batch=2, runner="op_swap_rows",
+           method="reorder_cache",
+           fault="reorder_cache() with a permutation that exchanges two rows (a beam swap) did not move every tensor "
+                 "of every layer with its row, or moved the other rows too",
+           cause="reorder_cache() exchanging two rows did not move every part of the cache with them (quantized "
+                 "part / residual / scales)"),
     OpSpec("repeat", count="required", label="repeat({n})", rows="resize", capability="batch_repeat",
            runner="op_repeat", method="batch_repeat_interleave", fuzz=(2, 2),
            fault="batch_repeat_interleave() did not repeat every tensor row by row ([b0, b0, b1, b1]: "

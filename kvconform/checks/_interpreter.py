@@ -394,6 +394,23 @@ class Runner:
         """``reorder``: the runner's default beam permutation (``beam``)."""
         self.reorder()
 
+    def op_swap_rows(self, op) -> None:
+        """``swap_rows``: a beam swap, ``reorder_cache(perm)`` with ``perm`` exchanging rows 0 and 1 (the others
+        stay).
+
+        Raises:
+            ValueError: fewer than two rows.
+        """
+        import torch
+
+        if self.batch < 2:
+            raise ValueError(f"op 'swap_rows' needs two rows, the batch has {self.batch} (case {self.ctx.case.id})")
+        perm = torch.arange(self.batch)
+        perm[[0, 1]] = perm[[1, 0]]
+        self._call(op.label, lambda: self.cache.reorder_cache(perm.to(self._device())))
+        self._rows(perm, op.name)
+        self._mirror("op_swap_rows", op)
+
     def op_repeat(self, op) -> None:
         """``repeat R``: ``batch_repeat_interleave(R)``."""
         self.repeat(op.n, op.label)
