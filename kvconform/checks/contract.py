@@ -26,7 +26,7 @@ import copy
 from kvconform import compat
 from kvconform.checks import IGNORES_OPS, OP_PARAMS, CheckSkipped, OpRule, Param, register
 from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised, measured_cause
-from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, forward, random_tokens,
+from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, random_tokens,
                                      seq_length)
 from kvconform.checks._interpreter import Runner, StopRun
 from kvconform.checks._judge import judge, judged_by_consistency, record_verdict
@@ -561,27 +561,51 @@ _PARAMS = {"over": Param(int, default=5, min=1, doc="tokens past tokens_max of t
 
 
 class _Driver:
-    """One cache of the subject fed seeded tokens, with the sequence it was fed (``seq`` ``[B, T]``)."""
+    """One cache of the subject fed seeded tokens through the interpreter (``Runner.feed``: the one place that feeds
+    a cache), with the sequence it was fed (``seq`` ``[B, T]``; a check that applies an op itself sets ``seq`` to
+    what the cache should hold after it)."""
 
     def __init__(self, ctx, cache, encoder_ids):
-        import torch
+        self.runner = Runner(ctx, cache, position_mode="auto", padding=[])
+        self.runner.encoder_ids = encoder_ids
 
-        self.ctx, self.cache, self.encoder_ids = ctx, cache, encoder_ids
-        self.seq = torch.zeros(ctx.case.batch, 0, dtype=torch.long)
+    @property
+    def cache(self):
+        """The cache being fed."""
+        return self.runner.cache
+
+    @cache.setter
+    def cache(self, cache):
+        self.runner.cache = cache
+
+    @property
+    def encoder_ids(self):
+        """The encoder input ``[B, E]`` (None for decoder-only models)."""
+        return self.runner.encoder_ids
+
+    @encoder_ids.setter
+    def encoder_ids(self, encoder_ids):
+        self.runner.encoder_ids = encoder_ids
+
+    @property
+    def seq(self):
+        """The tokens the cache should hold, ``[B, T]`` int64."""
+        return self.runner.seq
+
+    @seq.setter
+    def seq(self, seq):
+        self.runner.seq, self.runner.batch = seq, int(seq.shape[0])
+        self.runner._cut_chunks(int(seq.shape[1]))
 
     def feed(self, tokens, label):
-        """One forward of ``tokens`` ``[B, n]``; returns float64 logits ``[B, n, V]``."""
-        import torch
+        """One forward of ``tokens`` ``[B, n]``; returns float64 logits ``[B, n, V]``.
 
-        if self.seq.shape[1] == 0:
+        Raises:
+            SubjectRaised: the subject raised (names ``label``).
+        """
+        if self.runner.length == 0:
             self.seq = tokens[:, :0]
-        try:
-            logits = forward(self.ctx.model, self.cache, tokens, self.seq.shape[1], "auto", self.encoder_ids,
-                             first=self.seq.shape[1] == 0)
-        except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
-            raise SubjectRaised(label, exc) from exc
-        self.seq = torch.cat([self.seq, tokens], dim=1)
-        return logits
+        return self.runner.feed(int(tokens.shape[1]), label, tokens=tokens).logits
 
 
 def _tokens(ctx, gen, batch, n):

@@ -69,7 +69,7 @@ def _decode_cause(ctx, steps, cache=None):
 def run_recorded(ctx, cache):
     """``run_ops`` after ``activate_past_recording()`` when the case asks for it (``params.record``), as
     speculative-decoding callers do before any crop; the same driver replays the case on the reference and twins."""
-    if ctx.case.params["record"]:
+    if ctx.case.params.get("record"):
         if not hasattr(cache, "activate_past_recording"):
             from kvconform.outcomes import CheckSkipped
             raise CheckSkipped(f"{type(cache).__name__} has no activate_past_recording() (the installed "

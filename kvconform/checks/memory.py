@@ -402,10 +402,12 @@ def check_memory_bytes(ctx):
     slack = int(ctx.case.params["slack_bytes"])
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
                   and op.name not in ctx.subject.capabilities]
-    if undeclared:
+    if undeclared:  # measured on a view of the context whose case stops there (the context itself is not changed)
+        import copy
         import dataclasses
 
         first = ctx.case.ops[undeclared[0]].name
+        ctx = copy.copy(ctx)  # shares metrics with the caller's context
         ctx.case = dataclasses.replace(ctx.case, ops=ctx.case.ops[:undeclared[0]])
         ctx.metrics["note"] = f"{ctx.subject.name} does not declare {first!r}: measured up to the first {first}"
     shapes = _shapes_for(ctx)
