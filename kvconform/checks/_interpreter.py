@@ -17,6 +17,10 @@ the encoder input (``[B, E]``). Ops (``cases.Op``):
 * ``repeat R``: ``cache.batch_repeat_interleave(R)`` (rows ``[b0, b0, b1, b1, ...]``).
 * ``select``: ``cache.batch_select_indices(idx)`` keeping every row but the first (the only row for batch 1).
 * ``reset``: ``cache.reset()``; the next op starts a new sequence.
+* ``swap_rows``: ``cache.reorder_cache(perm)`` with ``perm`` exchanging rows 0 and 1 (a beam swap).
+
+The op vocabulary is one table, ``kvconform.ops.OPS``: ``Runner.apply`` dispatches an op to the method its entry
+names (``OpSpec.runner``, ``op_<name>(op)``), so a new op is its table entry and that one method.
 
 Checks observe a run instead of writing their own op loop: an observer is any object with some of the methods
 ``before_op(runner, op, op_index)``, ``after_op(runner, op, op_index)``, ``before_forward(runner, label, n)`` and

@@ -356,7 +356,7 @@ def check_length_bookkeeping(ctx):
     ops = [op for op in ctx.case.ops if op.name not in OP_CAPABILITY
            or OP_CAPABILITY[op.name] in ctx.subject.capabilities]
     skipped = [op.label for op in ctx.case.ops if op not in ops]
-    if any(op.name == "fork" for op in ops):
+    if any(op.spec.copies for op in ops):
         raise ValueError(f"case {ctx.case.id}: check_length_bookkeeping spies on update(); a fork would share the "
                          f"spy between copies")
     cache = ctx.new_cache()
