@@ -40,12 +40,9 @@ from pathlib import Path
 
 from kvconform.memo import MEMO
 from kvconform.outcomes import UsageError
+from kvconform.ops import OP_NAMES, OPS, OPS_WITH_COUNT, Op, tokens_held  # noqa: F401 - re-exported (cases.Op, cases.OP_NAMES)
 
 
-OP_NAMES = ("prefill", "decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
-"""Op vocabulary (ARCHITECTURE.md, "The op interpreter"). ``prefill N``: first pass over N prompt tokens; ``decode N``: N single-token steps;
-``chunk N``: one forward of N tokens into a warm cache; ``crop N``: remove the last N tokens."""
-OPS_WITH_COUNT = ("prefill", "decode", "chunk", "crop", "repeat")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 POSITION_MODES = ("auto", "explicit", "implicit")
 TIERS = ("default", "full")
@@ -55,28 +52,6 @@ _ID = re.compile(r"^[A-Za-z0-9_.]+$")
 
 class CaseFileError(ValueError, UsageError):
     """A case file is malformed. ``str(err)`` names file, case id, key and the allowed values."""
-
-
-@dataclass(frozen=True)
-class Op:
-    """One op of a case: ``name`` in ``OP_NAMES`` and its count ``n`` (tokens or steps; 0 when not applicable)."""
-
-    name: str
-    n: int = 0
-
-    @property
-    def label(self) -> str:
-        if self.name == "decode":
-            return f"decode×{self.n}"
-        if self.name == "crop":
-            return f"crop(-{self.n})"
-        if self.name == "reset" and self.n:
-            return f"reset(then batch {self.n})"
-        return f"{self.name}({self.n})" if self.name in OPS_WITH_COUNT else self.name
-
-    @property
-    def new_tokens(self) -> int:
-        return self.n if self.name in ("prefill", "decode", "chunk") else 0
 
 
 @dataclass(frozen=True)
@@ -160,13 +135,15 @@ def _parse_op(path, case_id, text) -> Op:
     if not parts or parts[0] not in OP_NAMES:
         _fail(path, case_id, "ops", f"unknown op {text!r}; allowed ops: {', '.join(OP_NAMES)}")
     name = parts[0]
-    if name in OPS_WITH_COUNT:
-        if len(parts) != 2 or not parts[1].isdigit() or int(parts[1]) < (0 if name == "crop" else 1):
+    spec = OPS[name]
+    if spec.count == "required":
+        if len(parts) != 2 or not parts[1].isdigit() or int(parts[1]) < spec.min_count:
             _fail(path, case_id, "ops", f"op {text!r} needs one positive count, e.g. '{name} 4'")
         return Op(name, int(parts[1]))
-    if name == "reset" and len(parts) == 2:  # reset B: the next sequence has batch size B
-        if not parts[1].isdigit() or int(parts[1]) < 1:
-            _fail(path, case_id, "ops", f"op {text!r}: 'reset' takes an optional batch size ≥ 1, e.g. 'reset 2'")
+    if spec.count == "optional" and len(parts) == 2:  # reset B: the next sequence has batch size B
+        if not parts[1].isdigit() or int(parts[1]) < spec.min_count:
+            _fail(path, case_id, "ops", f"op {text!r}: {name!r} takes an optional count ≥ {spec.min_count}, "
+                  f"e.g. '{name} 2'")
         return Op(name, int(parts[1]))
     if len(parts) != 1:
         _fail(path, case_id, "ops", f"op {name!r} takes no count (got {text!r})")
@@ -251,8 +228,7 @@ def _validate_held(path, case, known_checks):
     keeps N tokens) nothing is checked: there N is a length to keep, not tokens to remove."""
     if case.params.get("crop_beyond_held") or case.params.get("positive"):
         return
-    held = 0
-    for i, op in enumerate(case.ops):
+    for i, (op, held) in enumerate(zip(case.ops, [0, *tokens_held(case.ops)])):
         if op.name == "crop" and op.n > held:
             declaring = sorted(name for name, info in (known_checks.items() if isinstance(known_checks, dict) else ())
                                if "crop_beyond_held" in (getattr(info, "params", None) or {}))
@@ -264,12 +240,18 @@ def _validate_held(path, case, known_checks):
                 edge = f"; cropping past the start is the edge case of {', '.join(declaring)}, not of {case.check}"
             _fail(path, case.id, "ops", f"op {i + 1} 'crop {op.n}' removes {op.n} token{'s' * (op.n != 1)} from a cache holding {held} "
                   f"(ops {_ops_text(case.ops)}): {fix}{edge}")
-        if op.name == "reset":
-            held = 0
-        elif op.name == "crop":
-            held -= op.n
-        else:
-            held += op.new_tokens
+
+
+def _validate_op_batch(path, case):
+    """An op that needs more rows than the case's ``batch`` (``OpSpec.min_batch``: ``swap_rows`` exchanges two rows)
+    is an error, while the batch is still the case's (before an op that resizes or renews the rows)."""
+    for i, op in enumerate(case.ops):
+        spec = OPS[op.name]
+        if spec.rows in ("resize", "new"):
+            return
+        if case.batch < spec.min_batch:
+            _fail(path, case.id, "batch", f"op {i + 1} {op.name!r} needs batch ≥ {spec.min_batch}; got batch = "
+                  f"{case.batch}: raise batch or remove the op")
 
 
 def _validate_padding(path, case):
@@ -443,6 +425,7 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         if info is not None:
             _validate_for_check(path, case, info, known_checks)
         _validate_held(path, case, known_checks)
+        _validate_op_batch(path, case)
         _validate_padding(path, case)
         _validate_requirements(path, case)
         cases.append(case)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvconform import zoo
 from kvconform.memo import MEMO
+from kvconform.ops import tokens_held
 
 
 @dataclass(frozen=True)
@@ -192,20 +193,13 @@ def most_tokens_held(case, check) -> int:
     max_new_tokens``; ``check_prefix_generate`` / ``check_multi_turn``: ``suffix`` / ``user`` + ``max_new_tokens``),
     and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
     if check.family == "fuzz":
-        return 10 + 5 * int(case.params.get("max_ops", 6)) + 1
-    held = most = 0
-    for op in case.ops:
-        if op.name in ("prefill", "chunk", "decode"):
-            held += op.n
-        elif op.name == "crop":
-            held = max(held - op.n, 0)
-        elif op.name == "reset":
-            held = 0
-        most = max(most, held)
+        return 10 + 5 * int(case.params["max_ops"]) + 1
+    most = max(tokens_held(case.ops), default=0)
+    held = tokens_held(case.ops)[-1] if case.ops else 0
     if not case.ops:
         return case.prompt + case.max_new_tokens
     if check.name in ("check_prefix_generate", "check_multi_turn"):
-        extra = case.params.get("suffix", case.params.get("user", 4))
+        extra = case.params.get("suffix") or case.params["user"]
         most = max(most, held + int(extra) + case.max_new_tokens)
     return most
 

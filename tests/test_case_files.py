@@ -114,8 +114,8 @@ WRONG_FOR_CHECK = [
      'params = {kl_max = 0.1, top1_min = 0.5}', "ops", "check_quality_budget needs at least 2 forward(s)"),
     ("lossy_driver_refuses", 'check = "check_quality_budget"\nops = ["prefill 12", "fork", "decode 3"]\n'
      'params = {kl_max = 0.1, top1_min = 0.5}', "ops",
-     "check_quality_budget cannot run op 'fork': its driver accepts only 'prefill', 'chunk', 'decode', 'reorder', "
-     "'crop'"),
+     "check_quality_budget cannot run op 'fork': its driver accepts only 'prefill', 'decode', 'chunk', 'crop', "
+     "'reorder'"),
     ("crop_refused_reset", 'check = "check_crop_refused"\nops = ["prefill 6", "reset", "prefill 4", "crop 1"]', "ops",
      "check_crop_refused cannot run op 'reset'"),
     ("memory_fork", 'check = "check_memory_bytes"\nops = ["prefill 6", "fork", "decode 2"]', "ops",

@@ -1,6 +1,6 @@
 """Evicting subjects: the bundled SinkWindowCache conforms, its faulty variants are caught with their cause lines,
 the declaration works from a class attribute and from CacheSpec, and exact-family cases longer than tokens_max are
-skipped with their reason (kvconform.checks.evicting, session.evicting_skip_reason)."""
+skipped with their reason (the evicting contract in kvconform.checks.contract, session.evicting_skip_reason)."""
 
 import json
 import textwrap

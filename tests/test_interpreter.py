@@ -172,3 +172,63 @@ def test_length_and_pointer_traces(llama_ctx):
     assert all(any(name.endswith(".keys") for name in ptrs) for _, ptrs in pointers.rows)
     # DynamicCache concatenates: every decode step allocates new key buffers
     assert pointers.rows[1][1]["layers[0].keys"] != pointers.rows[2][1]["layers[0].keys"]
+
+
+# ------------------------------------------------------------------------------------------------ the op table
+def test_every_op_of_the_table_is_parsed_labelled_and_dispatched():
+    """``kvconform.ops.OPS`` is the one op table: every entry names a ``Runner`` method that exists, parses from case
+    syntax, and its held-token rule agrees with ``tokens_held``; the derived lists come from it."""
+    from kvconform import ops
+    from kvconform.cases import _parse_op
+    from kvconform.checks._interpreter import Runner
+
+    for name, spec in ops.OPS.items():
+        assert callable(getattr(Runner, spec.runner, None)), f"{name}: Runner has no method {spec.runner!r}"
+        text = f"{name} 2" if spec.count == "required" else name
+        op = _parse_op("t.toml", "c", text)
+        assert (op.name, op.label) == (name, spec.label_of(op.n))
+        assert spec.feeds == (spec.cause is None)  # a non-feeding op has a likely cause to blame a divergence on
+    assert ops.tokens_held([Op("prefill", 6), Op("decode", 2), Op("swap_rows"), Op("crop", 3), Op("reset"),
+                            Op("chunk", 4), Op("crop", 9)]) == [6, 8, 8, 5, 0, 4, 0]
+    from kvconform.checks import TOKEN_OPS
+    from kvconform.checks._consistency import CAUSES, STRUCTURAL_OPS
+    from kvconform.checks._lossy import LOSSY_OPS
+    from kvconform.checks.fuzz import NEEDS, OPS as FUZZ_OPS
+    from kvconform.checks.memory import MEMORY_OPS
+
+    assert TOKEN_OPS == ("prefill", "decode", "chunk") and set(CAUSES) == set(STRUCTURAL_OPS)
+    assert "swap_rows" in LOSSY_OPS and "swap_rows" not in MEMORY_OPS and NEEDS["swap_rows"] == "reorder"
+    assert FUZZ_OPS == ("decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")  # programs kept
+
+
+def test_swap_rows_exchanges_rows_0_and_1(llama_ctx):
+    """``swap_rows`` calls ``reorder_cache`` with rows 0 and 1 exchanged, the other rows staying, and its decode
+    steps match the oracle on DynamicCache (the ``Runner``'s sequence follows the swap)."""
+    from kvconform.checks._interpreter import Runner
+    from kvconform.checks._judge import judge
+
+    runner = Runner(llama_ctx, llama_ctx.new_cache())
+    before = []
+    runner.observe(type("Before", (), {"before_op": lambda self, r, op, i: before.append(r.seq.clone())})())
+    steps = runner.run([Op("prefill", 6), Op("swap_rows"), Op("decode", 2)])
+    swapped = steps[-1].seq[:, :6]
+    assert swapped[0].equal(before[1][1]) and swapped[1].equal(before[1][0]) and swapped[2].equal(before[1][2])
+    assert steps[1].ops_before == ("swap_rows",)
+    assert judge(llama_ctx, steps).passed
+
+
+def test_swap_rows_case_passes_correct_caches_and_fails_a_faulty_beam_cache():
+    """The batch case ``swap_rows_padded`` passes on ReferenceCache and DynamicCache and fails on a bundled faulty
+    beam cache (reorder_cache moves the exact residual only), blaming the swap."""
+    import kvconform
+    from kvconform.subjects import builtin_subjects
+    from kvconform.testing import lossy
+
+    subjects = {s.name: s for s in builtin_subjects()}
+    results = {r.subject: r for r in kvconform.check_cache(
+        [subjects["ReferenceCache"], subjects["DynamicCache"], lossy.Int8ReorderResidualOnly], models=["llama"],
+        checks=["check_reorder_then_decode"], cases=["swap_rows_padded"])}
+    assert results["ReferenceCache"].outcome == results["DynamicCache"].outcome == "passed"
+    faulty = results["Int8ReorderResidualOnly"]
+    assert faulty.outcome == "failed", faulty.message
+    assert "swap_rows" in faulty.message and "reorder_cache() exchanging two rows did not move" in faulty.message

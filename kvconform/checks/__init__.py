@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the types of CheckContext's fields, without importing torch
     from kvconform.oracle import Oracle
     from kvconform.subjects import CacheSpec, Kind
     from kvconform.zoo import ZooModel
+from kvconform.ops import FORWARD_OPS, OPS_WITH_COUNT
 
 
 class ConformanceError(AssertionError, KVConformError):
@@ -145,8 +146,8 @@ OP_PARAMS = {
 ``params`` schemas."""
 
 
-TOKEN_OPS = ("prefill", "chunk", "decode")
-"""The ops that feed tokens (each makes forwards)."""
+TOKEN_OPS = FORWARD_OPS
+"""The ops that feed tokens (each makes forwards; ``kvconform.ops``)."""
 
 
 def _names(names) -> str:
@@ -210,9 +211,9 @@ class OpRule:
             return "ops", f"{check} needs ops starting with '{self.first} N'{why}; got {given}"
         for name in self.required:
             if name not in ops:
-                example = f"'{name} N'" if name in ("prefill", "decode", "chunk", "crop", "repeat") else repr(name)
+                example = f"'{name} N'" if name in OPS_WITH_COUNT else repr(name)
                 return "ops", f"{check} needs at least one {example} op{why}; got {given}: add one"
-        forwards = sum(op.n if op.name == "decode" else 1 for op in case.ops if op.name in TOKEN_OPS)
+        forwards = sum(op.spec.forwards(op.n) for op in case.ops)
         if forwards < self.min_forwards:
             return "ops", (f"{check} needs at least {self.min_forwards} forward(s) (prefill N and chunk N: one each, "
                            f"decode N: N){why}; got {forwards} from {given}")

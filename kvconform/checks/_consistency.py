@@ -14,33 +14,21 @@ grew by the previous step's forward, and replayed from scratch (its chunks, one 
 changed otherwise (after crop / reorder / select / repeat / reset / fork), so the cost stays about twice the
 subject's own run.
 
-This module sits below the interpreter (it needs only ``_drive.forward``); ``_judge.judge`` calls it.
+This module sits above the interpreter (the fresh instance is fed through ``Runner.feed``, the one place that
+feeds a cache); ``_judge.judge`` calls it.
 """
 
 from __future__ import annotations
 
-from kvconform.checks._drive import SubjectRaised, forward
+from kvconform.checks._interpreter import Runner
+from kvconform.ops import CAUSES as OP_CAUSES, op_names
 
-STRUCTURAL_OPS = ("crop", "reorder", "repeat", "select", "reset", "fork")
-"""Ops after which the fresh instance is replayed (and which a divergence is blamed on)."""
+STRUCTURAL_OPS = op_names(feeds=False)
+"""Ops after which the fresh instance is replayed (and which a divergence is blamed on): every op that does not feed
+tokens (``kvconform.ops``)."""
 
-CAUSES = {
-    "reorder": "reorder_cache() did not move every part of the cache with the rows (quantized part / residual / "
-               "scales): one part kept the old row order",
-    "repeat": "batch_repeat_interleave() did not repeat every part of the cache (quantized part / residual / "
-              "scales) row by row",
-    "select": "batch_select_indices() did not keep the same rows in every part of the cache (quantized part / "
-              "residual / scales)",
-    "crop": "crop() did not cut every part of the cache to the kept tokens (quantized part / residual / length "
-            "counter): cropped tokens survive, or kept ones are lost (a Δ near the compression error instead: the "
-            "tokens that re-enter the exact window after the crop stay quantized — keep exact copies of the last "
-            "tokens, or refuse crop)",
-    "reset": "reset() did not clear every part of the cache (quantized part / residual / scales / length counter): "
-             "the previous sequence survives into the next one",
-    "fork": "copy.deepcopy did not copy every part of the cache (quantized part / residual / scales), or the copy "
-            "and the original share a part that one of them then changed",
-}
-"""The likely cause of a divergence, by the last structural op before the first diverging step."""
+CAUSES = OP_CAUSES
+"""The likely cause of a divergence, by the last structural op before the first diverging step (``OpSpec.cause``)."""
 
 NO_OP_CAUSE = ("the same calls on a fresh instance of the same class give other logits: the cache is not "
                "deterministic (state drawn per instance, e.g. an unseeded random rotation) or keeps state across "
@@ -71,10 +59,39 @@ def divergence_cause(steps, failed) -> str:
 
 class _Fresh:
     """A fresh instance of the subject's class and the history it holds (tokens ``[B, T]``, mask or None, encoder
-    input or None, chunks, position mode)."""
+    input or None, chunks, position mode), fed through the interpreter (``Runner.feed``)."""
 
-    def __init__(self, cache, seq, mask, enc, chunks, mode):
-        self.cache, self.seq, self.mask, self.enc, self.chunks, self.mode = cache, seq, mask, enc, list(chunks), mode
+    def __init__(self, ctx, cache, batch, enc, mode):
+        import torch
+
+        self.runner = Runner(ctx, cache, position_mode=mode, padding=[])
+        self.runner.seq, self.runner.batch = torch.empty(batch, 0, dtype=torch.long), batch
+        self.runner.encoder_ids = enc
+
+    @property
+    def seq(self):
+        """The tokens it holds, ``[B, T]`` int64."""
+        return self.runner.seq
+
+    @property
+    def mask(self):
+        """Their attention mask ``[B, T]``, or None."""
+        return self.runner.mask
+
+    @property
+    def enc(self):
+        """The encoder input ``[B, E]``, or None."""
+        return self.runner.encoder_ids
+
+    @property
+    def chunks(self) -> list:
+        """The lengths of the forwards that fed it, oldest first."""
+        return self.runner.chunks
+
+    @property
+    def mode(self) -> str:
+        """How its forwards passed positions."""
+        return self.runner.position_mode
 
     def holds(self, step, chunks, enc) -> bool:
         """Whether this instance holds exactly ``step``'s equivalent history (then it continues in lock-step)."""
@@ -96,18 +113,14 @@ class _Fresh:
 
 
 def _feed(ctx, fresh, tokens, mask_full, label):
-    """One forward of ``tokens`` ``[B, n]`` into ``fresh`` (mask ``[B, start + n]`` or None); returns the logits."""
-    import torch
-
-    start = fresh.seq.shape[1]
-    try:
-        logits = forward(ctx.model, fresh.cache, tokens, start, fresh.mode, fresh.enc, mask_full, start == 0)
-    except Exception as exc:  # noqa: BLE001 - the subject's class failed on the equivalent history
-        raise SubjectRaised(f"{label} (a fresh instance fed the equivalent history)", exc) from exc
-    fresh.seq = torch.cat([fresh.seq, tokens], dim=1)
-    fresh.mask = mask_full
-    fresh.chunks.append(int(tokens.shape[1]))
-    return logits
+    """One forward of ``tokens`` ``[B, n]`` into ``fresh`` (mask ``[B, start + n]`` or None) through the
+    interpreter; returns the logits."""
+    runner, n = fresh.runner, int(tokens.shape[1])
+    start = runner.length
+    runner.mask = None if mask_full is None or start == 0 else mask_full[:, :start]
+    new_mask = None if mask_full is None else mask_full[:, start:start + n]
+    return runner.feed(n, f"{label} (a fresh instance fed the equivalent history)", tokens=tokens,
+                       tokens_mask=new_mask).logits
 
 
 def consistency_targets(ctx, spec, steps) -> dict:
@@ -123,8 +136,6 @@ def consistency_targets(ctx, spec, steps) -> dict:
     Raises:
         SubjectRaised: the fresh instance raised on the equivalent history (names the step).
     """
-    import torch
-
     out, fresh = {}, None
     for step in sorted(steps, key=lambda s: s.index):
         enc = step.encoder_ids if step.encoder_ids is not None else getattr(ctx, "encoder_ids", None)
@@ -133,7 +144,7 @@ def consistency_targets(ctx, spec, steps) -> dict:
             batch = int(step.seq.shape[0])
             cache = spec.build(ctx.model, max_cache_len=ctx.max_cache_len, batch_size=batch,
                                encoder_len=ctx.case.encoder_len)
-            fresh = _Fresh(cache, torch.empty(batch, 0, dtype=torch.long), None, enc, [], step.position_mode)
+            fresh = _Fresh(ctx, cache, batch, enc, step.position_mode)
             pos = 0
             for n in chunks:
                 mask = None if step.mask is None else step.mask[:, :pos + n]

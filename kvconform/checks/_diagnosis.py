@@ -10,6 +10,7 @@ import traceback
 from kvconform import compat
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._judge import Verdict, run_and_judge
+from kvconform.ops import op_names
 
 
 MODEL_AT_FAULT = "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
@@ -183,4 +184,5 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     return None
 
 
-_BATCH_OPS = ("reorder", "repeat", "select", "reset")
+_BATCH_OPS = op_names(copies=False, rows=("permute", "resize", "new"))
+"""The ops that change the batch rows (``kvconform.ops``): named as the cause of a batch-size mismatch."""

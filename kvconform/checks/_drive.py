@@ -546,3 +546,17 @@ def cache_layers(cache) -> list:
     if not layers:
         return [("cache", cache)]
     return [(f"layer {i}", layer) for i, layer in enumerate(layers)]
+
+
+def quant_params(layer) -> tuple | None:
+    """``(nbits, group, residual)`` a quantized layer declares, or None for an exact layer.
+
+    ``Fp8QuantizedLayer`` → ``(8, None, 0)`` (one per-tensor scale, no residual); ``QuantizedLayer`` (quanto, hqq)
+    → ``(nbits, q_group_size, residual_length)``.
+    """
+    if hasattr(layer, "fp8_dtype"):
+        return (8, None, 0)
+    nbits = getattr(layer, "nbits", None)
+    if isinstance(nbits, int):
+        return (nbits, getattr(layer, "q_group_size", None), int(getattr(layer, "residual_length", 0) or 0))
+    return None

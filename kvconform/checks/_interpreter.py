@@ -17,6 +17,10 @@ the encoder input (``[B, E]``). Ops (``cases.Op``):
 * ``repeat R``: ``cache.batch_repeat_interleave(R)`` (rows ``[b0, b0, b1, b1, ...]``).
 * ``select``: ``cache.batch_select_indices(idx)`` keeping every row but the first (the only row for batch 1).
 * ``reset``: ``cache.reset()``; the next op starts a new sequence.
+* ``swap_rows``: ``cache.reorder_cache(perm)`` with ``perm`` exchanging rows 0 and 1 (a beam swap).
+
+The op vocabulary is one table, ``kvconform.ops.OPS``: ``Runner.apply`` dispatches an op to the method its entry
+names (``OpSpec.runner``, ``op_<name>(op)``), so a new op is its table entry and that one method.
 
 Checks observe a run instead of writing their own op loop: an observer is any object with some of the methods
 ``before_op(runner, op, op_index)``, ``after_op(runner, op, op_index)``, ``before_forward(runner, label, n)`` and
@@ -36,9 +40,11 @@ from kvconform import compat
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
                                      forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
                                      random_tokens, seq_length, tensors_of, unmasked_slots)
+from kvconform.ops import OPS
+from kvconform.outcomes import KVConformError
 
 
-class StopRun(Exception):
+class StopRun(KVConformError):
     """Raised by an observer to end ``Runner.run`` early (what it has seen is enough for its verdict)."""
 
 
@@ -279,7 +285,7 @@ class Runner:
         """``crop(-n)`` through ``compat.crop``; the sequence loses its last ``n`` tokens (all, if fewer)."""
         label = label or f"crop(-{n})"
         self._call(label, compat.crop, self.cache, n, self.length)
-        keep = max(self.length - n, 0)
+        keep = OPS["crop"].held_after(self.length, n)
         self.seq = self.seq[:, :keep]
         self.mask = None if self.mask is None or keep == 0 else self.mask[:, :keep]
         self._cut_chunks(keep)
@@ -369,6 +375,59 @@ class Runner:
     def _device(self):
         return next(self.model.model.parameters()).device
 
+    # ------------------------------------------------------------------------ the ops of kvconform.ops, by OpSpec.runner
+    def op_feed(self, op) -> None:
+        """``prefill N`` / ``chunk N``: one forward of N new tokens."""
+        self.feed(op.n, op.label)
+
+    def op_decode(self, op) -> None:
+        """``decode N``: N single-token forwards (labelled ``"decode k after reorder"`` after a reorder when the
+        runner was made with ``decode_suffix_after_reorder``)."""
+        after = " after reorder" if self.decode_suffix and "reorder" in self.op_names else ""
+        for s in range(op.n):
+            self.feed(1, f"decode {s + 1}{after}")
+
+    def op_crop(self, op) -> None:
+        """``crop N``: ``crop(-N)``."""
+        self.crop(op.n, op.label)
+
+    def op_fork(self, op) -> None:
+        """``fork``: ``copy.deepcopy``; the original is parked."""
+        self.fork()
+
+    def op_reorder(self, op) -> None:
+        """``reorder``: the runner's default beam permutation (``beam``)."""
+        self.reorder()
+
+    def op_swap_rows(self, op) -> None:
+        """``swap_rows``: a beam swap, ``reorder_cache(perm)`` with ``perm`` exchanging rows 0 and 1 (the others
+        stay).
+
+        Raises:
+            ValueError: fewer than two rows.
+        """
+        import torch
+
+        if self.batch < 2:
+            raise ValueError(f"op 'swap_rows' needs two rows, the batch has {self.batch} (case {self.ctx.case.id})")
+        perm = torch.arange(self.batch)
+        perm[[0, 1]] = perm[[1, 0]]
+        self._call(op.label, lambda: self.cache.reorder_cache(perm.to(self._device())))
+        self._rows(perm, op.name)
+        self._mirror("op_swap_rows", op)
+
+    def op_repeat(self, op) -> None:
+        """``repeat R``: ``batch_repeat_interleave(R)``."""
+        self.repeat(op.n, op.label)
+
+    def op_select(self, op) -> None:
+        """``select``: every row but the first."""
+        self.select()
+
+    def op_reset(self, op) -> None:
+        """``reset`` / ``reset B``: a new sequence (of B rows)."""
+        self.reset(op.label, batch=op.n or None)
+
     def apply(self, op, op_index: int | None = None) -> None:
         """Run one ``cases.Op`` (observers see ``before_op(runner, op, op_index)`` and ``after_op(...)``).
 
@@ -383,33 +442,18 @@ class Runner:
         if self.allowed_ops is not None and op.name not in self.allowed_ops:
             raise ValueError(f"op {op.name!r} is not supported by {self.ctx.check_name} (case {self.ctx.case.id})")
         self._notify("before_op", op, self.op_index)
+        spec = OPS.get(op.name)
         if op.name in self.handlers:
             self.handlers[op.name](self, op)
-            if op.name not in ("prefill", "chunk", "decode"):
+            if spec is None or not spec.feeds:
                 self.pending.append(op.name)
             self.op_names.append(op.name)
             self._notify("after_op", op, self.op_index)
             return
-        if op.name in ("prefill", "chunk"):
-            self.feed(op.n, op.label)
-        elif op.name == "decode":
-            after = " after reorder" if self.decode_suffix and "reorder" in self.op_names else ""
-            for s in range(op.n):
-                self.feed(1, f"decode {s + 1}{after}")
-        elif op.name == "crop":
-            self.crop(op.n, op.label)
-        elif op.name == "fork":
-            self.fork()
-        elif op.name == "reorder":
-            self.reorder()
-        elif op.name == "repeat":
-            self.repeat(op.n, op.label)
-        elif op.name == "select":
-            self.select()
-        elif op.name == "reset":
-            self.reset(op.label, batch=op.n or None)
-        else:
+        method = getattr(self, spec.runner, None) if spec is not None else None
+        if method is None:
             raise ValueError(f"op {op.name!r} is not supported by the engine (case {self.ctx.case.id})")
+        method(op)
         self.trail.append(op.label)
         self.op_names.append(op.name)
         if self.partner is not None:

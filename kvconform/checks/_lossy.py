@@ -18,11 +18,13 @@ from __future__ import annotations
 from kvconform.checks._diagnosis import describe_raise, measured_cause
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
+from kvconform.ops import op_names
 from kvconform.oracle import compare_logits
 from kvconform.subjects import kind_of
 
-LOSSY_OPS = ("prefill", "chunk", "decode", "reorder", "crop")
-"""The ops the lossy checks' driver accepts."""
+LOSSY_OPS = op_names(copies=False, rows=("keep", "permute"))
+"""The ops the lossy checks' driver accepts: those that keep the batch size and copy nothing (the twin follows
+them in lock-step): the feeding ops, ``crop`` and the beam reorders (``kvconform.ops``)."""
 
 CLEAR_ERRORS = (ValueError, NotImplementedError, RuntimeError, TypeError)
 """Exception types a refused operation may raise (a bare IndexError/AttributeError is an accident, not a refusal)."""

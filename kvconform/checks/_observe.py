@@ -5,9 +5,8 @@ peak)."""
 from __future__ import annotations
 
 from kvconform.checks._interpreter import Runner
+from kvconform.ops import FORWARD_OPS  # noqa: F401 - the ops run_observed accepts (re-exported)
 
-FORWARD_OPS = ("prefill", "chunk", "decode")
-"""The ops ``run_observed`` accepts."""
 
 
 class AfterForward:

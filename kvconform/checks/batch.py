@@ -18,33 +18,27 @@ from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
+from kvconform.ops import op_names
 from kvconform.subjects import FRESH, kind_of
 
-_OP_CAUSE = {
-    "reorder": ("reorder_cache", "reorder_cache() did not move every tensor of every layer with its row (keys "
-                "and values, conv and recurrent states, and any per-row counter)"),
-    "repeat": ("batch_repeat_interleave", "batch_repeat_interleave() did not repeat every tensor row by row "
-               "([b0, b0, b1, b1]: repeat_interleave, not tile)"),
-    "select": ("batch_select_indices", "batch_select_indices() did not keep exactly the selected rows of every "
-               "tensor of every layer"),
-}
 
-
-def _run_batch_case(ctx, op_name):
-    if not any(op.name == op_name for op in ctx.case.ops):
-        raise ValueError(f"case {ctx.case.id}: this check needs a '{op_name}' op")
-    if op_name == "reorder" and ctx.case.batch < 2:
-        raise ValueError(f"case {ctx.case.id}: a non-identity reorder needs batch ≥ 2")
-    method, cause_text = _OP_CAUSE[op_name]
+def _run_batch_case(ctx, names):
+    """Run the case's ops, judge every step against the oracle; a failure after the first op of ``names`` (in
+    the case) is blamed on that op (its ``OpSpec.method`` and ``OpSpec.fault``, ``kvconform.ops``)."""
+    op_index = next((i for i, op in enumerate(ctx.case.ops) if op.name in names), None)
+    if op_index is None:
+        raise ValueError(f"case {ctx.case.id}: this check needs one of the ops {', '.join(names)}")
+    spec = ctx.case.ops[op_index].spec
+    if ctx.case.batch < max(spec.min_batch, 2 if spec.rows == "permute" else 1):
+        raise ValueError(f"case {ctx.case.id}: a non-identity {spec.name} needs batch ≥ 2")
+    method, cause_text = spec.method, spec.fault
     try:
         steps = run_ops(ctx, ctx.new_cache())
     except SubjectRaised as exc:
-        fail_raised(ctx, exc, _raised_cause(ctx, exc, op_name, method))
+        fail_raised(ctx, exc, _raised_cause(ctx, exc, op_index, method))
     verdict = judge(ctx, steps)
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
-        op_index = next(i for i, op in enumerate(ctx.case.ops) if op.name == op_name)
-
         def cause(step, cmp):
             if step.op_index < op_index:
                 return "the batch is wrong before the op: rows or padding are not kept apart (see the logits family)"
@@ -53,11 +47,10 @@ def _run_batch_case(ctx, op_name):
         fail_verdict(ctx, verdict, cause)
 
 
-def _raised_cause(ctx, exc, op_name, method) -> str:
+def _raised_cause(ctx, exc, op_index, method) -> str:
     """The likely cause of a raise in a batch case, from where it raised relative to the batch op (``exc.op_index``
     against the op's index in the case) — ``fail_raised`` prefers what was measured at the raise when it explains
     it (a layer count, a key length, the tensors' batch sizes)."""
-    op_index = next(i for i, op in enumerate(ctx.case.ops) if op.name == op_name)
     raised_at = exc.op_index if exc.op_index is not None else op_index
     if raised_at < op_index:
         return (f"the cache fails before {method}() is called, at {exc.where}: it cannot take this case's batch "
@@ -70,19 +63,32 @@ def _raised_cause(ctx, exc, op_name, method) -> str:
             f"handle (see the exception)")
 
 
-@register("batch", needs=("forward", "reorder"), params=OP_PARAMS,
-          ops=OpRule(required=("reorder",), min_batch=2, why="a non-identity reorder needs two rows"))
+BEAM_OPS = op_names(rows="permute")
+"""The beam reorders (``reorder``, ``swap_rows``, ...: every op of ``kvconform.ops`` that permutes the rows)."""
+
+
+def _beam_case(case):
+    """Load-time rule of ``check_reorder_then_decode``: at least one beam reorder op (``BEAM_OPS``)."""
+    if not any(op.name in BEAM_OPS for op in case.ops):
+        given = "[" + ", ".join(repr(f"{op.name} {op.n}" if op.n else op.name) for op in case.ops) + "]"
+        return "ops", (f"check_reorder_then_decode needs at least one beam reorder op ({', '.join(BEAM_OPS)}); "
+                       f"got ops = {given}: add one")
+    return None
+
+
+@register("batch", needs=("forward", "reorder"), params=OP_PARAMS, validate=_beam_case,
+          ops=OpRule(min_batch=2, why="a non-identity reorder needs two rows"))
 def check_reorder_then_decode(ctx):
-    """Left-padded distinct prompts, decode, ``reorder_cache`` with a non-identity permutation, decode: every row
-    equals the oracle row of the permuted batch."""
-    _run_batch_case(ctx, "reorder")
+    """Left-padded distinct prompts, decode, ``reorder_cache`` with a non-identity permutation (any beam reorder
+    op of the case: ``BEAM_OPS``), decode: every row equals the oracle row of the permuted batch."""
+    _run_batch_case(ctx, BEAM_OPS)
 
 
 @register("batch", needs=("forward", "batch_repeat"), params=OP_PARAMS, ops=OpRule(required=("repeat",)))
 def check_repeat_then_decode(ctx):
     """Left-padded distinct prompts, ``batch_repeat_interleave(r)``, decode: rows ``b·r … b·r+r−1`` each equal the
     oracle of prompt ``b``."""
-    _run_batch_case(ctx, "repeat")
+    _run_batch_case(ctx, ("repeat",))
 
 
 @register("batch", needs=("forward", "batch_select"), params=OP_PARAMS,
@@ -90,7 +96,7 @@ def check_repeat_then_decode(ctx):
 def check_select_then_decode(ctx):
     """Left-padded distinct prompts, ``batch_select_indices`` dropping row 0, decode: the kept rows equal their
     oracle rows."""
-    _run_batch_case(ctx, "select")
+    _run_batch_case(ctx, ("select",))
 
 
 def _beam(m, prompt, mask, n, beams, cache_kwargs):
@@ -113,7 +119,7 @@ def check_beam_search(ctx):
     import torch
 
     case, model = ctx.case, ctx.model
-    beams = int(case.params.get("beams", 2))
+    beams = int(case.params["beams"])
     if beams < 2:
         raise ValueError(f"case {case.id}: params.beams must be ≥ 2")
     gen = case_generator(case, model.name)

@@ -45,64 +45,16 @@ from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call,
                                      tensors_of)
 from kvconform.checks._interpreter import Runner
+from kvconform.checks._compiled import compile_applies, declared_compileable  # noqa: F401 - re-exported
 from kvconform.checks._diagnosis import fail_raised
-from kvconform.memo import MEMO
 
 _RECOMPILE = "Detected recompile"
 _GUARD = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(?P<guard>.+?)\s*(?:#\s*(?P<src>.*))?$")
 
 
 # ------------------------------------------------------------------------------------------------ applicability
-_CLAIMS: dict = MEMO.table("compile.claims")
-
-
-def declared_compileable(subject, model_info) -> bool | None:
-    """``is_compileable`` of ``subject``'s cache built for ``model_info``'s config (no tensors allocated;
-    ``CacheSpec.plan_build``), memoised; None when it cannot be built here (then the item runs and reports the
-    failure)."""
-    key = (subject.name, subject.source, model_info.spec)
-    if key not in _CLAIMS:
-        try:
-            from kvconform import zoo
-
-            config = zoo.zoo_config(model_info.spec) if model_info.spec in zoo.ZOO_NAMES else _checkpoint_config(
-                model_info.spec)
-            cache = subject.plan_build(config)
-            _CLAIMS[key] = bool(cache.is_compileable)
-        except Exception:  # noqa: BLE001 - reported by the item itself
-            _CLAIMS[key] = None
-    return _CLAIMS[key]
-
-
-def _checkpoint_config(path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path, local_files_only=True)
-
-
-def _device_rule(case, device) -> str | None:
-    if case.params.get("device") == "cuda":
-        import torch
-
-        if not (str(device).startswith("cuda") and torch.cuda.is_available()):
-            return (f"case {case.id} requires CUDA (mode={case.params.get('mode')!r}: CUDA graphs); "
-                    f"run with --kvconform-device cuda on a GPU")
-    return None
-
-
-def _applies(claim: bool):
-    def rule(subject, model, case, device="cpu"):
-        reason = _device_rule(case, device)
-        if reason:
-            return reason
-        declared = declared_compileable(subject, model)
-        if declared is not None and declared != claim:
-            other = "check_compile_static_decode" if declared else "check_compile_claim"
-            return (f"{subject.name} on {model.name} declares is_compileable={declared}; "
-                    f"this check is for is_compileable={claim} ({other} tests it)")
-        return None
-
-    return rule
+# (the is_compileable claim, CUDA-only cases) lives in the engine: the speed family uses it too
+_applies = compile_applies
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -257,8 +209,8 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
     cudagraphs = mode in ("reduce-overhead", "max-autotune")
     torch.compiler.reset()
     counters.clear()
-    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=bool(params.get("dynamic", False)),
-                             backend=params.get("backend", "inductor"), mode=mode)
+    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=bool(params["dynamic"]),
+                             backend=params["backend"], mode=mode)
     state = {"warm": False, "dead": False}
 
     def compiled_step(name, s, kwargs):

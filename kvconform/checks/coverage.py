@@ -189,7 +189,7 @@ def check_layer_types_covered(ctx):
     uncovered type fails here, named."""
     from kvconform.reference import make_reference_layer
 
-    gaps = ctx.case.params.get("gaps", {})
+    gaps = ctx.case.params["gaps"]
     dyn, sta = compat.layer_type_mappings()
     listed = sorted(set(dyn) | set(sta))
     zoo_types = _zoo_layer_types()

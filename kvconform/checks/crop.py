@@ -20,63 +20,16 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised, seq_length, tensors_of
+from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_verdict, measured_cause
 
-RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
-CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",
-              "positive", "only", "dynamic")
-
-
-def clear_error(exc: BaseException, words) -> bool:
-    """A *clear* error: not one of the raw errors a tensor op throws (``IndexError``, ``KeyError``, ...), and a
-    message that names the problem (contains one of ``words``, case-insensitive)."""
-    if isinstance(exc, RAW_ERRORS):
-        return False
-    text = str(exc).lower()
-    return any(w.lower() in text for w in words)
-
+# the refusal rules and cache snapshots live in the engine (other families use them too); re-exported here
+from kvconform.checks._refusal import (CROP_WORDS, RAW_ERRORS, changed, clear_error, same_tensor,  # noqa: F401
+                                       snapshot)
 
 positive_crop_contract = compat.positive_crop_contract  # "raise" (≥ 5.20) or a length to keep (older releases)
-
-
-def snapshot(cache) -> dict:
-    """``{name: clone}`` of every tensor the cache holds, plus its reported length (to prove a refusal changed
-    nothing)."""
-    state = {name: t.detach().clone() for name, t in tensors_of(cache).items()}
-    state["get_seq_length()"] = seq_length(cache)
-    return state
-
-
-def same_tensor(a, b) -> bool:
-    """Bit-for-bit equality of two tensors where NaN equals NaN (a slot that held NaN and still does is unchanged;
-    ``torch.equal`` would call it changed)."""
-    import torch
-
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.is_floating_point() and not a.is_complex():
-        return torch.equal(a, b)
-    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
-
-
-def changed(before: dict, after: dict) -> list[str]:
-    """Names whose tensor (shape or value, NaN equal to NaN) or reported length differ between two snapshots; a
-    tensor that holds NaN/inf after is named ``"name (now non-finite)"``."""
-    import torch
-
-    out = []
-    for name in sorted(set(before) | set(after)):
-        a, b = before.get(name), after.get(name)
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if not same_tensor(a, b):
-                bad = b.is_floating_point() and not bool(torch.isfinite(b).all())
-                out.append(name + (" (now non-finite)" if bad else ""))
-        elif a != b:
-            out.append(name)
-    return out
 
 
 class CropRecord:
@@ -104,14 +57,14 @@ def run_crop_case(ctx, cache, records=None):
     """
     params = ctx.case.params
     runner = Runner(ctx, cache)
-    if params.get("record") and hasattr(cache, "activate_past_recording"):
+    if params["record"] and hasattr(cache, "activate_past_recording"):
         runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
         runner.trail.append("activate_past_recording()")
     records = [] if records is None else records
 
     def crop(runner, op):
         """The crop under test: refusals judged, positive arguments, lengths after."""
-        positive = bool(params.get("positive"))
+        positive = bool(params["positive"])
         label = f"crop({op.n})" if positive or op.n == 0 else op.label
         rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
         records.append(rec)
@@ -220,7 +173,7 @@ def _crop_check(ctx):
                      + (measured or "its keys, length counter and get_mask_sizes() no longer agree") + ")")
         else:
             cause = measured or "the cache does not support this sequence of calls (see the exception)"
-        recording = "activate_past_recording() → " if ctx.case.params.get("record") else ""
+        recording = "activate_past_recording() → " if ctx.case.params["record"] else ""
         ctx.fail([f"the subject raised {describe_exception(exc.cause)}",
                   f"ops: {recording}{ctx.case.ops_label()}   [raised at {exc.where}]", "likely cause: " + cause],
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})

@@ -25,7 +25,7 @@ import contextlib
 import copy
 import os
 
-from kvconform.cases import Op
+from kvconform.ops import OP_CAPABILITY, OPS as OP_SPECS, OPS_WITH_COUNT, Op
 from kvconform.checks import IGNORES_OPS, OP_PARAMS, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
@@ -35,9 +35,9 @@ from kvconform.outcomes import KVConformError
 from kvconform.subjects import kind_of
 
 MAX_BATCH = 8
-OPS = ("decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
-NEEDS = {"crop": "crop", "fork": "deepcopy", "reorder": "reorder", "repeat": "batch_repeat",
-         "select": "batch_select", "reset": "reset"}
+OPS = tuple(name for name, s in OP_SPECS.items() if s.fuzz is not None and name != "prefill")
+"""The ops a program draws after its prefill: those with fuzz bounds (``OpSpec.fuzz``), in table order."""
+NEEDS = OP_CAPABILITY
 
 
 class ProgramFailed(KVConformError):
@@ -55,8 +55,7 @@ def program_text(program) -> str:
 
 def program_case_syntax(program) -> str:
     """The program as a case file's ``ops`` list: ``["prefill 5", "crop 2", "reorder", "decode 1"]``."""
-    items = [f'"{name} {n}"' if name in ("prefill", "decode", "chunk", "crop", "repeat") else f'"{name}"'
-             for name, n in program]
+    items = [f'"{name} {n}"' if name in OPS_WITH_COUNT else f'"{name}"' for name, n in program]
     return "[" + ", ".join(items) + "]"
 
 
@@ -77,20 +76,20 @@ def run_program(ctx, cache, program, info=None):
 
     def plan(runner, op, i):
         """Skip what a careful caller would not do in this state; clamp a crop to the tokens held."""
-        name, n = op.name, op.n
-        if name in ("prefill", "decode", "chunk"):
+        name, n, spec = op.name, op.n, op.spec
+        if spec.feeds:
             skip = runner.length + n > limit
-        elif name == "crop":
+        elif spec.held == "removes":
             skip = runner.length == 0 or not bool(getattr(runner.cache, "is_croppable", False))
-            op = Op("crop", min(n, runner.length))
-        elif name == "repeat":
-            skip = runner.batch * n > MAX_BATCH or runner.length == 0
+            op = Op(name, min(n, runner.length))
+        elif spec.held == "empties":
+            skip = False
         else:
-            skip = name in ("reorder", "select", "fork") and runner.length == 0
+            skip = runner.length == 0 or (spec.rows == "resize" and n and runner.batch * n > MAX_BATCH)
         if skip:
             return None
         done.append((op.name, op.n))
-        if name in ("prefill", "chunk"):  # a feed into an empty cache is a prefill, whatever the program says
+        if spec.feeds and not spec.per_token:  # a feed into an empty cache is a prefill, whatever the program says
             return Op("prefill" if runner.length == 0 else name, n)
         return op
 
@@ -129,19 +128,12 @@ def _outcome(ctx, spec, program):
 def _strategy(ctx, ops, max_ops):
     from hypothesis import strategies as st
 
-    choices = []
-    for name in ops:
-        if name == "decode":
-            choices.append(st.tuples(st.just("decode"), st.integers(1, 3)))
-        elif name == "chunk":
-            choices.append(st.tuples(st.just("chunk"), st.integers(2, 5)))
-        elif name == "crop":
-            choices.append(st.tuples(st.just("crop"), st.integers(1, 4)))
-        elif name == "repeat":
-            choices.append(st.tuples(st.just("repeat"), st.just(2)))
-        else:
-            choices.append(st.tuples(st.just(name), st.just(0)))
-    prefill = st.tuples(st.just("prefill"), st.integers(2, 10))
+    def draw(name):
+        low, high = OP_SPECS[name].fuzz
+        return st.tuples(st.just(name), st.just(low) if low == high else st.integers(low, high))
+
+    choices = [draw(name) for name in ops]
+    prefill = draw("prefill")
     body = st.lists(st.one_of(*choices), min_size=1, max_size=max_ops)
     # a final decode step shows the state the last op left behind
     return st.builds(lambda p, b: [p, *b, ("decode", 1)], prefill, body)
@@ -161,8 +153,8 @@ def _available_ops(ctx):
         if need and need not in ctx.subject.capabilities:
             left_out.append(f"{name} (capability '{need}' not declared)")
             continue
-        if name not in ("decode", "chunk"):
-            probe = [("prefill", 6), (name, {"repeat": 2, "crop": 1}.get(name, 0)), ("decode", 1)]
+        if not OP_SPECS[name].feeds:
+            probe = [("prefill", 6), (name, OP_SPECS[name].fuzz[0]), ("decode", 1)]
             outcome = _outcome(ctx, ctx.subject, probe)
             if outcome is not None and (ctx.reference is None or ctx.reference.name == ctx.subject.name
                                         or _outcome(ctx, ctx.reference, probe) is None):
@@ -218,9 +210,9 @@ def check_op_sequences(ctx):
 
     params = ctx.case.params
     ops, left_out = _available_ops(ctx)
-    max_ops = int(params.get("max_ops", 6))
+    max_ops = int(params["max_ops"])
     long_profile = ctx.case.tier == "full"  # full-tier cases run only under --kvconform-full (ctx.full)
-    examples = int(params.get("full_examples", 60)) if long_profile else int(params.get("max_examples", 8))
+    examples = int(params["full_examples"]) if long_profile else int(params["max_examples"])
     reference = ctx.reference
     stats = {"programs": 0, "model_faults": 0}
 

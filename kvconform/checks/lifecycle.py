@@ -16,7 +16,7 @@ from kvconform.checks._drive import SubjectRaised, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict
-from kvconform.checks.crop import RAW_ERRORS, changed, clear_error, snapshot
+from kvconform.checks._refusal import RAW_ERRORS, changed, clear_error, snapshot
 
 BATCH_WORDS = ("batch",)
 """A clear refusal of reuse with another batch size names it."""
@@ -126,7 +126,7 @@ def run_capacity_case(ctx, cache=None, info=None):
     forward that would hold more than that many tokens, snapshot the cache and record what happens
     (``info["overflow"] = (label, held, exception or None, changed tensor names)``). A refusal ends the run. Returns
     the steps."""
-    cap = int(ctx.case.params.get("max_cache_len", 12))
+    cap = int(ctx.case.params["max_cache_len"])
     cache = ctx.subject.build(ctx.model, max_cache_len=cap, batch_size=ctx.case.batch,
                               encoder_len=ctx.case.encoder_len)
     probe = Overflow(cap, info)
@@ -142,7 +142,7 @@ def run_capacity_case(ctx, cache=None, info=None):
 
 def _capacity_case(case):
     """Load-time rule of ``check_capacity`` (``register(validate=...)``): the ops feed more than ``max_cache_len``."""
-    cap = case.params.get("max_cache_len", 12)
+    cap = case.params["max_cache_len"]
     total = sum(op.new_tokens for op in case.ops)
     if total <= cap:
         return "ops", (f"check_capacity needs ops feeding more tokens than params.max_cache_len ({cap}); they feed "
@@ -156,7 +156,7 @@ def _capacity_case(case):
 def check_capacity(ctx):
     """Past the ``max_cache_len`` it was built with, a cache either keeps working exactly or raises a clear error
     before any write — never a raw ``IndexError`` from a tensor op, never a partial write, never wrong logits."""
-    cap = int(ctx.case.params.get("max_cache_len", 12))
+    cap = int(ctx.case.params["max_cache_len"])
     total = sum(op.new_tokens for op in ctx.case.ops)
     if total <= cap:
         raise ValueError(f"case {ctx.case.id}: the ops feed {total} tokens, not more than max_cache_len {cap}")
@@ -199,7 +199,7 @@ def _max_length(ctx):
     try:
         from kvconform.compat import max_length
 
-        cap = int(ctx.case.params.get("max_cache_len", 12))
+        cap = int(ctx.case.params["max_cache_len"])
         return max_length(ctx.subject.build(ctx.model, max_cache_len=cap, batch_size=ctx.case.batch,
                                             encoder_len=ctx.case.encoder_len))
     except Exception:  # noqa: BLE001 - informational only

@@ -58,16 +58,17 @@ from kvconform import compat
 from kvconform.checks import EXACT, LOSSY_TWIN, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 # counting bytes lives in _drive (the quality family's compression checks count them too); re-exported here
-from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, storage_bytes  # noqa: F401
+from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import FORWARD_OPS, run_observed
 from kvconform.memo import MEMO
+from kvconform.ops import op_names
 from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
 QUANT_BAND = 0.10
-MEMORY_OPS = ("prefill", "decode", "chunk", "crop", "reset")
+MEMORY_OPS = op_names(copies=False, rows=("keep", "new"))
 
 
 # ------------------------------------------------------------------------------------------------ the formula
@@ -103,20 +104,6 @@ def reference_shapes(ref_cache) -> dict[str, LayerShape]:
         kind = "hybrid" if token_bytes and state_bytes else "attention" if token_bytes else "linear"
         out[label] = LayerShape(kind, token_bytes, dims, state_bytes)
     return out
-
-
-def quant_params(layer) -> tuple | None:
-    """``(nbits, group, residual)`` a quantized layer declares, or None for an exact layer.
-
-    ``Fp8QuantizedLayer`` → ``(8, None, 0)`` (one per-tensor scale, no residual); ``QuantizedLayer`` (quanto, hqq)
-    → ``(nbits, q_group_size, residual_length)``.
-    """
-    if hasattr(layer, "fp8_dtype"):
-        return (8, None, 0)
-    nbits = getattr(layer, "nbits", None)
-    if isinstance(nbits, int):
-        return (nbits, getattr(layer, "q_group_size", None), int(getattr(layer, "residual_length", 0) or 0))
-    return None
 
 
 def quant_ratio(nbits: int, group, elem_bytes: int) -> float:
@@ -414,13 +401,15 @@ def check_memory_bytes(ctx):
     A subject that does not declare capability ``reset`` (``crop``) is measured up to the case's first ``reset``
     (``crop``) op. A paged subject may hold one page per row and layer above the formula (see the module docstring:
     its ``page_size``, declared or inferred); the metrics ``granularity`` and ``page_tokens`` say which was used."""
-    slack = int(ctx.case.params.get("slack_bytes", DEFAULT_SLACK_BYTES))
+    slack = int(ctx.case.params["slack_bytes"])
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
                   and op.name not in ctx.subject.capabilities]
-    if undeclared:
+    if undeclared:  # measured on a view of the context whose case stops there (the context itself is not changed)
+        import copy
         import dataclasses
 
         first = ctx.case.ops[undeclared[0]].name
+        ctx = copy.copy(ctx)  # shares metrics with the caller's context
         ctx.case = dataclasses.replace(ctx.case, ops=ctx.case.ops[:undeclared[0]])
         ctx.metrics["note"] = f"{ctx.subject.name} does not declare {first!r}: measured up to the first {first}"
     shapes = _shapes_for(ctx)
@@ -563,7 +552,7 @@ def check_memory_cuda_allocated(ctx):
     import torch
 
     device = next(ctx.model.model.parameters()).device
-    slack = int(ctx.case.params.get("cuda_slack_bytes", 1 << 20))
+    slack = int(ctx.case.params["cuda_slack_bytes"])
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -632,7 +621,7 @@ def check_offloaded_matches(ctx):
         raise ValueError(f"{ctx.subject.name}: same_as names no built-in subject ({ctx.subject.same_as!r})")
     if not torch.cuda.is_available():  # the session's rule skips this item; a direct call must not pass
         raise RuntimeError("offloading needs CUDA")
-    model = _deeper(ctx.model, int(ctx.case.params.get("layers", 6)))
+    model = _deeper(ctx.model, int(ctx.case.params["layers"]))
     dctx = copy.copy(ctx)
     dctx.model = dataclasses.replace(ctx.model, model=model, config=model.config)
     prefill = next(op.n for op in ctx.case.ops if op.name == "prefill")

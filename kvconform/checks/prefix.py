@@ -27,7 +27,7 @@ from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_ve
 from kvconform.checks._drive import forward, seq_length
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised
-from kvconform.checks.crop import changed, snapshot
+from kvconform.checks._refusal import changed, snapshot
 from kvconform.oracle import compare_logits
 
 
@@ -55,7 +55,7 @@ def run_fork_case(ctx, cache, info=None):
     original with another suffix. Returns the steps; ``info["changed"]`` lists the original's tensors that the copies
     changed (names) and ``info["held"]`` its length at the fork."""
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
-    forks = int(ctx.case.params.get("forks", 2))
+    forks = int(ctx.case.params["forks"])
     runner = Runner(ctx, cache)
     runner.run(prefix_ops, parked=False)
     before = snapshot(runner.cache)
@@ -73,7 +73,7 @@ def run_fork_case(ctx, cache, info=None):
 
 def _fork_ops_text(ctx):
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
-    forks = int(ctx.case.params.get("forks", 2))
+    forks = int(ctx.case.params["forks"])
     suffix = " → ".join(op.label for op in suffix_ops)
     return (f"{' → '.join(op.label for op in prefix_ops)} → deepcopy ×{forks}, each: {suffix} → "
             f"original: {suffix}")
@@ -91,7 +91,7 @@ def check_prefix_fork(ctx):
     except SubjectRaised as exc:
         fail_raised(ctx, exc, "copy.deepcopy of the cache, or a copy's update, fails (see the exception)",
                     _fork_ops_text(ctx))
-    ctx.metrics.update(forks=int(ctx.case.params.get("forks", 2)))
+    ctx.metrics.update(forks=int(ctx.case.params["forks"]))
     if info["changed"]:
         names = info["changed"]
         ctx.fail([f"the original cache changed while its deep copies were extended: {', '.join(names[:4])}"
@@ -182,7 +182,7 @@ def _prefix_tokens(ctx):
     case, model = ctx.case, ctx.model
     gen = case_generator(case, model.name)
     prefix = random_tokens(gen, case.batch, case.ops[0].n, model.vocab_size)
-    suffix = random_tokens(gen, case.batch, int(case.params.get("suffix", 4)), model.vocab_size)
+    suffix = random_tokens(gen, case.batch, int(case.params["suffix"]), model.vocab_size)
     return prefix, suffix, torch.cat([prefix, suffix], dim=1)
 
 
@@ -190,7 +190,7 @@ def _run_prefix_generate(ctx, spec, ops_text):
     """Prefill the prefix into a fresh ``spec`` cache, then generate; returns ``(prompt_len, seq, logits)``."""
     import torch
 
-    mode = ctx.case.params.get("mode", "full_prompt")
+    mode = ctx.case.params["mode"]
     prefix, suffix, full = _prefix_tokens(ctx)
     cache = _new_cache(ctx, spec)
     sctx = copy.copy(ctx)
@@ -230,7 +230,7 @@ def check_prefix_generate(ctx):
     """Prefill a prefix with a forward, then ``generate`` from that cache with the full prompt or the suffix only:
     the same tokens as ``generate(use_cache=False)`` and step logits equal to the oracle."""
     case = ctx.case
-    mode = case.params.get("mode", "full_prompt")
+    mode = case.params["mode"]
     if mode not in ("full_prompt", "suffix_only") or not case.ops or case.ops[0].name != "prefill":
         raise ValueError(f"case {case.id}: check_prefix_generate needs ops ['prefill N'] and params.mode "
                          f"'full_prompt' or 'suffix_only'")
@@ -250,7 +250,7 @@ def check_prefix_generate(ctx):
 def _turn_tokens(ctx):
     gen = case_generator(ctx.case, ctx.model.name)
     prompt = random_tokens(gen, ctx.case.batch, ctx.case.prompt, ctx.model.vocab_size)
-    user = random_tokens(gen, ctx.case.batch, int(ctx.case.params.get("user", 3)), ctx.model.vocab_size)
+    user = random_tokens(gen, ctx.case.batch, int(ctx.case.params["user"]), ctx.model.vocab_size)
     return prompt, user
 
 

@@ -345,7 +345,7 @@ def check_memory_bound(ctx):
     measured on ``ReferenceCache`` fed the same ops) plus each layer's linear-attention states, plus ``slack_bytes``
     (default 256) per layer."""
     tokens_max = int(ctx.subject.budget.tokens_max)
-    slack = int((ctx.case.params or {}).get("slack_bytes", DEFAULT_SLACK_BYTES))
+    slack = int(ctx.case.params["slack_bytes"])
     cache, tokens = _run_subject(ctx)
     layers = _reference_layers(ctx)
     token_bytes = sum(layer.token_bytes for layer in layers)

@@ -52,7 +52,7 @@ CUDA_DEVICE = Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off 
 
 def _min_context_case(case):
     """Load-time rule of ``check_speed_vs_uncached`` (``register(validate=...)``): ``params.context`` ≥ 512."""
-    context = case.params.get("context", DEFAULTS["context"])
+    context = case.params["context"]
     if context < 512:
         return "params.context", (f"check_speed_vs_uncached needs context ≥ 512 (below, the uncached forward is too "
                                   f"cheap to tell a cache apart); got {context}")
@@ -61,8 +61,8 @@ def _min_context_case(case):
 
 def _growth_case(case):
     """Load-time rule of ``check_speed_flat_decode``: ``params.long`` ≥ 4 × ``params.short``."""
-    short = case.params.get("short", DEFAULTS["short"])
-    long = case.params.get("long", DEFAULTS["long"])
+    short = case.params["short"]
+    long = case.params["long"]
     if long < 4 * short:
         return "params.long", (f"check_speed_flat_decode needs long ≥ 4 × short to see growth; got short = {short}, "
                                f"long = {long}: raise long to ≥ {4 * short} or lower short")
@@ -70,7 +70,7 @@ def _growth_case(case):
 
 
 def _param(ctx, name):
-    value = ctx.case.params.get(name, DEFAULTS.get(name))
+    value = ctx.case.params.get(name)  # defaults filled at case load
     if value is None:
         raise ValueError(f"case {ctx.case.id}: {ctx.check_name} needs params.{name}")
     return value
@@ -153,7 +153,7 @@ def _quantized(ctx) -> bool:
     """Whether the subject is declared lossy or its cache layers declare quantization (``nbits`` / ``fp8_dtype``, as
     the memory family reads them): such a cache dequantizes its whole history at every step (and re-quantizes it every
     ``residual_length`` steps), so its budget against the uncached forward is ``params.min_speedup_quantized``."""
-    from kvconform.checks.memory import cache_layers, quant_params
+    from kvconform.checks._drive import cache_layers, quant_params
 
     if ctx.kind.declared_lossy:  # declared lossy (kvconform_lossy / CacheSpec.kind)
         return True
@@ -259,9 +259,9 @@ def check_speed_flat_decode(ctx):
 
 
 def _compiled_applies(subject, model, case, device="cpu"):
-    from kvconform.checks.compile import _applies
+    from kvconform.checks._compiled import compile_applies
 
-    return _applies(True)(subject, model, case, device=device)
+    return compile_applies(True)(subject, model, case, device=device)
 
 
 @register("speed", needs=("compile",), judges=ALL_KINDS, applies=_compiled_applies, params={

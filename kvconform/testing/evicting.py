@@ -7,7 +7,7 @@ attends everything (``update`` returns the held tokens plus the whole new chunk)
 are stored as the model rotated them (their original RoPE positions): nothing is re-rotated, so a query at position
 ``p`` sees a sink at its true distance ``p``.
 
-The contract it keeps (checked by ``kvconform.checks.evicting``):
+The contract it keeps (checked by the evicting section of ``kvconform.checks.contract``):
 
 * ``get_seq_length()`` is the number of tokens *seen* (the next token's position), not the number held; positions
   continue from there after any eviction.

@@ -1,6 +1,6 @@
 """Faulty *evicting* caches: ``SinkWindowCache`` (``kvconform.testing.evicting``) with one realistic bug each, all
 declared ``kvconform_evicting`` with the same budget. Each is exact while it holds at most ``tokens_max`` tokens, so
-only the evicting contract (``kvconform.checks.evicting``) sees it."""
+only the evicting contract (``kvconform.checks.contract``, its evicting section) sees it."""
 
 from __future__ import annotations
 
