@@ -38,7 +38,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvconform.ops import OP_NAMES, OPS, OPS_WITH_COUNT, Op, tokens_held  # noqa: F401 - re-exported (cases.Op, cases.OP_NAMES)
+# the op vocabulary is kvconform.ops (one table); cases.Op / cases.OP_NAMES / cases.OPS_WITH_COUNT stay importable
+from kvconform.ops import OP_NAMES, OPS, OPS_WITH_COUNT, Op, tokens_held  # noqa: F401
 
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
