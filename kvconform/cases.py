@@ -40,7 +40,8 @@ from pathlib import Path
 
 from kvconform.memo import MEMO
 from kvconform.outcomes import UsageError
-from kvconform.ops import OP_NAMES, OPS, OPS_WITH_COUNT, Op, tokens_held  # noqa: F401 - re-exported (cases.Op, cases.OP_NAMES)
+# the op vocabulary is kvconform.ops (one table); cases.Op / cases.OP_NAMES / cases.OPS_WITH_COUNT stay importable
+from kvconform.ops import OP_NAMES, OPS, OPS_WITH_COUNT, Op, tokens_held  # noqa: F401
 
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")

@@ -375,7 +375,7 @@ class Runner:
     def _device(self):
         return next(self.model.model.parameters()).device
 
-    # ------------------------------------------------------------------------ the ops of kvconform.ops, by OpSpec.runner
+    # ------------------------------------------------------------------ the ops of kvconform.ops, by OpSpec.runner
     def op_feed(self, op) -> None:
         """``prefill N`` / ``chunk N``: one forward of N new tokens."""
         self.feed(op.n, op.label)
