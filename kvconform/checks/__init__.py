@@ -77,13 +77,13 @@ class Param:
         doc: one line for messages and the README.
     """
 
-    types: object
+    types: Any
     default: object = None
     required: bool = False
     choices: tuple | None = None
     min: float | None = None
     max: float | None = None
-    items: object = None
+    items: Any = None
     doc: str = ""
 
     def __post_init__(self):

@@ -104,7 +104,7 @@ class _Fresh:
             return False
         want = None if step.mask is None else step.mask[:, :start]
         if self.mask is not None or want is not None:
-            have = self.mask if self.mask is not None else torch.ones_like(want)
+            have = self.mask if self.mask is not None else torch.ones_like(want)  # type: ignore[arg-type]  # one is set
             want = want if want is not None else torch.ones_like(have)
             if have.shape != want.shape or not torch.equal(have, want):
                 return False

@@ -55,7 +55,7 @@ def oracle_line(ctx, position_mode=None, driver=None) -> tuple[str, bool]:
         v = run_and_judge(ctx, ref, position_mode, driver)
     except SubjectRaised as exc:
         return f"oracle: {ref.name} on the same case raised {describe_raise(exc)}", False
-    _, cmp = v.first_fail or v.worst
+    _, cmp = v.first_fail or v.worst  # type: ignore[misc]  # a judged run has a worst step
     if v.passed:
         return f"oracle: {ref.name} on the same case: {cmp.max_abs:.1e} → the fault is in the subject", False
     return (f"oracle: {ref.name} on the same case fails too ({cmp.max_abs:.1e}) → the fault is in the model, "
@@ -67,6 +67,7 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
     run on the same case, the likely cause). ``cause_fn(step, cmp) -> str`` gives the likely cause in the
     subject; it is consulted only when kvconform's ReferenceCache passes the same case (else the cause is
     ``MODEL_AT_FAULT``)."""
+    assert verdict.first_fail is not None, "fail_verdict needs a failed verdict"
     step, cmp = verdict.first_fail
     b, offset = cmp.worst
     position = step.start + offset

@@ -9,6 +9,7 @@ family modules, see ARCHITECTURE.md): it imports none of the others.
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 from kvconform import compat
 from kvconform.memo import MEMO
@@ -114,7 +115,7 @@ def forward_kwargs(m, cache, new_tokens, start: int, encoder_ids=None, positions
     import torch
 
     device = next(m.parameters()).device
-    kwargs = {"use_cache": False} if cache is None else {compat.cache_kwarg(m): cache, "use_cache": True}
+    kwargs: dict[str, Any] = {"use_cache": False} if cache is None else {compat.cache_kwarg(m): cache, "use_cache": True}
     if encoder_ids is not None:
         kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=new_tokens.to(device))
     else:
@@ -195,7 +196,7 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
         attention_mask = torch.ones_like(input_ids)
     cache = next((v for v in cache_kwargs.values() if call_context(v) is not None), None)
     with torch.no_grad(), subject_call(cache, m):
-        out = m.generate(input_ids.to(device), attention_mask=attention_mask.to(device),
+        out = m.generate(input_ids.to(device),  # type: ignore[operator]  # nn.Module.__getattr__ hides it attention_mask=attention_mask.to(device),
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                          return_dict_in_generate=True, output_logits=True, **cache_kwargs, **extra)
     logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)
@@ -335,7 +336,7 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
     """
     target = getattr(cache, "self_attention_cache", cache)
     layers = getattr(target, "layers", None)
-    facts = {"held": int(held), "batch": int(batch), "trail": list(trail),
+    facts: dict[str, Any] = {"held": int(held), "batch": int(batch), "trail": list(trail),
              "update_calls": [tuple(c) for c in (watch.calls if watch else ())],
              "mask_sizes": dict(watch.mask_sizes if watch else {}),
              "cache_layers": len(layers) if isinstance(layers, (list, tuple)) else None,
@@ -388,7 +389,7 @@ def unmasked_slots(cache, held: int, new_tokens: int, mask=None) -> str | None:
 def layer_max_lengths(cache) -> list:
     """``get_max_length()`` of each layer of ``cache`` (its self-attention half): -1 unbounded, None unknown."""
     target = getattr(cache, "self_attention_cache", cache)
-    out = []
+    out: list[int | None] = []
     for layer in getattr(target, "layers", None) or ():
         try:
             out.append(compat.max_length(layer))
@@ -450,7 +451,7 @@ def held_tensor_items(obj, max_depth: int = 8) -> list:
     try:
         from transformers import PretrainedConfig
     except ImportError:  # pragma: no cover
-        PretrainedConfig = ()
+        PretrainedConfig = ()  # type: ignore[misc,assignment]
     opaque = _opaque_types()
     out, seen = [], set()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvconform import compat
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
@@ -42,6 +43,9 @@ from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case
                                      random_tokens, seq_length, tensors_of, unmasked_slots)
 from kvconform.ops import OPS
 from kvconform.outcomes import KVConformError
+
+if TYPE_CHECKING:  # tensor types without importing torch at module import
+    from torch import Tensor
 
 
 class StopRun(KVConformError):
@@ -86,11 +90,11 @@ class Step:
     label: str
     start: int
     length: int
-    logits: object
-    seq: object
+    logits: Tensor
+    seq: Tensor
     reported_length: int | None
-    mask: object = None
-    encoder_ids: object = None
+    mask: Tensor | None = None
+    encoder_ids: Tensor | None = None
     nonfinite: str | None = None
     """A fault measured in the cache itself at this step, or None: ``update()`` returned NaN/inf or wrote into its
     inputs (``_drive.UpdateWatch``), or the cache holds NaN/inf (``_drive.nonfinite_in``). It fails the step even
@@ -173,7 +177,7 @@ class Runner:
         self.beam = beam
         self.decode_suffix = decode_suffix_after_reorder
         self.handlers = dict(handlers or {})
-        self.partner = None
+        self.partner: Runner | None = None
         if lockstep is not None:
             self.partner = self.branch(lockstep, lockstep_label)
             self.partner.steps, self.partner.observers = [], []
@@ -514,6 +518,7 @@ class Runner:
                          self.same_shapes) = current[0], current[1]
             self.parked = []
             if partner is not None:
+                assert mirror is not None  # set above whenever there is a partner
                 partner.cache, (partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks,
                                 partner.same_shapes) = mirror
                 partner.parked = []

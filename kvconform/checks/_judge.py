@@ -25,7 +25,7 @@ class Verdict:
     for scale."""
 
     first_fail: tuple | None
-    worst: tuple
+    worst: tuple | None
     target: str = ""
     cause: str = ""
     own_error: dict = field(default_factory=dict)
@@ -211,7 +211,7 @@ def judge(ctx, steps, spec=None, driver=None) -> Verdict:
 def record_verdict(ctx, verdict: Verdict, steps: int, **extra) -> None:
     """Put a verdict's numbers in the item's metrics (JSON report): ``max_abs``, ``tolerance`` and ``noise_floor``
     (logit units) of the first failing step, else of the worst one, ``steps`` judged, plus ``extra``."""
-    step, cmp = verdict.first_fail or verdict.worst
+    step, cmp = verdict.first_fail or verdict.worst  # type: ignore[misc]  # a judged run has a worst step
     ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor, steps=steps, **extra)
     if verdict.target:
         ctx.metrics.update(compared_with=verdict.target, distance_to_oracle=verdict.own_error.get(step.index),

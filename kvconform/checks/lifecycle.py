@@ -165,17 +165,17 @@ def check_capacity(ctx):
         steps = run_capacity_case(ctx, None, info)
     except SubjectRaised as exc:
         fail_raised(ctx, exc, f"the cache fails before reaching its max_cache_len {cap}")
-    label, held, exc, diff = info["overflow"]
-    ctx.metrics.update(max_cache_len=cap, refused=exc is not None, get_max_length=_max_length(ctx))
+    label, held, refusal, diff = info["overflow"]
+    ctx.metrics.update(max_cache_len=cap, refused=refusal is not None, get_max_length=_max_length(ctx))
     where = f"the forward at {label} would hold {held + (1 if label.startswith('decode') else 0)}+ tokens"
-    if exc is not None:
-        text = f"{where} > max_cache_len {cap}; it raised {describe_exception(exc)}"
-        if not clear_error(exc, CAPACITY_WORDS + (str(cap),)) or isinstance(exc, RAW_ERRORS):
+    if refusal is not None:
+        text = f"{where} > max_cache_len {cap}; it raised {describe_refusaleption(refusal)}"
+        if not clear_error(refusal, CAPACITY_WORDS + (str(cap),)) or isinstance(refusal, RAW_ERRORS):
             ctx.fail([text, "but should raise a clear error naming the capacity before writing anything",
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
                       "likely cause: update() writes at index ≥ max_cache_len without checking the capacity first"
                       + (f"; it also changed {', '.join(diff[:3])} before raising" if diff else "")],
-                     {"raised": type(exc).__name__, "changed": diff[:10]})
+                     {"raised": type(refusal).__name__, "changed": diff[:10]})
         if diff:
             ctx.fail([text, f"but it changed {', '.join(diff[:4])} before raising",
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import inspect
 import sys
+from typing import Any
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
@@ -153,7 +154,7 @@ def _dispatchers(module) -> dict:
         if fallback is fn:
             continue
         uses_kernel = False
-        f = fn
+        f: Any = fn
         while f is not None:
             free = inspect.getclosurevars(f).nonlocals if f.__closure__ else {}
             if "is_new_implementation" in free:
