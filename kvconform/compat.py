@@ -47,7 +47,15 @@ def transformers_version():
 
 
 def _forward_params(model) -> tuple:
-    return tuple(inspect.signature(model.forward).parameters)
+    """The parameter names of ``model.forward``; a forward taking ``**kwargs`` (a repository's own model class
+    wrapping a transformers one) also gets those of the ``forward`` of its bases, which it forwards them to."""
+    params = inspect.signature(model.forward).parameters
+    names = list(params)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        for base in type(model).__mro__[1:]:
+            if "forward" in vars(base):
+                names += [n for n in inspect.signature(vars(base)["forward"]).parameters if n not in names]
+    return tuple(names)
 
 
 def cache_kwarg(model) -> str:

@@ -23,6 +23,8 @@ class ModelInfo:
     layer_types: tuple
     is_encoder_decoder: bool
     accepts_position_ids: bool
+    trust_remote_code: bool = False
+    """Load it with its repository's own code (``--kvconform-trust-remote-code``; ``remote.py``)."""
 
     @property
     def features(self) -> set:
@@ -31,13 +33,17 @@ class ModelInfo:
         return set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
 
 
-def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
+def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = False) -> ModelInfo:
     """Inspect a zoo name or checkpoint folder (config only).
 
     Raises:
-        ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed).
+        ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed); a
+            folder that ships its own code without ``trust_remote_code`` (names the flag and the code files).
     ``zoo_only``: ``spec`` is a zoo name, whatever folders the working directory holds (internal look-ups).
+    ``trust_remote_code``: the user's consent to run a repository's own code (``--kvconform-trust-remote-code``).
     """
+    from kvconform import remote
+
     import os
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -54,14 +60,23 @@ def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
             problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
         if problem:
             raise ValueError(f"--kvconform-model {spec!r}: {problem}")
+        refused = remote.consent_problem(spec, path, trust_remote_code)
+        if refused:
+            raise ValueError(refused)
+        remote_code = bool(remote.code_files(path))
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote_code)
         except Exception as exc:  # noqa: BLE001
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    if zoo.is_checkpoint_spec(spec) and type(config) not in auto._model_mapping:
+    remote_code = zoo.is_checkpoint_spec(spec) and not zoo_only and remote_code
+    if remote_code and auto.__name__ not in (getattr(config, "auto_map", None) or {}) and \
+            type(config) not in auto._model_mapping:
+        raise ValueError(f"--kvconform-model {spec!r}: its config.json auto_map names no {auto.__name__} class, "
+                         f"so it has no language-model class to check")
+    if zoo.is_checkpoint_spec(spec) and not remote_code and type(config) not in auto._model_mapping:
         raise ValueError(
             f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
             f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
@@ -75,7 +90,7 @@ def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
     except Exception:  # noqa: BLE001 - unknown architecture: decided at run time
         accepts = True
     types, _ = zoo._layer_types(config)
-    return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts)
+    return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts, bool(remote_code))
 
 
 @dataclass(frozen=True)
@@ -293,6 +308,8 @@ class KVSession:
     ``--kvconform-cases``, ``--kvconform-strict``, ``--kvconform-full``, ``--kvconform-timeout``,
     ``--kvconform-device``, ``--kvconform-known-faults`` (set by the plugin)."""
     _built: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    """Extra header lines (a repository's own cache classes found, ``remote.py``)."""
     _oracles: dict = field(default_factory=dict)
 
     def items(self) -> list[PlanItem]:
@@ -322,7 +339,8 @@ class KVSession:
 
         key = (model.spec, dtype_name)
         if key not in self._built:
-            self._built[key] = zoo.load_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device)
+            self._built[key] = zoo.load_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device,
+                                              trust_remote_code=model.trust_remote_code)
         return self._built[key]
 
     def oracle(self, zm):
@@ -438,6 +456,7 @@ class KVSession:
             + ("" if self.fuzz_seed is None else f"; fuzz seed {self.fuzz_seed} (replay: --kvconform-fuzz-seed "
                                                  f"{self.fuzz_seed})"),
             *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
+            *self.notes,
         ]
 
     def _checkpoint_coverage(self, model: ModelInfo) -> str:
@@ -517,7 +536,8 @@ def _import_backends_quietly(subjects) -> None:
 
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
-                  builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=()) -> KVSession:
+                  builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=(),
+                  trust_remote_code=False) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -530,6 +550,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         known_faults: extra known-faults files, read after the bundled ``known_faults.toml``.
         only_subjects: if given, keep only the subjects of these names (built-in or added); the reference cache
             still runs for the oracle line of each failure.
+        trust_remote_code: run the code of checkpoint folders that ship their own (``remote.py``); their own cache
+            classes become subjects. Without it such a folder is refused.
 
     Raises:
         ValueError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
@@ -557,7 +579,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             kind = "a built-in subject" if subject.name in builtin_names else "another subject"
             raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
-    infos = [model_info(m) for m in (models or zoo.ZOO_NAMES)]
+    infos = [model_info(m, trust_remote_code=trust_remote_code) for m in (models or zoo.ZOO_NAMES)]
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
@@ -571,16 +593,35 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         if unknown:
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
-    if only_subjects:
-        subjects = _select_subjects(subjects, only_subjects)
-    _import_backends_quietly(subjects)
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
                       models={*zoo.ZOO_NAMES, *names})
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
     for info in infos:
         if zoo.is_checkpoint_spec(info.spec):  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
             _refuse_unusable_checkpoint(session, info)
+            if info.trust_remote_code:
+                _add_repository_subjects(session, info, set(registry), {c.id for c in cases})
+    if only_subjects:
+        session.subjects = _select_subjects(session.subjects, only_subjects)
+    _import_backends_quietly(session.subjects)
     return session
+
+
+def _add_repository_subjects(session, info, known_checks, known_cases) -> None:
+    """Add the cache classes of a repository's own code (``remote.repository_cache_subjects``) as subjects."""
+    from kvconform import remote
+    from kvconform.subjects import check_factory_builds_cache, validate_spec
+
+    zm = session.zoo_model(info, "float32")
+    found, lines = remote.repository_cache_subjects(zm, info.spec)
+    for subject in found:
+        where = f"--kvconform-model {info.spec!r} (its own cache class {subject.name})"
+        validate_spec(subject, where, known_checks, known_cases)
+        check_factory_builds_cache(subject, zm.config)
+        if any(s.name == subject.name for s in session.subjects):
+            raise ValueError(f"{where}: another subject is already named {subject.name!r}")
+        session.subjects.append(subject)
+    session.notes.extend(lines)
 
 
 def _select_subjects(subjects: list, names) -> list:
