@@ -390,7 +390,8 @@ def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
     remote = source.startswith("remote code ")  # a repository's own cache: found again in its code
     if ":" in source and not remote:
         args += ["--kvconform-cache", shlex.quote(source)]
-    args += ["--kvconform-model", shlex.quote(model_spec), *options, "-k", f'"{selection}"']
+    trust = ["--kvconform-trust-remote-code"] if remote and "--kvconform-trust-remote-code" not in options else []
+    args += ["--kvconform-model", shlex.quote(model_spec), *options, *trust, "-k", f'"{selection}"']
     where = "" if source == "builtin" or ":" in source or remote else f"   (where your code declares {subject.name})"
     return "reproduce: " + " ".join(args) + where
 
