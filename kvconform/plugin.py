@@ -200,6 +200,7 @@ def pytest_configure(config):
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
     config.stash[SESSION_KEY].fuzz_seed = _fuzz_seed(config)
+    config.stash[SESSION_KEY].shard = _shard(config)
     config.stash[SESSION_KEY].reproduce_args = _reproduce_args(config)
     config.stash[RESULTS_KEY] = {}
     suite_ids = _point_suite_node_ids_at_the_suite(config)
@@ -228,6 +229,46 @@ def pytest_collect_file(file_path, parent):
     if any(fnmatch.fnmatch(file_path.name, pat) for pat in config.getini("python_files")):
         return None
     return pytest.Module.from_parent(parent, path=file_path)
+
+
+def _shard(config) -> str | None:
+    """``--kvconform-shard I/N`` validated (``merge.parse_shard``), or None.
+
+    Raises:
+        pytest.UsageError: not of the form I/N with 1 ≤ I ≤ N.
+    """
+    value = config.getoption(OPT_SHARD)
+    if value is None:
+        return None
+    from kvconform.merge import parse_shard
+
+    try:
+        index, count = parse_shard(value)
+    except ValueError as exc:
+        raise pytest.UsageError(f"kvconform: {exc}") from None
+    return f"{index}/{count}"
+
+
+# after -k / -m deselection (trylast), so that the shares stay balanced
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_shard(session, config, items):
+    """``--kvconform-shard I/N``: keep share I of the items (``merge.select_shard``), deselect the others."""
+    shard = getattr(config.stash.get(SESSION_KEY, None), "shard", None) if is_active(config) else None
+    if not shard:
+        return
+    from kvconform.merge import select_shard
+
+    index, count = (int(x) for x in shard.split("/"))
+    kept, dropped = select_shard(items, index, count)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+    config._kvconform_shard_line = (f"kvconform shard {shard}: {len(kept)} of {len(kept) + len(dropped)} items "
+                                    f"(merge the shards' --kvconform-json reports with kvconform-merge)")
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    return getattr(config, "_kvconform_shard_line", None)
 
 
 def pytest_report_header(config):

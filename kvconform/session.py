@@ -308,6 +308,8 @@ class KVSession:
     ``--kvconform-cases``, ``--kvconform-strict``, ``--kvconform-full``, ``--kvconform-timeout``,
     ``--kvconform-device``, ``--kvconform-known-faults`` (set by the plugin)."""
     _built: dict = field(default_factory=dict)
+    shard: str | None = None
+    """``--kvconform-shard I/N`` (set by the plugin): this process runs share I of N of the items (``merge.py``)."""
     notes: list = field(default_factory=list)
     """Extra header lines (a repository's own cache classes found, ``remote.py``)."""
     _oracles: dict = field(default_factory=dict)
@@ -441,7 +443,10 @@ class KVSession:
         return {"kvconform": kvconform.__version__, "python": platform.python_version(),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "platform": platform.platform(), "device": self.device,
-                "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict}
+                "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict,
+                # the run's orders (kvconform-merge keeps them) and its share of a sharded run
+                "subjects": [s.name for s in self.subjects], "models": [m.name for m in self.models],
+                **({"shard": self.shard} if self.shard else {})}
 
     def header_lines(self) -> list[str]:
         env = self.environment()
