@@ -157,9 +157,14 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
     zoo families to keep the run short, and a checkpoint of the same kind — the same features (decoder-only or
     encoder-decoder, attention, sliding window, linear-attention state) as one of them — gets that case too, so a
     user's checkpoint is checked by every family that applies to its architecture. Zoo models never stand in."""
-    if not zoo.is_checkpoint_spec(model.spec):
+    if not _external(model.spec):
         return False
     return any(name in scope for name in same_kind(model))
+
+
+def _external(spec: str) -> bool:
+    """A model outside the zoo: a checkpoint folder or an architecture of transformers (``transformers:TYPE``)."""
+    return zoo.is_checkpoint_spec(spec) or spec.startswith("transformers:")
 
 
 def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, device: str = "cpu") -> str | None:
@@ -311,6 +316,9 @@ class KVSession:
     shard: str | None = None
     """``--kvconform-shard I/N`` (set by the plugin): this process runs share I of N of the items (``merge.py``)."""
     notes: list = field(default_factory=list)
+    architectures: list = field(default_factory=list)
+    """``(spec, records)`` per ``transformers:PATTERN`` model spec: every architecture tried, built or not and
+    why (``sweep.survey``); listed in the header and the JSON report."""
     """Extra header lines (a repository's own cache classes found, ``remote.py``)."""
     _oracles: dict = field(default_factory=dict)
 
@@ -382,7 +390,7 @@ class KVSession:
                              item.subject.expected_failures.get(item.check.name)):
             return None
         fault = self.fault_entry(**item.describe())
-        if fault is None and zoo.is_checkpoint_spec(item.model.spec):
+        if fault is None and _external(item.model.spec):
             kind = same_kind(item.model)
             found = [self.fault_entry(**{**item.describe(), "model": name}) for name in kind]
             fault = found[0] if kind and all(f is not None for f in found) else None
@@ -446,7 +454,9 @@ class KVSession:
                 "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict,
                 # the run's orders (kvconform-merge keeps them) and its share of a sharded run
                 "subjects": [s.name for s in self.subjects], "models": [m.name for m in self.models],
-                **({"shard": self.shard} if self.shard else {})}
+                **({"shard": self.shard} if self.shard else {}),
+                **({"architectures": [r for _, records in self.architectures for r in records]}
+                   if self.architectures else {})}
 
     def header_lines(self) -> list[str]:
         env = self.environment()
@@ -462,7 +472,26 @@ class KVSession:
                                                  f"{self.fuzz_seed})"),
             *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
             *self.notes,
+            *self._architecture_lines(),
         ]
+
+    def _architecture_lines(self) -> list[str]:
+        """Per ``transformers:PATTERN`` spec: how many architectures were built and checked, then one line per
+        architecture: its layer-type features, or why it was not built."""
+        lines = []
+        infos = {m.name: m for m in self.models}
+        for spec, records in self.architectures:
+            built = [r for r in records if r["built"]]
+            lines.append(f"kvconform architectures {spec}: {len(built)} of {len(records)} built and checked; "
+                         f"{len(records) - len(built)} not built (reasons below)")
+            for r in records:
+                info = infos.get(r["name"])
+                if r["built"] and info is not None:
+                    lines.append(f"  {r['name']}: built ({', '.join(sorted(info.features))}; layers "
+                                 f"{'/'.join(info.layer_types)})")
+                elif not r["built"]:
+                    lines.append(f"  {r['name']}: not built: {r['reason']}")
+        return lines
 
     def _checkpoint_coverage(self, model: ModelInfo) -> str:
         """One header line per checkpoint: how many cases apply to it, and why the others do not."""
@@ -584,7 +613,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             kind = "a built-in subject" if subject.name in builtin_names else "another subject"
             raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
-    infos = [model_info(m, trust_remote_code=trust_remote_code) for m in (models or zoo.ZOO_NAMES)]
+    infos, surveyed = _model_infos(models or zoo.ZOO_NAMES, trust_remote_code)
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
@@ -601,6 +630,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
                       models={*zoo.ZOO_NAMES, *names})
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
+    session.architectures = surveyed
     for info in infos:
         if zoo.is_checkpoint_spec(info.spec):  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
             _refuse_unusable_checkpoint(session, info)
@@ -610,6 +640,27 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         session.subjects = _select_subjects(session.subjects, only_subjects)
     _import_backends_quietly(session.subjects)
     return session
+
+
+def _model_infos(specs, trust_remote_code: bool) -> tuple[list, list]:
+    """``ModelInfo`` per model spec; a ``transformers:PATTERN`` spec stands for every architecture it matches that
+    builds and is a causal language model keeping a cache (``sweep.survey``). Returns ``(infos, [(spec, records)])``.
+
+    Raises:
+        ValueError: a bad spec (``model_info``), a pattern matching no architecture.
+    """
+    from kvconform import architectures, sweep
+
+    infos, surveyed = [], []
+    for spec in specs:
+        if not architectures.is_architecture_spec(spec):
+            infos.append(model_info(spec, trust_remote_code=trust_remote_code))
+            continue
+        records = sweep.survey(spec.removeprefix(architectures.PREFIX), causality_gap, CAUSALITY_TOLERANCE)
+        surveyed.append((spec, records))
+        infos += [ModelInfo(r["name"], architectures.PREFIX + r["model_type"], tuple(r["layer_types"]), False,
+                            bool(r["accepts_position_ids"])) for r in records if r["built"]]
+    return infos, surveyed
 
 
 def _add_repository_subjects(session, info, known_checks, known_cases) -> None:

@@ -238,6 +238,8 @@ def is_checkpoint_spec(spec: str) -> bool:
     """True when ``spec`` names a local folder rather than a zoo family: anything written as a path (``./llama``,
     ``/abs/llama``, ``~/m``, ``ckpt/llama``) is a folder, even if its last part is a zoo name; a bare word is a zoo
     family when it is one (``llama``), else a folder."""
+    if spec.startswith("transformers:"):
+        return False  # an architecture of transformers (architectures.py)
     if os.sep in spec or "/" in spec or spec.startswith(("~", ".")):
         return True
     return spec not in ZOO_NAMES
@@ -263,6 +265,10 @@ def checkpoint_problem(path: str) -> str | None:
 def model_config(spec: str, trust_remote_code: bool = False):
     """The config of a model spec without building weights: a zoo family's tiny config, or a checkpoint folder's
     ``config.json`` (``trust_remote_code``: with the folder's own configuration class)."""
+    if spec.startswith("transformers:"):
+        from kvconform import architectures
+
+        return architectures.tiny_config(spec.removeprefix("transformers:"))
     if not is_checkpoint_spec(spec):
         return zoo_config(spec)
     from transformers import AutoConfig
@@ -277,6 +283,12 @@ def load_model(spec: str, dtype=None, device: str = "cpu", trust_remote_code: bo
     Raises:
         KeyError / FileNotFoundError: neither a zoo name nor a checkpoint folder.
     """
+    if spec.startswith("transformers:"):  # one architecture of transformers, built tiny (architectures.py)
+        from kvconform import architectures
+
+        model_type = spec.removeprefix("transformers:")
+        model = architectures.build_model(model_type, dtype=dtype)
+        return _finish(architectures.model_name(model_type), model, model.dtype, device, spec)
     if not is_checkpoint_spec(spec):
         return build_zoo_model(spec, dtype=dtype, device=device)
     return load_checkpoint(os.path.expanduser(spec), dtype=dtype, device=device, trust_remote_code=trust_remote_code)
