@@ -121,7 +121,7 @@ def _is_int(value) -> bool:
 
 _FIXED = {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
           "rotary_dim": 8, "num_kv_shared_layers": 0, "num_dense_layers": 1, "first_k_dense_replace": 1,
-          "num_nextn_predict_layers": 0, "initializer_range": 0.1, "init_std": 0.1}
+          "num_nextn_predict_layers": 0, "initializer_range": 0.1, "init_std": 0.1, "num_codebooks": 1}
 """Values set wherever the attribute exists: layer periods that fit in 2 layers (one attention / expert layer),
 a rotary width within the shrunk head size, no layers beyond the ones kept."""
 
@@ -148,16 +148,21 @@ def overrides(config, depth: int = 0) -> dict:
         if isinstance(value, PretrainedConfig) and depth < 3:
             sub = value.to_dict()
             sub.pop("transformers_version", None)
+            if sub.pop("per_layer_config", None):  # keyed by the original layer indices: derived again, tiny
+                sub["global_head_dim"] = 2 * HEAD_DIM
             out[name] = {**sub, **overrides(value, depth + 1)}
         elif name in _FIXED and value is not None:
             out[name] = _FIXED[name]
         elif name in _SIZES and _is_int(value) and value > 0:
-            out[name] = min(value, KV_HEADS if name == "num_key_value_heads" else _SIZES[name])
+            out[name] = min(value, _SIZES[name])
         elif original and isinstance(value, (list, tuple)) and len(value) == original and name not in counts:
             out[name] = type(value)(value[i] for i in keep)
         elif original and isinstance(value, dict) and value and all(_is_int(k) or str(k).isdigit() for k in value):
             remap = {str(i): j for j, i in enumerate(keep)}
             out[name] = {remap[str(k)]: v for k, v in value.items() if str(k) in remap}
+    if _is_int(values.get("num_key_value_heads")) and values.get("num_key_value_heads") == \
+            values.get("num_attention_heads"):
+        out["num_key_value_heads"] = out.get("num_attention_heads", HEADS)  # multi-head stays multi-head
     for name, value in values.items():  # a repeating pattern shorter than the depth: one period of it
         if original and name.endswith(("block_types", "_pattern")) and isinstance(value, (list, tuple)) and \
                 1 < len(value) < original:
@@ -169,6 +174,8 @@ def overrides(config, depth: int = 0) -> dict:
     heads = out.get("num_attention_heads", values.get("num_attention_heads"))
     if "head_dim" in values and values["head_dim"] is None and _is_int(heads):
         out["head_dim"] = HIDDEN // heads  # None means hidden / heads, which some modeling code does not derive
+    if values.get("num_experts_per_tok", 0) is None and _is_int(values.get("n_routed_experts")):
+        out["num_experts_per_tok"] = 2  # None: the modeling code routes to top-None experts
     if "num_key_value_heads" in values and values["num_key_value_heads"] is None:
         out["num_key_value_heads"] = KV_HEADS
     if _is_int(values.get("qk_rope_head_dim")) and _is_int(values.get("head_dim")):
