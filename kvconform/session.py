@@ -162,6 +162,14 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
     return any(name in scope for name in same_kind(model))
 
 
+def _zoo_family(spec: str) -> str | None:
+    """The zoo family built from the same model type as ``transformers:<type>`` (``transformers:mamba`` → mamba)."""
+    if not spec.startswith("transformers:"):
+        return None
+    model_type = spec.removeprefix("transformers:")
+    return next((name for name in zoo.ZOO_NAMES if zoo._CONFIGS[name][0] == model_type), None)
+
+
 def _external(spec: str) -> bool:
     """A model outside the zoo: a checkpoint folder or an architecture of transformers (``transformers:TYPE``)."""
     return zoo.is_checkpoint_spec(spec) or spec.startswith("transformers:")
@@ -209,7 +217,7 @@ def skip_reason(subject, model: ModelInfo, check, case, full: bool = False, devi
     if unmet:
         return unmet
     if case.position_ids == "explicit" and not model.accepts_position_ids and check.family == "logits":
-        return f"{model.name}'s forward takes no position_ids"
+        return f"{model.name}'s forward takes no position_ids counted from 0"
     if subject.applies_to is not None:
         return subject.applies_to(model)
     return None
@@ -390,6 +398,9 @@ class KVSession:
                              item.subject.expected_failures.get(item.check.name)):
             return None
         fault = self.fault_entry(**item.describe())
+        same = _zoo_family(item.model.spec)
+        if fault is None and same:  # transformers:<type> of a zoo family: that family's modeling code, its faults
+            fault = self.fault_entry(**{**item.describe(), "model": same})
         if fault is None and _external(item.model.spec):
             kind = same_kind(item.model)
             found = [self.fault_entry(**{**item.describe(), "model": name}) for name in kind]
@@ -408,6 +419,9 @@ class KVSession:
     def _fault_reason(self, item: PlanItem, fault) -> str:
         if fault.matches_fields(model=item.model.name):
             return fault.reason
+        same = _zoo_family(item.model.spec)
+        if same and fault.matches_fields(model=same):
+            return f"{fault.reason} (known on the zoo's {same}: the same modeling code)"
         kind = same_kind(item.model)
         return f"{fault.reason} (known on every zoo model of this kind: {', '.join(kind)})"
 

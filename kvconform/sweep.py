@@ -99,6 +99,11 @@ def examine(model_type: str, causality_gap, tolerance: float) -> dict:
             zm.model(input_ids=ids, use_cache=True)
     except Exception as exc:  # noqa: BLE001
         return {**record, "reason": f"its own cached forward (no cache passed) raised {_first_line(exc)}"}
+    try:
+        with torch.no_grad():
+            zm.oracle_model()(input_ids=ids, use_cache=False)
+    except Exception as exc:  # noqa: BLE001 - no float64 oracle, nothing to judge against
+        return {**record, "reason": f"its float64 forward (kvconform's oracle) raised {_first_line(exc)}"}
     return {**record, "built": True, "reason": "", "layer_types": list(zm.layer_types),
             "accepts_position_ids": bool(accepts_position_ids(zm.model)),
             "params": int(sum(p.numel() for p in zm.model.parameters())), "gap": float(gap)}
