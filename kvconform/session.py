@@ -162,6 +162,16 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
     return any(name in scope for name in same_kind(model))
 
 
+def _architecture_names() -> set:
+    """The names of every architecture ``transformers:*`` would try (``tf_<type>``): known-faults entries may name
+    them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from kvconform import architectures
+
+    return {architectures.model_name(t) for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+
+
 def _zoo_family(spec: str) -> str | None:
     """The zoo family built from the same model type as ``transformers:<type>`` (``transformers:mamba`` → mamba)."""
     if not spec.startswith("transformers:"):
@@ -642,7 +652,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
-                      models={*zoo.ZOO_NAMES, *names})
+                      models={*zoo.ZOO_NAMES, *names, *_architecture_names()})
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
     session.architectures = surveyed
     for info in infos:
