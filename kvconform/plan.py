@@ -22,6 +22,8 @@ class ModelInfo:
     layer_types: tuple
     is_encoder_decoder: bool
     accepts_position_ids: bool
+    trust_remote_code: bool = False
+    """Load it with its repository's own code (``--kvconform-trust-remote-code``; ``remote.py``)."""
 
     @property
     def features(self) -> set:
@@ -30,13 +32,17 @@ class ModelInfo:
         return set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
 
 
-def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
+def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = False) -> ModelInfo:
     """Inspect a zoo name or checkpoint folder (config only).
 
     Raises:
-        ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed).
+        ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed); a
+            folder that ships its own code without ``trust_remote_code`` (names the flag and the code files).
     ``zoo_only``: ``spec`` is a zoo name, whatever folders the working directory holds (internal look-ups).
+    ``trust_remote_code``: the user's consent to run a repository's own code (``--kvconform-trust-remote-code``).
     """
+    from kvconform import remote
+
     import os
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -53,14 +59,23 @@ def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
             problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
         if problem:
             raise ValueError(f"--kvconform-model {spec!r}: {problem}")
+        refused = remote.consent_problem(spec, path, trust_remote_code)
+        if refused:
+            raise ValueError(refused)
+        remote_code = bool(remote.code_files(path))
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote_code)
         except Exception as exc:  # noqa: BLE001
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    if zoo.is_checkpoint_spec(spec) and type(config) not in auto._model_mapping:
+    remote_code = zoo.is_checkpoint_spec(spec) and not zoo_only and remote_code
+    if remote_code and auto.__name__ not in (getattr(config, "auto_map", None) or {}) and \
+            type(config) not in auto._model_mapping:
+        raise ValueError(f"--kvconform-model {spec!r}: its config.json auto_map names no {auto.__name__} class, "
+                         f"so it has no language-model class to check")
+    if zoo.is_checkpoint_spec(spec) and not remote_code and type(config) not in auto._model_mapping:
         raise ValueError(
             f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
             f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
@@ -74,7 +89,7 @@ def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
     except Exception:  # noqa: BLE001 - unknown architecture: decided at run time
         accepts = True
     types, _ = zoo._layer_types(config)
-    return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts)
+    return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts, bool(remote_code))
 
 
 @dataclass(frozen=True)
@@ -145,9 +160,32 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
     zoo families to keep the run short, and a checkpoint of the same kind — the same features (decoder-only or
     encoder-decoder, attention, sliding window, linear-attention state) as one of them — gets that case too, so a
     user's checkpoint is checked by every family that applies to its architecture. Zoo models never stand in."""
-    if not zoo.is_checkpoint_spec(model.spec):
+    if not external(model.spec):
         return False
     return any(name in scope for name in same_kind(model))
+
+
+def architecture_names() -> set:
+    """The names of every architecture ``transformers:*`` would try (``tf_<type>``): known-faults entries may name
+    them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from kvconform import architectures
+
+    return {architectures.model_name(t) for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+
+
+def zoo_family(spec: str) -> str | None:
+    """The zoo family built from the same model type as ``transformers:<type>`` (``transformers:mamba`` → mamba)."""
+    if not spec.startswith("transformers:"):
+        return None
+    model_type = spec.removeprefix("transformers:")
+    return next((name for name in zoo.ZOO_NAMES if zoo._CONFIGS[name][0] == model_type), None)
+
+
+def external(spec: str) -> bool:
+    """A model outside the zoo: a checkpoint folder or an architecture of transformers (``transformers:TYPE``)."""
+    return zoo.is_checkpoint_spec(spec) or spec.startswith("transformers:")
 
 
 def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> str | None:
@@ -182,7 +220,7 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     if getattr(subject, "needs_cuda", None) and not _cuda_device(device):
         return subject.needs_cuda
     if case.position_ids == "explicit" and not model.accepts_position_ids and check.family == "logits":
-        return f"{model.name}'s forward takes no position_ids"
+        return f"{model.name}'s forward takes no position_ids counted from 0"
     return None
 
 

@@ -25,6 +25,7 @@ OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_mo
 OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
 OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
 OPT_FAULTS, OPT_SUBJECT, OPT_SEED = "kvconform_known_faults", "kvconform_subject", "kvconform_fuzz_seed"
+OPT_TRUST, OPT_SHARD = "kvconform_trust_remote_code", "kvconform_shard"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
@@ -66,6 +67,12 @@ def pytest_addoption(parser):
                          "every run); 'random' picks N and prints it in the header to replay")
     group.addoption("--kvconform-device", dest=OPT_DEVICE, default=None, metavar="DEVICE",
                     help="torch device for the models under test (default: cpu)")
+    group.addoption("--kvconform-trust-remote-code", action="store_true", dest=OPT_TRUST, default=None,
+                    help="run the own code of model repositories given with --kvconform-model (config.json auto_map, "
+                         "*.py files): your explicit consent; their own cache classes become subjects")
+    group.addoption("--kvconform-shard", dest=OPT_SHARD, default=None, metavar="I/N",
+                    help="run only share I of N (1 ≤ I ≤ N) of the items: deterministic and balanced, for CI jobs "
+                         "on several machines; merge their JSON reports with kvconform-merge")
     parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
     parser.addini(OPT_CACHE, "extra subjects (same as --kvconform-cache)", type="linelist", default=[])
     parser.addini(OPT_MODEL, "models to run (same as --kvconform-model)", type="linelist", default=[])
@@ -79,6 +86,8 @@ def pytest_addoption(parser):
     parser.addini(OPT_SELFTEST, "run the selftest (same as --kvconform-selftest)", type="bool", default=False)
     parser.addini(OPT_TIMEOUT, "per-item timeout in seconds (same as --kvconform-timeout)", default="300")
     parser.addini(OPT_DEVICE, "torch device (same as --kvconform-device)", default="cpu")
+    parser.addini(OPT_TRUST, "run model repositories' own code (same as --kvconform-trust-remote-code)", type="bool",
+                  default=False)
 
 
 def _opt(config, name):
@@ -118,7 +127,8 @@ def is_active(config) -> bool:
 _FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OPT_MODEL: "--kvconform-model", OPT_CASES: "--kvconform-cases",
           OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
           OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device",
-          OPT_SEED: "--kvconform-fuzz-seed"}
+          OPT_SEED: "--kvconform-fuzz-seed", OPT_TRUST: "--kvconform-trust-remote-code",
+          OPT_SHARD: "--kvconform-shard"}
 
 
 def _refuse_flags_without_kvconform(config) -> None:
@@ -184,11 +194,12 @@ def pytest_configure(config):
             case_paths=_opt(config, OPT_CASES),
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
             full=bool(_opt(config, OPT_FULL)), known_faults=_opt(config, OPT_FAULTS),
-            only_subjects=_opt(config, OPT_SUBJECT),
+            only_subjects=_opt(config, OPT_SUBJECT), trust_remote_code=bool(_opt(config, OPT_TRUST)),
         )
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
     config.stash[SESSION_KEY].fuzz_seed = _fuzz_seed(config)
+    config.stash[SESSION_KEY].shard = _shard(config)
     config.stash[SESSION_KEY].reproduce_args = _reproduce_args(config)
     config.stash[RESULTS_KEY] = {}
     suite_ids = _point_suite_node_ids_at_the_suite(config)
@@ -217,6 +228,46 @@ def pytest_collect_file(file_path, parent):
     if any(fnmatch.fnmatch(file_path.name, pat) for pat in config.getini("python_files")):
         return None
     return pytest.Module.from_parent(parent, path=file_path)
+
+
+def _shard(config) -> str | None:
+    """``--kvconform-shard I/N`` validated (``merge.parse_shard``), or None.
+
+    Raises:
+        pytest.UsageError: not of the form I/N with 1 ≤ I ≤ N.
+    """
+    value = config.getoption(OPT_SHARD)
+    if value is None:
+        return None
+    from kvconform.merge import parse_shard
+
+    try:
+        index, count = parse_shard(value)
+    except ValueError as exc:
+        raise pytest.UsageError(f"kvconform: {exc}") from None
+    return f"{index}/{count}"
+
+
+# after -k / -m deselection (trylast), so that the shares stay balanced
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_shard(session, config, items):
+    """``--kvconform-shard I/N``: keep share I of the items (``merge.select_shard``), deselect the others."""
+    shard = getattr(config.stash.get(SESSION_KEY, None), "shard", None) if is_active(config) else None
+    if not shard:
+        return
+    from kvconform.merge import select_shard
+
+    index, count = (int(x) for x in shard.split("/"))
+    kept, dropped = select_shard(items, index, count)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+    config._kvconform_shard_line = (f"kvconform shard {shard}: {len(kept)} of {len(kept) + len(dropped)} items "
+                                    f"(merge the shards' --kvconform-json reports with kvconform-merge)")
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    return getattr(config, "_kvconform_shard_line", None)
 
 
 def pytest_report_header(config):
@@ -343,6 +394,8 @@ def _reproduce_args(config) -> tuple:
     device = _opt(config, OPT_DEVICE) or "cpu"
     if device != "cpu":
         args += ["--kvconform-device", shlex.quote(device)]
+    if _opt(config, OPT_TRUST):
+        args.append("--kvconform-trust-remote-code")
     if config.stash[SESSION_KEY].fuzz_seed is not None:
         args += ["--kvconform-fuzz-seed", str(config.stash[SESSION_KEY].fuzz_seed)]
     return tuple(args)

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from kvconform import zoo
 from kvconform.plan import (ModelInfo, PlanItem, in_scope, model_info, most_tokens_held,  # noqa: F401 - re-exported
                             same_kind, skip_reason, stands_in_for, zoo_features)
+from kvconform.plan import architecture_names as _architecture_names
+from kvconform.plan import external as _external
+from kvconform.plan import zoo_family as _zoo_family
 
 
 @dataclass
@@ -33,6 +36,13 @@ class KVSession:
     ``--kvconform-cases``, ``--kvconform-strict``, ``--kvconform-full``, ``--kvconform-timeout``,
     ``--kvconform-device``, ``--kvconform-known-faults`` (set by the plugin)."""
     _built: dict = field(default_factory=dict)
+    shard: str | None = None
+    """``--kvconform-shard I/N`` (set by the plugin): this process runs share I of N of the items (``merge.py``)."""
+    notes: list = field(default_factory=list)
+    architectures: list = field(default_factory=list)
+    """``(spec, records)`` per ``transformers:PATTERN`` model spec: every architecture tried, built or not and
+    why (``sweep.survey``); listed in the header and the JSON report."""
+    """Extra header lines (a repository's own cache classes found, ``remote.py``)."""
     _oracles: dict = field(default_factory=dict)
 
     def items(self) -> list[PlanItem]:
@@ -62,7 +72,8 @@ class KVSession:
 
         key = (model.spec, dtype_name)
         if key not in self._built:
-            self._built[key] = zoo.load_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device)
+            self._built[key] = zoo.load_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device,
+                                              trust_remote_code=model.trust_remote_code)
         return self._built[key]
 
     def oracle(self, zm):
@@ -102,7 +113,10 @@ class KVSession:
                              item.subject.expected_failures.get(item.check.name)):
             return None
         fault = self.fault_entry(**item.describe())
-        if fault is None and zoo.is_checkpoint_spec(item.model.spec):
+        same = _zoo_family(item.model.spec)
+        if fault is None and same:  # transformers:<type> of a zoo family: that family's modeling code, its faults
+            fault = self.fault_entry(**{**item.describe(), "model": same})
+        if fault is None and _external(item.model.spec):
             kind = same_kind(item.model)
             found = [self.fault_entry(**{**item.describe(), "model": name}) for name in kind]
             fault = found[0] if kind and all(f is not None for f in found) else None
@@ -120,6 +134,9 @@ class KVSession:
     def _fault_reason(self, item: PlanItem, fault) -> str:
         if fault.matches_fields(model=item.model.name):
             return fault.reason
+        same = _zoo_family(item.model.spec)
+        if same and fault.matches_fields(model=same):
+            return f"{fault.reason} (known on the zoo's {same}: the same modeling code)"
         kind = same_kind(item.model)
         return f"{fault.reason} (known on every zoo model of this kind: {', '.join(kind)})"
 
@@ -163,7 +180,12 @@ class KVSession:
         return {"kvconform": kvconform.__version__, "python": platform.python_version(),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "platform": platform.platform(), "device": self.device,
-                "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict}
+                "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict,
+                # the run's orders (kvconform-merge keeps them) and its share of a sharded run
+                "subjects": [s.name for s in self.subjects], "models": [m.name for m in self.models],
+                **({"shard": self.shard} if self.shard else {}),
+                **({"architectures": [r for _, records in self.architectures for r in records]}
+                   if self.architectures else {})}
 
     def header_lines(self) -> list[str]:
         env = self.environment()
@@ -178,7 +200,27 @@ class KVSession:
             + ("" if self.fuzz_seed is None else f"; fuzz seed {self.fuzz_seed} (replay: --kvconform-fuzz-seed "
                                                  f"{self.fuzz_seed})"),
             *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
+            *self.notes,
+            *self._architecture_lines(),
         ]
+
+    def _architecture_lines(self) -> list[str]:
+        """Per ``transformers:PATTERN`` spec: how many architectures were built and checked, then one line per
+        architecture: its layer-type features, or why it was not built."""
+        lines = []
+        infos = {m.name: m for m in self.models}
+        for spec, records in self.architectures:
+            built = [r for r in records if r["built"]]
+            lines.append(f"kvconform architectures {spec}: {len(built)} of {len(records)} built and checked; "
+                         f"{len(records) - len(built)} not built (reasons below)")
+            for r in records:
+                info = infos.get(r["name"])
+                if r["built"] and info is not None:
+                    lines.append(f"  {r['name']}: built ({', '.join(sorted(info.features))}; layers "
+                                 f"{'/'.join(info.layer_types)})")
+                elif not r["built"]:
+                    lines.append(f"  {r['name']}: not built: {r['reason']}")
+        return lines
 
     def _checkpoint_coverage(self, model: ModelInfo) -> str:
         """One header line per checkpoint: how many cases apply to it, and why the others do not."""
@@ -257,7 +299,8 @@ def _import_backends_quietly(subjects) -> None:
 
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
-                  builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=()) -> KVSession:
+                  builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=(),
+                  trust_remote_code=False) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -270,6 +313,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         known_faults: extra known-faults files, read after the bundled ``known_faults.toml``.
         only_subjects: if given, keep only the subjects of these names (built-in or added); the reference cache
             still runs for the oracle line of each failure.
+        trust_remote_code: run the code of checkpoint folders that ship their own (``remote.py``); their own cache
+            classes become subjects. Without it such a folder is refused.
 
     Raises:
         ValueError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
@@ -300,7 +345,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             kind = "a built-in subject" if subject.name in builtin_names else "another subject"
             raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
-    infos = [model_info(m) for m in (models or zoo.ZOO_NAMES)]
+    infos, surveyed = _model_infos(models or zoo.ZOO_NAMES, trust_remote_code)
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
@@ -314,16 +359,57 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         if unknown:
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
-    if only_subjects:
-        subjects = _select_subjects(subjects, only_subjects)
-    _import_backends_quietly(subjects)
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
-                      models={*zoo.ZOO_NAMES, *names})
+                      models={*zoo.ZOO_NAMES, *names, *_architecture_names()})
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
+    session.architectures = surveyed
     for info in infos:
         if zoo.is_checkpoint_spec(info.spec):  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
             _refuse_unusable_checkpoint(session, info)
+            if info.trust_remote_code:
+                _add_repository_subjects(session, info, set(registry), {c.id for c in cases})
+    if only_subjects:
+        session.subjects = _select_subjects(session.subjects, only_subjects)
+    _import_backends_quietly(session.subjects)
     return session
+
+
+def _model_infos(specs, trust_remote_code: bool) -> tuple[list, list]:
+    """``ModelInfo`` per model spec; a ``transformers:PATTERN`` spec stands for every architecture it matches that
+    builds and is a causal language model keeping a cache (``sweep.survey``). Returns ``(infos, [(spec, records)])``.
+
+    Raises:
+        ValueError: a bad spec (``model_info``), a pattern matching no architecture.
+    """
+    from kvconform import architectures, sweep
+
+    infos, surveyed = [], []
+    for spec in specs:
+        if not architectures.is_architecture_spec(spec):
+            infos.append(model_info(spec, trust_remote_code=trust_remote_code))
+            continue
+        records = sweep.survey(spec.removeprefix(architectures.PREFIX), causality_gap, CAUSALITY_TOLERANCE)
+        surveyed.append((spec, records))
+        infos += [ModelInfo(r["name"], architectures.PREFIX + r["model_type"], tuple(r["layer_types"]), False,
+                            bool(r["accepts_position_ids"])) for r in records if r["built"]]
+    return infos, surveyed
+
+
+def _add_repository_subjects(session, info, known_checks, known_cases) -> None:
+    """Add the cache classes of a repository's own code (``remote.repository_cache_subjects``) as subjects."""
+    from kvconform import remote
+    from kvconform.subjects import check_factory_builds_cache, validate_spec
+
+    zm = session.zoo_model(info, "float32")
+    found, lines = remote.repository_cache_subjects(zm, info.spec)
+    for subject in found:
+        where = f"--kvconform-model {info.spec!r} (its own cache class {subject.name})"
+        validate_spec(subject, where, known_checks, known_cases)
+        check_factory_builds_cache(subject, zm.config)
+        if any(s.name == subject.name for s in session.subjects):
+            raise ValueError(f"{where}: another subject is already named {subject.name!r}")
+        session.subjects.append(subject)
+    session.notes.extend(lines)
 
 
 def _select_subjects(subjects: list, names) -> list:

@@ -204,8 +204,10 @@ def build_zoo_model(name: str, dtype=None, device: str = "cpu", seed: int = 0) -
     return _finish(name, model, dtype, device, "zoo")
 
 
-def load_checkpoint(path: str, dtype=None, device: str = "cpu") -> ZooModel:
+def load_checkpoint(path: str, dtype=None, device: str = "cpu", trust_remote_code: bool = False) -> ZooModel:
     """Load a local Hugging Face checkpoint folder (``config.json`` + weights), never downloading.
+    ``trust_remote_code``: run the folder's own code (config.json ``auto_map``); passed to transformers explicitly
+    either way, so it never prompts on stdin.
 
     Raises:
         FileNotFoundError: ``path`` is not a folder with a ``config.json``.
@@ -216,9 +218,10 @@ def load_checkpoint(path: str, dtype=None, device: str = "cpu") -> ZooModel:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder: no config.json in it")
     dtype = dtype or torch.float32
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    trust = dict(trust_remote_code=bool(trust_remote_code))
+    config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model = auto.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model = auto.from_pretrained(path, local_files_only=True, dtype=dtype, **trust)
     return _finish(checkpoint_name(path), model, dtype, device, os.path.abspath(path))
 
 
@@ -235,6 +238,8 @@ def is_checkpoint_spec(spec: str) -> bool:
     """True when ``spec`` names a local folder rather than a zoo family: anything written as a path (``./llama``,
     ``/abs/llama``, ``~/m``, ``ckpt/llama``) is a folder, even if its last part is a zoo name; a bare word is a zoo
     family when it is one (``llama``), else a folder."""
+    if spec.startswith("transformers:"):
+        return False  # an architecture of transformers (architectures.py)
     if os.sep in spec or "/" in spec or spec.startswith(("~", ".")):
         return True
     return spec not in ZOO_NAMES
@@ -257,12 +262,33 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
-def load_model(spec: str, dtype=None, device: str = "cpu") -> ZooModel:
-    """A zoo name or a checkpoint folder → ``ZooModel``.
+def model_config(spec: str, trust_remote_code: bool = False):
+    """The config of a model spec without building weights: a zoo family's tiny config, or a checkpoint folder's
+    ``config.json`` (``trust_remote_code``: with the folder's own configuration class)."""
+    if spec.startswith("transformers:"):
+        from kvconform import architectures
+
+        return architectures.tiny_config(spec.removeprefix("transformers:"))
+    if not is_checkpoint_spec(spec):
+        return zoo_config(spec)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.path.expanduser(spec), local_files_only=True,
+                                      trust_remote_code=bool(trust_remote_code))
+
+
+def load_model(spec: str, dtype=None, device: str = "cpu", trust_remote_code: bool = False) -> ZooModel:
+    """A zoo name or a checkpoint folder → ``ZooModel`` (``trust_remote_code``: see ``load_checkpoint``).
 
     Raises:
         KeyError / FileNotFoundError: neither a zoo name nor a checkpoint folder.
     """
+    if spec.startswith("transformers:"):  # one architecture of transformers, built tiny (architectures.py)
+        from kvconform import architectures
+
+        model_type = spec.removeprefix("transformers:")
+        model = architectures.build_model(model_type, dtype=dtype)
+        return _finish(architectures.model_name(model_type), model, model.dtype, device, spec)
     if not is_checkpoint_spec(spec):
         return build_zoo_model(spec, dtype=dtype, device=device)
-    return load_checkpoint(os.path.expanduser(spec), dtype=dtype, device=device)
+    return load_checkpoint(os.path.expanduser(spec), dtype=dtype, device=device, trust_remote_code=trust_remote_code)

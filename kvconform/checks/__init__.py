@@ -391,6 +391,10 @@ class CheckContext:
         if self.known_fault:
             short = self.known_fault if len(self.known_fault) <= 220 else self.known_fault[:217] + "..."
             lines.append(f"known upstream fault: {short}")
+        from kvconform.remote import subject_origin
+
+        origin = subject_origin(self.subject)  # a repository's own cache class: which file and class
+        lines = [f"subject: {origin}", *lines] if origin else lines
         body = [self.headline(), *("  " + line for line in lines if line), "  " + self.reproduce()]
         raise ConformanceError("\n".join(body), dict(self.metrics))
 
@@ -406,10 +410,12 @@ def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
 
     args = ["pytest", "--kvconform"]
     source = getattr(subject, "source", "builtin")
-    if ":" in source:
+    remote = source.startswith("remote code ")  # a repository's own cache: found again in its code
+    if ":" in source and not remote:
         args += ["--kvconform-cache", shlex.quote(source)]
-    args += ["--kvconform-model", shlex.quote(model_spec), *options, "-k", f'"{selection}"']
-    where = "" if source == "builtin" or ":" in source else f"   (where your code declares {subject.name})"
+    trust = ["--kvconform-trust-remote-code"] if remote and "--kvconform-trust-remote-code" not in options else []
+    args += ["--kvconform-model", shlex.quote(model_spec), *options, *trust, "-k", f'"{selection}"']
+    where = "" if source == "builtin" or ":" in source or remote else f"   (where your code declares {subject.name})"
     return "reproduce: " + " ".join(args) + where
 
 

@@ -22,19 +22,12 @@ def declared_compileable(subject, model_info) -> bool | None:
         try:
             from kvconform import zoo
 
-            config = zoo.zoo_config(model_info.spec) if model_info.spec in zoo.ZOO_NAMES else _checkpoint_config(
-                model_info.spec)
+            config = zoo.model_config(model_info.spec, getattr(model_info, "trust_remote_code", False))
             cache = subject.plan_build(config)
             _CLAIMS[key] = bool(cache.is_compileable)
         except Exception:  # noqa: BLE001 - reported by the item itself
             _CLAIMS[key] = None
     return _CLAIMS[key]
-
-
-def _checkpoint_config(path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def _device_rule(case, device) -> str | None:

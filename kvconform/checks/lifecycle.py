@@ -169,7 +169,7 @@ def check_capacity(ctx):
     ctx.metrics.update(max_cache_len=cap, refused=refusal is not None, get_max_length=_max_length(ctx))
     where = f"the forward at {label} would hold {held + (1 if label.startswith('decode') else 0)}+ tokens"
     if refusal is not None:
-        text = f"{where} > max_cache_len {cap}; it raised {describe_refusaleption(refusal)}"
+        text = f"{where} > max_cache_len {cap}; it raised {describe_exception(refusal)}"
         if not clear_error(refusal, CAPACITY_WORDS + (str(cap),)) or isinstance(refusal, RAW_ERRORS):
             ctx.fail([text, "but should raise a clear error naming the capacity before writing anything",
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",

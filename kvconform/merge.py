@@ -1,0 +1,228 @@
+"""Runs larger than one machine: ``--kvconform-shard I/N`` (a deterministic, balanced share of the items) and
+``kvconform-merge`` (the shards' JSON reports back into one report, one matrix, one ``$GITHUB_STEP_SUMMARY``).
+
+Splitting. pytest-xdist spreads a run over one machine's cores; CI jobs on several machines each run one shard.
+Every shard collects the same items (the plan is deterministic: sorted, no addresses in ids) and keeps share ``I``
+of them: the items are ordered by model (the run's model order; within a model, collection order), each is given
+an estimated cost (``item_cost``: a skipped item almost nothing, a compile or speed item several times a logits
+item) plus the cost of building its model once, and the ordered list is cut into ``N`` contiguous runs of equal
+total cost. Contiguous by model, so a shard builds only about ``1/N`` of the models (model builds and oracles are
+per process). Selection happens after ``-k`` / ``-m``, so ``-k`` keeps its meaning and the shards stay balanced.
+Considered and not used: pytest-split (0.11, maintained) balances by durations it needs stored from an earlier
+full run (``.test_durations``) and knows nothing of model builds; pytest-shard (0.1.2, 2020) hashes node ids, which
+is deterministic but neither balanced nor grouped by model.
+
+Merging. ``kvconform-merge --json OUT IN.json...``: the union of the shards' results (schema 1; an item reported by
+two shards must have the same outcome), the environment of the shards (which must agree on kvconform, transformers,
+torch and device), and a check that the shards given are all of ``1..N`` of one split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+FAMILY_COST = {"compile": 8.0, "speed": 6.0, "quality": 4.0, "fuzz": 2.0, "generate": 1.5, "memory": 1.5}
+"""Estimated cost of one item that runs, relative to a logits item (measured order of magnitude on the zoo)."""
+SKIPPED_COST = 0.02
+MODEL_COST = 3.0
+"""Estimated cost of building a model (and its float64 oracle) once in a process, relative to a logits item."""
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` → ``(I, N)`` with ``1 ≤ I ≤ N``.
+
+    Raises:
+        ValueError: anything else, naming the value and the form expected.
+    """
+    index, sep, count = str(text).partition("/")
+    if not sep or not index.strip().isdigit() or not count.strip().isdigit():
+        raise ValueError(f"--kvconform-shard {text!r}: expected I/N (e.g. 1/4: the first of 4 shards)")
+    i, n = int(index), int(count)
+    if not 1 <= i <= n:
+        raise ValueError(f"--kvconform-shard {text!r}: I must be between 1 and N (got {i} of {n})")
+    return i, n
+
+
+def item_cost(plan_item) -> float:
+    """Estimated cost of one plan item (``session.PlanItem``; None for an item of another kind: cost 1)."""
+    if plan_item is None:
+        return 1.0
+    if plan_item.skip:
+        return SKIPPED_COST
+    return FAMILY_COST.get(plan_item.check.family, 1.0)
+
+
+def shard_of(keys: list, costs: list[float], count: int) -> list[int]:
+    """The shard index (0-based) of each entry: ``keys`` (the model of each item, in the order items are run) group
+    the entries; groups keep their first-appearance order, entries keep theirs within a group; the ordered list is
+    cut into ``count`` contiguous parts of equal total cost (``costs`` plus ``MODEL_COST`` per group), an entry
+    going to the part its cost midpoint falls in. Deterministic: it depends only on the arguments."""
+    order = {}
+    for key in keys:
+        order.setdefault(key, len(order))
+    ranked = sorted(range(len(keys)), key=lambda i: (order[keys[i]], i))
+    weights, seen = {}, set()
+    for i in ranked:
+        weights[i] = costs[i] + (MODEL_COST if keys[i] not in seen else 0.0)
+        seen.add(keys[i])
+    total = sum(weights.values()) or 1.0
+    out, done = [0] * len(keys), 0.0
+    for i in ranked:
+        out[i] = min(count - 1, int((done + weights[i] / 2) / total * count))
+        done += weights[i]
+    return out
+
+
+def select_shard(items: list, index: int, count: int) -> tuple[list, list]:
+    """Split pytest ``items`` into ``(kept, deselected)`` for shard ``index`` of ``count`` (1-based), see the module
+    docstring. Items without a kvconform plan item (another test of the session) are shared out by count."""
+    plans = [getattr(getattr(it, "callspec", None), "params", {}).get("kv_item") for it in items]
+    keys = [p.model.name if p is not None else "" for p in plans]
+    shards = shard_of(keys, [item_cost(p) for p in plans], count)
+    kept = [it for it, s in zip(items, shards) if s == index - 1]
+    dropped = [it for it, s in zip(items, shards) if s != index - 1]
+    return kept, dropped
+
+
+# ------------------------------------------------------------------------------------------------------ merging
+class MergeError(ValueError):
+    """The reports cannot be merged (unreadable, another schema, other environments, a shard missing or twice,
+    one item with two outcomes); ``str`` names the file and the cause."""
+
+
+_SAME_ENVIRONMENT = ("kvconform", "transformers", "torch", "device", "strict")
+
+
+def merge_reports(reports: list[tuple[str, dict]]) -> dict:
+    """One schema-1 report from the shards' reports ``[(path, payload), ...]``.
+
+    The environment is the first report's, without its ``shard``, plus ``merged_from`` (the paths and shards);
+    ``subjects`` / ``models`` orders are merged in first-appearance order; ``results`` is the union, sorted by node id.
+
+    Raises:
+        MergeError: see the class.
+    """
+    if not reports:
+        raise MergeError("no reports given")
+    first_path, first = reports[0]
+    shards, results, subjects, models = {}, {}, [], []
+    for path, payload in reports:
+        if not isinstance(payload, dict) or payload.get("schema") != 1 or not isinstance(payload.get("results"), list):
+            raise MergeError(f"{path}: not a kvconform JSON report of schema 1")
+        env = payload.get("environment") or {}
+        for key in _SAME_ENVIRONMENT:
+            if env.get(key) != first.get("environment", {}).get(key):
+                raise MergeError(f"{path}: {key} {env.get(key)!r} differs from {first_path}'s "
+                                 f"{first['environment'].get(key)!r}; shards of one run must share their environment")
+        shard = env.get("shard")
+        if shard is not None:
+            if shard in shards:
+                raise MergeError(f"{path}: shard {shard} given twice (also {shards[shard]})")
+            shards[shard] = path
+        for key, into in (("subjects", subjects), ("models", models)):
+            into.extend(n for n in env.get(key) or () if n not in into)
+        for record in payload["results"]:
+            old = results.get(record["nodeid"])
+            if old is not None and old["outcome"] != record["outcome"]:
+                raise MergeError(f"{path}: {record['nodeid']} is {record['outcome']} here but {old['outcome']} in "
+                                 f"another report")
+            results[record["nodeid"]] = record
+    _check_complete(shards, len(reports))
+    environment = {k: v for k, v in first.get("environment", {}).items() if k != "shard"}
+    environment.update(subjects=subjects, models=models,
+                       merged_from=[{"path": p, "shard": (d.get("environment") or {}).get("shard")} for p, d in reports])
+    return {"schema": 1, "environment": environment,
+            "results": sorted(results.values(), key=lambda r: r["nodeid"])}
+
+
+def _check_complete(shards: dict, given: int) -> None:
+    """Every report of a split carries ``shard = "I/N"``: together they must be exactly ``1..N`` of one ``N``."""
+    if not shards:
+        return
+    if len(shards) != given:
+        raise MergeError("some reports come from a sharded run (--kvconform-shard) and some do not")
+    counts = {parse_shard(s)[1] for s in shards}
+    if len(counts) != 1:
+        raise MergeError(f"the reports come from splits of different sizes: {sorted(shards)}")
+    n = counts.pop()
+    missing = sorted(set(range(1, n + 1)) - {parse_shard(s)[0] for s in shards})
+    if missing:
+        raise MergeError(f"shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing: the merged matrix would "
+                         f"leave out their items")
+
+
+class _Lines:
+    """The part of pytest's terminal reporter that ``report.write_terminal_matrix`` uses, writing to a stream."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def section(self, title, **_):
+        self.stream.write(f"{'=' * 20} {title} {'=' * 20}\n")
+
+    def write_line(self, line="", **_):
+        self.stream.write(f"{line}\n")
+
+
+def _order(environment: dict):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(subjects=[SimpleNamespace(name=n) for n in environment.get("subjects") or ()],
+                           models=[SimpleNamespace(name=n) for n in environment.get("models") or ()])
+
+
+def main(argv=None) -> int:
+    """``kvconform-merge --json OUT IN.json...``: write the merged report, print the matrix, append the Markdown
+    matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed, 1 when any failed, 2 when
+    the reports cannot be merged (the message names the file and the cause)."""
+    from kvconform.report import OUTCOMES, json_path_problem, markdown, write_terminal_matrix
+
+    parser = argparse.ArgumentParser(prog="kvconform-merge", description="Merge the JSON reports of a sharded "
+                                     "kvconform run (--kvconform-shard I/N) into one report, matrix and step summary.")
+    parser.add_argument("--json", dest="out", metavar="OUT", help="write the merged JSON report here")
+    parser.add_argument("reports", nargs="+", metavar="IN.json", help="the shards' reports (--kvconform-json)")
+    args = parser.parse_args(argv)
+    try:
+        loaded = []
+        for path in args.reports:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    loaded.append((path, json.load(fh)))
+            except (OSError, ValueError) as exc:
+                raise MergeError(f"{path}: cannot read it: {exc}") from None
+        merged = merge_reports(loaded)
+        if args.out and (problem := json_path_problem(args.out)):
+            raise MergeError(f"--json {args.out!r}: {problem}")
+    except MergeError as exc:
+        print(f"kvconform-merge: {exc}", file=sys.stderr)
+        return 2
+    results = {r["nodeid"]: r for r in merged["results"]}
+    if args.out:
+        _write_json(args.out, merged)
+    order = _order(merged["environment"])
+    write_terminal_matrix(_Lines(sys.stdout), results, order)
+    counts = {o: sum(r["outcome"] == o for r in results.values()) for o in OUTCOMES}
+    print(f"kvconform-merge: {len(results)} items from {len(loaded)} report(s): "
+          + ", ".join(f"{n} {o}" for o, n in counts.items() if n))
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary and results:
+        with open(summary, "a", encoding="utf-8") as fh:
+            fh.write(markdown(results, order))
+    return 1 if counts["failed"] or counts["error"] else 0
+
+
+def _write_json(path: str, payload: dict) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".kvconform-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=1, ensure_ascii=False)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Runs larger than one machine: --kvconform-shard I/N splits the items deterministically and in balance, and
+kvconform-merge puts the shards' reports back together into what one run reports."""
+
+import json
+
+import pytest
+
+from kvconform import merge
+
+
+def test_shards_are_contiguous_by_model_balanced_and_cover_every_item_once():
+    keys = ["llama"] * 40 + ["mamba"] * 10 + ["t5"] * 30
+    costs = [1.0] * 80
+    for count in (1, 2, 3, 4):
+        shards = merge.shard_of(keys, costs, count)
+        assert shards == merge.shard_of(keys, costs, count)  # deterministic
+        assert sorted(set(shards)) == list(range(count))
+        loads = [sum(c for c, s in zip(costs, shards) if s == i) for i in range(count)]
+        assert max(loads) - min(loads) <= 4 + merge.MODEL_COST, loads
+        assert shards == sorted(shards)  # contiguous: a shard builds only the models of its stretch
+    # items of one model that arrive interleaved with others (cases × subjects × models) are grouped by model
+    assert merge.shard_of(["a", "b", "a", "b"], [1.0] * 4, 2) == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("text", ["2", "0/2", "3/2", "a/b", "1/"])
+def test_a_bad_shard_is_refused(text):
+    with pytest.raises(ValueError, match="--kvconform-shard"):
+        merge.parse_shard(text)
+
+
+def _report(shard, *records, transformers="5.24.0"):
+    env = {"kvconform": "0", "transformers": transformers, "torch": "2", "device": "cpu", "strict": False,
+           "subjects": ["DynamicCache"], "models": ["llama"], **({"shard": shard} if shard else {})}
+    return {"schema": 1, "environment": env,
+            "results": [{"nodeid": n, "subject": "DynamicCache", "model": "llama", "check": "check_x",
+                         "family": "logits", "case": "c", "outcome": o, "message": "", "metrics": {}}
+                        for n, o in records]}
+
+
+def test_merge_refuses_what_would_give_a_wrong_matrix():
+    one, two = _report("1/2", ("a", "passed")), _report("2/2", ("b", "failed"))
+    merged = merge.merge_reports([("1.json", one), ("2.json", two)])
+    assert [r["nodeid"] for r in merged["results"]] == ["a", "b"] and "shard" not in merged["environment"]
+    cases = {"missing": [("1.json", one)],
+             "given twice": [("1.json", one), ("1b.json", one), ("2.json", two)],
+             "differs from": [("1.json", one), ("2.json", _report("2/2", ("b", "passed"), transformers="5.5.4"))],
+             "in another report": [("1.json", one), ("2.json", _report("2/2", ("a", "failed")))]}
+    for expected, reports in cases.items():
+        with pytest.raises(merge.MergeError, match=expected):
+            merge.merge_reports(reports)
+
+
+def test_two_shards_merged_equal_one_run(run_kvconform, pytester, monkeypatch, capsys):
+    select = ["--kvconform-model", "llama", "--kvconform-subject", "DynamicCache", "--kvconform-subject",
+              "StaticCache", "-m", "kvconform_logits or kvconform_lifecycle"]
+    run_kvconform(*select, "--kvconform-json", "all.json").assert_outcomes(passed=17, xfailed=3)
+    counts = []
+    for index in (1, 2):
+        result = run_kvconform(*select, "--kvconform-shard", f"{index}/2", "--kvconform-json", f"{index}.json")
+        line = next(s for s in result.outlines if s.startswith("kvconform shard"))
+        counts.append(int(line.split(": ")[1].split()[0]))
+    assert sum(counts) == 20 and min(counts) >= 7, counts
+    summary = pytester.path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    code = merge.main(["--json", str(pytester.path / "merged.json"), str(pytester.path / "1.json"),
+                       str(pytester.path / "2.json")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "models × subjects:" in out and "20 items from 2 report(s): 17 passed, 3 xfailed" in out
+
+    def outcomes(name):
+        return {r["nodeid"]: r["outcome"] for r in json.loads((pytester.path / name).read_text())["results"]}
+
+    assert outcomes("merged.json") == outcomes("all.json") and len(outcomes("all.json")) == 20
+    assert "| ✅ DynamicCache |" in summary.read_text()
