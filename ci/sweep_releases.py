@@ -140,7 +140,7 @@ def classify(data: dict, faults: list) -> dict:
         failed = r["outcome"] in ("failed", "error")
         applying = [f for f in faults if f.applies_to(version) and f.matches_fields(**fields)]
         if failed:
-            shown = [f for f in applying if f.shown_by(r["message"])]
+            shown = [f for f in applying if f.shown_by(r["message"]) and f.within(r.get("metrics") or {})]
             if shown:
                 per_fault[shown[0].id]["held"] += 1
                 continue
@@ -148,9 +148,82 @@ def classify(data: dict, faults: list) -> dict:
             outside = [f for f in faults if not f.applies_to(version) and f.matches_fields(**fields)]
             for f in outside[:1]:
                 per_fault[f.id]["outside"] += 1
-        elif r["outcome"] in ("passed", "xpassed") and applying and applying[0].evidence is None:
-            per_fault[applying[0].id]["xpass"] += 1
+        elif r["outcome"] in ("passed", "xpassed") and applying and not applying[0].judged_at_run_time:
+            per_fault[applying[0].id]["xpass"] += 1  # marked xfail before the run: an XPASS in a default run
     return {"per_fault": per_fault, "unlisted": unlisted}
+
+
+ENVELOPE_KEYS = ("missing", "broken", "is_croppable", "model_at_fault", "problems")
+"""Metrics that describe a failure with neither a Δ nor an exception (a contract item's missing methods, a crop
+that should have been refused, a fault the reference shares)."""
+
+
+def measure_envelopes(reports: list, faults: list) -> dict:
+    """Per entry id, what its failures measure over ``reports`` (strict JSON reports of several releases): an
+    ``envelope`` table with a margin — ``max_abs`` (2x the largest Δ), ``bytes_ratio`` (1.5x), ``raised`` (the
+    exception types seen) and, for failures with none of these, the ``ENVELOPE_KEYS`` values seen — or None for an
+    entry some failure of which none of these describe; and per entry id the steps (``failed_at``) seen. Returns
+    ``(envelopes, steps)``."""
+    import math
+    import re
+
+    from kvconform.known_faults import metric
+
+    seen: dict = {}
+    for data in reports:
+        for r in data["results"]:
+            if r["outcome"] not in ("failed", "error"):
+                continue
+            fields = {k: r[k] for k in ("subject", "model", "check", "family", "case")}
+            fault = next((f for f in faults if f.matches_fields(**fields) and f.shown_by(r["message"])), None)
+            if fault is not None:
+                seen.setdefault(fault.id, []).append(r.get("metrics") or {})
+    out, steps_seen = {}, {}
+    for fault_id, failures in seen.items():
+        env, values, ok = {}, {}, True
+        for m in failures:
+            described = False
+            for key in ("max_abs", "bytes_ratio"):
+                v = metric(m, key)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    env[key] = max(env.get(key, 0.0), float(v))
+                    described = True
+            if m.get("raised"):
+                values.setdefault("raised", set()).add(str(m["raised"]))
+                described = True
+            if m.get("failed_at") is not None:
+                values.setdefault("failed_at", set()).add(str(m["failed_at"]))
+            if not described:
+                for key in ENVELOPE_KEYS:
+                    if key in m:
+                        v = m[key]
+                        values.setdefault(key, set()).update(map(str, v if isinstance(v, list) else [v]))
+                        described = True
+            ok &= described
+        if not ok:
+            out[fault_id] = None
+            continue
+        table = {}
+        if "max_abs" in env:
+            table["max_abs"] = float(f"{max(2 * env['max_abs'], 1e-3):.2g}")
+        if "bytes_ratio" in env:
+            table["bytes_ratio"] = float(f"{1.5 * env['bytes_ratio']:.2g}")
+        steps = values.pop("failed_at", set())
+        for key, vals in values.items():
+            if vals:
+                table[key] = "^(" + "|".join(re.escape(v).replace("\\ ", " ") for v in sorted(vals)) + ")$"
+        out[fault_id] = table
+        steps_seen[fault_id] = sorted(steps)
+    return out, steps_seen
+
+
+def toml_table(table: dict) -> str:
+    """``{ key = value, ... }`` (inline TOML) for an envelope."""
+    parts = []
+    for key, value in table.items():
+        parts.append(f"{key} = {json.dumps(value, ensure_ascii=False)}" if isinstance(value, str) else
+                     f"{key} = {value!r}")
+    return "{ " + ", ".join(parts) + " }"
 
 
 def _first_line(message: str) -> str:
@@ -169,6 +242,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="kvconform-sweep", help="folder for the reports, logs and sweep.md")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '-n 2' or "
                                                            "'--kvconform-model llama'")
+    parser.add_argument("--from-reports", action="store_true",
+                        help="reuse the JSON reports already in --out (re-judge them against the current "
+                             "known_faults.toml without running again)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from kvconform.known_faults import load_all
@@ -178,14 +254,20 @@ def main(argv=None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     faults = load_all()
-    rows, green, results = [], True, {}
+    rows, green, results, reports = [], True, {}, []
     for version in versions:
         try:
-            target = install(version, cache)
+            target = None if args.from_reports else install(version, cache)
         except (RuntimeError, StopIteration) as exc:
             print(f"error: cannot install transformers {version}: {exc}", file=sys.stderr)
             return 4
-        data = run_release(version, target, out, shlex.split(args.pytest_args))
+        report = out / f"kvconform-{version}.json"
+        if args.from_reports and report.exists():
+            data = json.loads(report.read_text(encoding="utf-8"))
+            data["seconds"] = float("nan")
+        else:
+            data = run_release(version, target, out, shlex.split(args.pytest_args))
+        reports.append(data)
         result = classify(data, faults)
         results[version] = result
         counts = {o: sum(1 for r in data["results"] if r["outcome"] == o) for o in
@@ -216,7 +298,17 @@ def main(argv=None) -> int:
         for r in results[v]["unlisted"]:
             lines.append(f"- {v}: `{r['subject']} · {r['model']} · {r['check']} · {r['case']}`: "
                          f"{_first_line(r['message'])}")
+    envelopes, steps = measure_envelopes(reports, faults)
+    lines += ["", "## Measured envelopes (what each entry's failures measure on the built-in subjects, with margin)",
+              ""]
+    for f in faults:
+        if f.id in envelopes:
+            table = envelopes[f.id]
+            lines.append(f"- {f.id}: " + ("(some failure has no Δ, bytes, exception or contract metric)"
+                                          if table is None else f"`envelope = {toml_table(table)}`")
+                         + (f"; fails at: {', '.join(steps[f.id])}" if steps.get(f.id) else ""))
     (out / "sweep.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / "envelopes.json").write_text(json.dumps(envelopes, indent=1), encoding="utf-8")
     print(f"wrote {out / 'sweep.md'}")
     return 0 if green else 1
 

@@ -113,8 +113,8 @@ class KnownFault:
         return self.evidence is not None or bool(self.envelope)
 
     def within(self, metrics: dict) -> bool:
-        """Whether a failure's ``metrics`` (``ConformanceError.metrics``) lie inside the envelope: the failure
-        reports at least one of the envelope's metrics (a failure of another kind — an exception where the fault
+        """Whether a failure's ``metrics`` (``ConformanceError.metrics``) lie inside the envelope (a list-valued
+        metric: each element must match a string bound): the failure reports at least one of the envelope's metrics (a failure of another kind — an exception where the fault
         gives a Δ, a Δ where it raises — shares none) and every one it reports is within its bound. True without
         an envelope."""
         if not self.envelope:
@@ -125,8 +125,9 @@ class KnownFault:
             if value is None:
                 continue
             seen = True
-            if isinstance(bound, str):
-                if re.search(bound, str(value)) is None:
+            if isinstance(bound, str):  # a list (e.g. the methods a contract item found missing): every element
+                values = value if isinstance(value, list) else [value]
+                if any(re.search(bound, str(v)) is None for v in values):
                     return False
             else:
                 try:
