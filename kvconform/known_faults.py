@@ -284,6 +284,9 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$", name):
                 _fail(path, fault_id, "inherits", f"{name!r}: expected 'Class.method' (a class of "
                                                   f"transformers.cache_utils), e.g. 'QuantizedLayer.crop'")
+        if inherits and not envelope and evidence is None:
+            _fail(path, fault_id, "inherits", "needs an 'envelope' (or 'evidence'): an inherited fault is recognised by "
+                                              "what it does, never by the method alone")
         _check_names(path, fault_id, "check", patterns.get("check", ()), checks, "registered check")
         _check_names(path, fault_id, "family", patterns.get("family", ()), families, "check family")
         _check_names(path, fault_id, "model", patterns.get("model", ()), models, "model")

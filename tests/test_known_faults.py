@@ -50,6 +50,7 @@ BAD = {
     "envelope_type": ('envelope = { max_abs = -1 }', "fault 'e1': key 'envelope': expected a table of metric"),
     "envelope_regex": ('envelope = { raised = "(Index" }', "fault 'e1': key 'envelope': raised: not a regular"),
     "inherits_form": ('inherits = "crop"', "fault 'e1': key 'inherits': 'crop': expected 'Class.method'"),
+    "inherits_alone": ('inherits = "DynamicLayer.crop"', "fault 'e1': key 'inherits': needs an 'envelope'"),
 }
 
 
@@ -224,7 +225,8 @@ def test_an_inherited_transformers_method_is_found_through_the_subjects_classes(
 
     config = MistralConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
                            sliding_window=4, vocab_size=32)
-    path = _write(tmp_path, _entry('inherits = ["DynamicSlidingWindowLayer.crop", "NoSuchLayer.crop"]'))
+    path = _write(tmp_path, _entry('inherits = ["DynamicSlidingWindowLayer.crop", "NoSuchLayer.crop"]\n'
+                                   'envelope = { raised = "^RuntimeError$" }'))
     (fault,) = _load(path)
     cache = KwargsCache(config=config)
     assert fault.inherited_by(cache) == "DynamicSlidingWindowLayer.crop"
@@ -234,5 +236,7 @@ def test_an_inherited_transformers_method_is_found_through_the_subjects_classes(
     from packaging.version import Version
 
     found, method = known_faults.find_inherited([fault], Version("5.24.0"), cache, "mistral", "check_crop_contract",
-                                                "crop_past_window", "crop")
+                                                "crop_past_window", "crop", metrics={"raised": "RuntimeError"})
     assert (found, method) == (fault, "DynamicSlidingWindowLayer.crop")
+    assert known_faults.find_inherited([fault], Version("5.24.0"), cache, "mistral", "check_crop_contract",
+                                       "crop_past_window", "crop", metrics={"max_abs": 9.0}) == (None, None)
