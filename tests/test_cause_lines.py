@@ -126,3 +126,11 @@ def test_nan_equals_nan_when_checking_an_original():
     assert changed({"k": a}, {"k": a.clone()}) == []
     assert changed({"k": torch.tensor([1.0, 2.0])}, {"k": torch.tensor([1.0, float("nan")])}) == ["k (now non-finite)"]
     assert changed({"k": torch.tensor([1, 2])}, {"k": torch.tensor([1, 3])}) == ["k"]
+
+
+def test_a_fixed_size_cache_of_another_design_passes_the_static_buffer_checks():
+    """The two faults check_static_addresses now measures (update() returning copies, buffers beyond
+    max_cache_len) are not flagged on a correct fixed-size cache that writes by slice assignment at a Python offset."""
+    results = _run("kvconform.testing.faulty_static:SliceWriteStaticCache", "llama", "check_static_addresses",
+                   "static_addresses")
+    assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
