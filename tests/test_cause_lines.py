@@ -134,3 +134,11 @@ def test_a_fixed_size_cache_of_another_design_passes_the_static_buffer_checks():
     results = _run("kvconform.testing.faulty_static:SliceWriteStaticCache", "llama", "check_static_addresses",
                    "static_addresses")
     assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
+
+
+def test_a_cache_that_drops_its_pages_with_it_passes_the_released_memory_check():
+    """check_memory_released (live tensors after the cache is dropped) passes kvconform's PagedCache, a cache of
+    another design than the pooled faulty one, which allocates pages and lets them go with the cache."""
+    results = _run("kvconform.testing.paged:PagedCache", "llama", "check_memory_released", "memory_released")
+    assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
+    assert results[0].metrics["kept_bytes"] == 0
