@@ -142,3 +142,10 @@ def test_a_cache_that_drops_its_pages_with_it_passes_the_released_memory_check()
     results = _run("kvconform.testing.paged:PagedCache", "llama", "check_memory_released", "memory_released")
     assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
     assert results[0].metrics["kept_bytes"] == 0
+
+
+def test_a_paged_cache_forks_past_the_window_with_its_count():
+    """prefix_fork_past_window (implicit positions after the window filled) passes a correct cache of another design
+    than the faulty RecountOnCopyCache: kvconform's PagedCache, whose copy keeps the tokens it has seen."""
+    results = _run("kvconform.testing.paged:PagedCache", "mistral", "check_prefix_fork", "prefix_fork_past_window")
+    assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
