@@ -169,13 +169,18 @@ def measure_envelopes(reports: list, faults: list) -> dict:
 
     from kvconform.known_faults import metric
 
+    from packaging.version import Version
+
     seen: dict = {}
     for data in reports:
+        version = Version(data["environment"]["transformers"])
         for r in data["results"]:
             if r["outcome"] not in ("failed", "error"):
                 continue
             fields = {k: r[k] for k in ("subject", "model", "check", "family", "case")}
-            fault = next((f for f in faults if f.matches_fields(**fields) and f.shown_by(r["message"])), None)
+            candidates = [f for f in faults if f.matches_fields(**fields) and f.shown_by(r["message"])]
+            # the entry that applies on that release; else the first by fields (bounds still to be fixed)
+            fault = next((f for f in candidates if f.applies_to(version)), candidates[0] if candidates else None)
             if fault is not None:
                 seen.setdefault(fault.id, []).append(r.get("metrics") or {})
     out, steps_seen = {}, {}
