@@ -175,15 +175,24 @@ class KnownFault:
         return self.applies_to(version) and self.matches_fields(**fields)
 
 
+ABSENT = None
+"""What ``metric`` returns for a metric the failure does not report."""
+
+
 def metric(metrics: dict, name: str):
-    """A failure's metric ``name`` (or a ``DERIVED`` one), or None when the failure does not report it."""
+    """A failure's metric ``name`` (or a ``DERIVED`` one), or ``ABSENT`` (None) when the failure does not report
+    it; a metric reported as None (e.g. ``is_croppable`` of a cache without the flag) comes back as the string
+    ``"None"``."""
     if name in DERIVED:
         top, bottom = (metrics.get(k) for k in DERIVED[name])
         try:
-            return float(top) / float(bottom) if float(bottom) else None
+            return float(top) / float(bottom) if float(bottom) else ABSENT
         except (TypeError, ValueError):
-            return None
-    return metrics.get(name)
+            return ABSENT
+    if name not in metrics:
+        return ABSENT
+    value = metrics[name]
+    return "None" if value is None else value
 
 
 def _fail(path, fault_id, key, problem):
