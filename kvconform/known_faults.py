@@ -50,7 +50,16 @@ KEYS = {
     "family": "fnmatch pattern(s) of check families (default '*')",
     "case": "fnmatch pattern(s) of case ids (default '*')",
     "evidence": "regular expression a failure message must contain for the entry to excuse it (default: any)",
+    "envelope": "table {metric = bound}: what the fault does on the built-in subjects (a number bounds the failure's "
+                "metric from above — max_abs in logits units, bytes_ratio = layer bytes / formula bound —, a string "
+                "is a regular expression its value must contain — raised, failed_at); a failure outside it fails",
+    "inherits": "transformers methods ('Class.method', Class in transformers.cache_utils) the fault lives in: a "
+                "subject whose cache (or a layer of it) is such a class and resolves the method to transformers' "
+                "own gets the entry by that evidence, named 'inherited from transformers' Class.method'",
 }
+DERIVED = {"bytes_ratio": ("layer_bytes", "layer_bound")}
+"""Metrics an envelope may bound that the checks do not report themselves: name → (numerator, denominator)."""
+_MISSING = object()
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
@@ -74,6 +83,11 @@ class KnownFault:
     case: tuple = ("*",)
     source: str = ""
     evidence: str | None = None
+    envelope: tuple = ()
+    """``((metric, bound), ...)``: a number bounds ``abs(metric)`` from above, a string is a regex its value must
+    contain (``within``)."""
+    inherits: tuple = ()
+    """``("Class.method", ...)``: transformers methods the fault lives in (``inherited_by``)."""
     _specifier: object = field(default=None, compare=False, hash=False, repr=False)
 
     def applies_to(self, version) -> bool:
@@ -94,9 +108,93 @@ class KnownFault:
         """Whether a failure ``message`` shows this fault (its ``evidence`` matches; always, without evidence)."""
         return self.evidence is None or re.search(self.evidence, message) is not None
 
+    @property
+    def judged_at_run_time(self) -> bool:
+        """Whether the entry excuses a failure only after seeing it (``evidence`` or ``envelope``): such entries do
+        not mark items before they run."""
+        return self.evidence is not None or bool(self.envelope)
+
+    def within(self, metrics: dict) -> bool:
+        """Whether a failure's ``metrics`` (``ConformanceError.metrics``) lie inside the envelope (a list-valued
+        metric: each element must match a string bound): the failure reports at least one of the envelope's metrics (a failure of another kind — an exception where the fault
+        gives a Δ, a Δ where it raises — shares none) and every one it reports is within its bound. True without
+        an envelope."""
+        if not self.envelope:
+            return True
+        seen = False
+        for name, bound in self.envelope:
+            value = metric(metrics, name)
+            if value is None:
+                continue
+            seen = True
+            if isinstance(bound, str):  # a list (e.g. the methods a contract item found missing): every element
+                values = value if isinstance(value, list) else [value]
+                if any(re.search(bound, str(v)) is None for v in values):
+                    return False
+            else:
+                try:
+                    number = abs(float(value))
+                except (TypeError, ValueError):
+                    return False
+                if not number <= bound:  # nan and inf are outside
+                    return False
+        return seen
+
+    def outside(self, metrics: dict) -> str:
+        """Why ``metrics`` lie outside the envelope, in words ("" when inside)."""
+        if self.within(metrics):
+            return ""
+        parts = []
+        for name, bound in self.envelope:
+            value = metric(metrics, name)
+            shown = "not reported" if value is None else (f"{value:.3g}" if isinstance(value, float) else repr(value))
+            parts.append(f"{name} {shown} (envelope: {'~ ' + repr(bound) if isinstance(bound, str) else '≤ ' + format(bound, 'g')})")
+        return "; ".join(parts)
+
+    def inherited_by(self, cache) -> str | None:
+        """The ``"Class.method"`` of ``inherits`` that ``cache`` uses unchanged, or None: ``cache`` (or one of its
+        layers; both halves of an encoder-decoder cache) is an instance of transformers' ``Class`` and its class
+        resolves ``method`` to the very function ``Class.method`` resolves to (not overridden) — or lacks it
+        where transformers' class lacks it. Classes the installed transformers lacks are skipped."""
+        from transformers import cache_utils
+
+        objects = [cache]
+        for part in (cache, getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)):
+            objects += list(getattr(part, "layers", None) or ()) if part is not None else []
+        for name in self.inherits:
+            cls_name, _, method = name.partition(".")
+            cls = getattr(cache_utils, cls_name, None)
+            if not isinstance(cls, type):
+                continue
+            upstream = getattr(cls, method, _MISSING)  # a method transformers' class lacks is inherited as missing
+            for obj in objects:
+                if isinstance(obj, cls) and getattr(type(obj), method, _MISSING) is upstream:
+                    return name
+        return None
+
     def matches(self, version, **fields) -> bool:
         """``applies_to(version)`` and ``matches_fields(**fields)``."""
         return self.applies_to(version) and self.matches_fields(**fields)
+
+
+ABSENT = None
+"""What ``metric`` returns for a metric the failure does not report."""
+
+
+def metric(metrics: dict, name: str):
+    """A failure's metric ``name`` (or a ``DERIVED`` one), or ``ABSENT`` (None) when the failure does not report
+    it; a metric reported as None (e.g. ``is_croppable`` of a cache without the flag) comes back as the string
+    ``"None"``."""
+    if name in DERIVED:
+        top, bottom = (metrics.get(k) for k in DERIVED[name])
+        try:
+            return float(top) / float(bottom) if float(bottom) else ABSENT
+        except (TypeError, ValueError):
+            return ABSENT
+    if name not in metrics:
+        return ABSENT
+    value = metrics[name]
+    return "None" if value is None else value
 
 
 def _fail(path, fault_id, key, problem):
@@ -180,12 +278,33 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
                 re.compile(evidence)
             except re.error as exc:
                 _fail(path, fault_id, "evidence", f"not a regular expression ({exc})")
+        envelope = raw.get("envelope", {})
+        if not isinstance(envelope, dict) or not all(
+                isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)
+                for v in envelope.values()):
+            _fail(path, fault_id, "envelope", f"expected a table of metric = number (upper bound) or string (regular "
+                                              f"expression), e.g. {{ max_abs = 5.0, raised = 'IndexError' }}; got {envelope!r}")
+        for name, bound in envelope.items():
+            if isinstance(bound, str):
+                try:
+                    re.compile(bound)
+                except re.error as exc:
+                    _fail(path, fault_id, "envelope", f"{name}: not a regular expression ({exc})")
+        inherits = _patterns(path, fault_id, "inherits", raw["inherits"]) if "inherits" in raw else ()
+        for name in inherits:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$", name):
+                _fail(path, fault_id, "inherits", f"{name!r}: expected 'Class.method' (a class of "
+                                                  f"transformers.cache_utils), e.g. 'QuantizedLayer.crop'")
+        if inherits and not envelope and evidence is None:
+            _fail(path, fault_id, "inherits", "needs an 'envelope' (or 'evidence'): an inherited fault is recognised by "
+                                              "what it does, never by the method alone")
         _check_names(path, fault_id, "check", patterns.get("check", ()), checks, "registered check")
         _check_names(path, fault_id, "family", patterns.get("family", ()), families, "check family")
         _check_names(path, fault_id, "model", patterns.get("model", ()), models, "model")
         faults.append(KnownFault(id=raw["id"], transformers=raw["transformers"],
                                  reason=" ".join(raw["reason"].split()), source=path, _specifier=specifier,
-                                 evidence=evidence, **patterns))
+                                 evidence=evidence, envelope=tuple(envelope.items()), inherits=inherits,
+                                 **patterns))
     return faults
 
 
@@ -220,6 +339,26 @@ def match(faults, version, subject: str, model: str, check: str, case: str, fami
     """The reason of the first fault matching this item on ``version``, or None."""
     fault = find(faults, version, subject, model, check, case, family)
     return fault.reason if fault is not None else None
+
+
+def find_inherited(faults, version, cache, model: str, check: str, case: str, family: str | None = None,
+                   metrics: dict | None = None, message: str = ""):
+    """The first entry (and the inherited ``"Class.method"``) that excuses this failure by inheritance: the entry
+    applies to ``version`` and to the item's model/check/case/family (any subject), names ``inherits``, ``cache``
+    uses one of those methods unchanged (``KnownFault.inherited_by``) and the failure (``message``, ``metrics``)
+    shows the fault (``evidence``) inside its ``envelope``. ``(None, None)`` when none does."""
+    fields = dict(model=model, check=check, case=case)
+    if family is not None:
+        fields["family"] = family
+    for fault in faults:
+        if not fault.inherits or not fault.matches(version, **fields):
+            continue
+        if not (fault.shown_by(message) and fault.within(metrics or {})):
+            continue
+        method = fault.inherited_by(cache)
+        if method is not None:
+            return fault, method
+    return None, None
 
 
 def stale(faults, version, items, models, subjects=None) -> list[KnownFault]:

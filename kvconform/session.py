@@ -98,9 +98,8 @@ class KVSession:
         try:
             return run_check(item.check.name, ctx)
         except ConformanceError as exc:
-            fault = None if (self.strict or item.xfail is not None) else self.expected_fault(item)
-            if fault is not None and fault.evidence is not None and fault.shown_by(str(exc)):
-                raise KnownFaultShown(self._fault_reason(item, fault), exc.metrics) from None
+            if item.xfail is None:
+                self.judge_known_fault(item, ctx, exc)
             raise
 
     def expected_fault(self, item: PlanItem, own_failures: bool = True):
@@ -127,9 +126,49 @@ class KVSession:
         ``marked``: only entries that mark items before they run (no ``evidence``: an entry with evidence excuses a
         failure only when the failure shows it, decided in ``run``)."""
         fault = self.expected_fault(item, own_failures=False)
-        if fault is None or (marked and fault.evidence is not None):
+        if fault is None or (marked and fault.judged_at_run_time):
             return None
         return self._fault_reason(item, fault)
+
+    def judge_known_fault(self, item: PlanItem, ctx, exc) -> None:
+        """Judge a failure ``exc`` (``ConformanceError``) of ``item`` against the known faults, at run time.
+
+        Raises ``KnownFaultShown`` (xfail) when an entry judged at run time matches the item by name and the
+        failure shows it (``evidence``) inside its ``envelope``, or when the subject inherits the fault's
+        transformers method unchanged (``known_faults.find_inherited``; under ``--kvconform-strict`` the failure
+        is raised again with the inherited fault named); raises ``ConformanceError`` naming the entry when a
+        failure lies outside the envelope of the entry naming the item (the subject's own, worse or other fault).
+        Returns when no entry speaks about the failure (the caller re-raises it)."""
+        from kvconform import known_faults
+        from kvconform.checks import ConformanceError, KnownFaultShown
+        from kvconform.compat import transformers_version
+
+        fault = self.expected_fault(item)
+        if fault is not None:
+            if not fault.judged_at_run_time:
+                return
+            if fault.shown_by(str(exc)) and fault.within(exc.metrics):
+                if not self.strict:
+                    raise KnownFaultShown(self._fault_reason(item, fault), exc.metrics) from None
+                return
+            why = fault.outside(exc.metrics) or f"the message does not show {fault.evidence!r}"
+            raise ConformanceError(f"{exc}\n  not known upstream fault {fault.id!r}: this failure lies outside what "
+                                   f"that fault does ({why}), so it is the subject's own", exc.metrics) from None
+        try:
+            cache = ctx.new_cache()
+        except Exception:  # noqa: BLE001 - a subject that cannot be built inherits nothing we can show
+            return
+        names = item.describe()
+        inherited, method = known_faults.find_inherited(
+            self.faults, transformers_version(), cache, names["model"], names["check"], names["case"],
+            names["family"], metrics=exc.metrics, message=str(exc))
+        if inherited is None:
+            return
+        reason = (f"known upstream fault {inherited.id!r}, inherited from transformers' {method} (used unchanged by "
+                  f"{item.subject.name}): {inherited.reason}")
+        if not self.strict:
+            raise KnownFaultShown(reason, exc.metrics) from None
+        raise ConformanceError(f"{exc}\n  {reason}", exc.metrics) from None
 
     def _fault_reason(self, item: PlanItem, fault) -> str:
         if fault.matches_fields(model=item.model.name):

@@ -126,3 +126,26 @@ def test_nan_equals_nan_when_checking_an_original():
     assert changed({"k": a}, {"k": a.clone()}) == []
     assert changed({"k": torch.tensor([1.0, 2.0])}, {"k": torch.tensor([1.0, float("nan")])}) == ["k (now non-finite)"]
     assert changed({"k": torch.tensor([1, 2])}, {"k": torch.tensor([1, 3])}) == ["k"]
+
+
+def test_a_fixed_size_cache_of_another_design_passes_the_static_buffer_checks():
+    """The two faults check_static_addresses now measures (update() returning copies, buffers beyond
+    max_cache_len) are not flagged on a correct fixed-size cache that writes by slice assignment at a Python offset."""
+    results = _run("kvconform.testing.faulty_static:SliceWriteStaticCache", "llama", "check_static_addresses",
+                   "static_addresses")
+    assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
+
+
+def test_a_cache_that_drops_its_pages_with_it_passes_the_released_memory_check():
+    """check_memory_released (live tensors after the cache is dropped) passes kvconform's PagedCache, a cache of
+    another design than the pooled faulty one, which allocates pages and lets them go with the cache."""
+    results = _run("kvconform.testing.paged:PagedCache", "llama", "check_memory_released", "memory_released")
+    assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
+    assert results[0].metrics["kept_bytes"] == 0
+
+
+def test_a_paged_cache_forks_past_the_window_with_its_count():
+    """prefix_fork_past_window (implicit positions after the window filled) passes a correct cache of another design
+    than the faulty RecountOnCopyCache: kvconform's PagedCache, whose copy keeps the tokens it has seen."""
+    results = _run("kvconform.testing.paged:PagedCache", "mistral", "check_prefix_fork", "prefix_fork_past_window")
+    assert [r.outcome for r in results] == ["passed"], [r.message for r in results]

@@ -47,6 +47,10 @@ BAD = {
     "unknown_family": ('family = "crops"', "fault 'e1': key 'family': 'crops' matches no check family"),
     "unknown_model": ('model = ["llama", "lama"]', "fault 'e1': key 'model': 'lama' matches no model"),
     "pattern_type": ("case = 3", "fault 'e1': key 'case': expected a non-empty pattern or list of patterns"),
+    "envelope_type": ('envelope = { max_abs = -1 }', "fault 'e1': key 'envelope': expected a table of metric"),
+    "envelope_regex": ('envelope = { raised = "(Index" }', "fault 'e1': key 'envelope': raised: not a regular"),
+    "inherits_form": ('inherits = "crop"', "fault 'e1': key 'inherits': 'crop': expected 'Class.method'"),
+    "inherits_alone": ('inherits = "DynamicLayer.crop"', "fault 'e1': key 'inherits': needs an 'envelope'"),
 }
 
 
@@ -187,3 +191,52 @@ def test_an_entry_with_evidence_excuses_every_subject_only_where_the_failure_sho
     assert outcomes[("MyRef", "crop_short")] == outcomes[("ReferenceCache", "crop_short")] == "xfailed"
     assert outcomes[("DynamicCache", "crop_short")] == "passed"
     assert "XPASS" not in result.stdout.str()
+
+
+def test_an_envelope_excuses_only_failures_of_the_faults_kind_and_size(tmp_path):
+    """What the fault does bounds what it excuses: a Δ up to the measured one, the exception it raises; a failure
+    10x worse, or an exception where the fault only gives wrong numbers, is outside."""
+    path = _write(tmp_path, _entry('envelope = { max_abs = 5.0, raised = "IndexError", bytes_ratio = 2 }'))
+    (fault,) = _load(path)
+    assert fault.judged_at_run_time
+    assert fault.within({"max_abs": 3.2, "tolerance": 1e-4})
+    assert not fault.within({"max_abs": 50.0}) and "max_abs 50 (envelope: ≤ 5)" in fault.outside({"max_abs": 50.0})
+    assert fault.within({"raised": "IndexError"}) and not fault.within({"raised": "KeyError"})
+    assert fault.within({"layer_bytes": 300, "layer_bound": 200}) and not fault.within({"layer_bytes": 3000,
+                                                                                        "layer_bound": 200})
+    assert not fault.within({"max_abs": float("nan")})
+    assert not fault.within({"speedup": 0.1}), "a failure sharing no metric with the envelope is another fault"
+
+
+def test_an_inherited_transformers_method_is_found_through_the_subjects_classes(tmp_path):
+    """Evidence, not names: a DynamicCache subclass that overrides only __init__ uses DynamicSlidingWindowLayer's
+    crop and LinearAttentionLayer's missing batch ops unchanged; a layer that overrides crop does not inherit it."""
+    from transformers import DynamicCache, MistralConfig
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    class KwargsCache(DynamicCache):
+        def __init__(self, bits=4, **kwargs):
+            super().__init__(**kwargs)
+            self.bits = bits
+
+    class OwnCrop(DynamicSlidingWindowLayer):
+        def crop(self, max_length):
+            raise ValueError("refused")
+
+    config = MistralConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                           sliding_window=4, vocab_size=32)
+    path = _write(tmp_path, _entry('inherits = ["DynamicSlidingWindowLayer.crop", "NoSuchLayer.crop"]\n'
+                                   'envelope = { raised = "^RuntimeError$" }'))
+    (fault,) = _load(path)
+    cache = KwargsCache(config=config)
+    assert fault.inherited_by(cache) == "DynamicSlidingWindowLayer.crop"
+    own = DynamicCache(config=config)
+    own.layers = [OwnCrop(sliding_window=4) for _ in own.layers]
+    assert fault.inherited_by(own) is None
+    from packaging.version import Version
+
+    found, method = known_faults.find_inherited([fault], Version("5.24.0"), cache, "mistral", "check_crop_contract",
+                                                "crop_past_window", "crop", metrics={"raised": "RuntimeError"})
+    assert (found, method) == (fault, "DynamicSlidingWindowLayer.crop")
+    assert known_faults.find_inherited([fault], Version("5.24.0"), cache, "mistral", "check_crop_contract",
+                                       "crop_past_window", "crop", metrics={"max_abs": 9.0}) == (None, None)

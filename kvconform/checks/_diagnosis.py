@@ -146,6 +146,7 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     """The likely cause of a raise inside a forward, from what was measured there (``SubjectRaised.facts``, see
     ``_drive.raise_facts``), or None when the measurements explain nothing. In order:
 
+    * one layer object serves several decoder layers (``shared_layers``);
     * the cache has fewer layers than the model's decoder (an ``update(layer_idx=i)`` found no layer ``i``, or an
       IndexError with fewer layers than ``decoder_depth`` in a cache whose layers do not grow on demand);
     * an ``update()`` returned another number of keys than the cache should hold (an unbounded layer: the tokens
@@ -157,6 +158,8 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     if not f:
         return None
     n_layers, depth, calls = f.get("cache_layers"), f.get("decoder_depth"), f.get("update_calls", ())
+    if f.get("shared_layers"):
+        return f["shared_layers"]
     held, layer_max, masks = f.get("held"), f.get("layer_max", []), f.get("mask_sizes", {})
     if n_layers is not None and depth is not None and n_layers < depth:
         missing = [c[0] for c in calls if isinstance(c[0], int) and c[0] >= n_layers]

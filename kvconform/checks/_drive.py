@@ -332,7 +332,8 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
     ``cache_layers`` (len of ``layers``, or None), ``grows_layers`` (layers appended on demand),
     ``decoder_depth``, ``layer_max`` (each layer's ``get_max_length()``, -1 unbounded, None unknown),
     ``kv_mismatch`` (``kv_length_mismatch``: an ``update()`` that returned a wrong number of keys, or None) and
-    ``batch_sizes`` (``{tensor name: dim 0}`` of every ≥3-dim tensor the cache holds).
+    ``batch_sizes`` (``{tensor name: dim 0}`` of every ≥3-dim tensor the cache holds), ``shared_layers``
+    (``shared_layers``: one layer object listed for several layers, or None).
     """
     target = getattr(cache, "self_attention_cache", cache)
     layers = getattr(target, "layers", None)
@@ -342,6 +343,7 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
              "cache_layers": len(layers) if isinstance(layers, (list, tuple)) else None,
              "grows_layers": getattr(target, "layer_class_to_replicate", None) is not None,
              "decoder_depth": getattr(model, "decoder_depth", None)}
+    facts["shared_layers"] = shared_layers(cache)
     facts["layer_max"] = layer_max_lengths(cache)
     facts["kv_mismatch"] = kv_length_mismatch(facts["update_calls"], facts["mask_sizes"], facts["layer_max"], held)
     try:
@@ -396,6 +398,22 @@ def layer_max_lengths(cache) -> list:
         except Exception:  # noqa: BLE001
             out.append(None)
     return out
+
+
+def shared_layers(cache) -> str | None:
+    """Why ``cache.layers`` (an encoder-decoder cache: its self-attention half) is wrong when it lists one layer
+    object for several decoder layers (``[Layer()] * n``: every decoder layer writes into the same keys and
+    values), else None."""
+    target = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(target, "layers", None)
+    if not isinstance(layers, (list, tuple)):
+        return None
+    distinct = len({id(x) for x in layers})
+    if distinct == len(layers):
+        return None
+    return (f"the cache's {len(layers)} layers are fewer distinct objects ({distinct}): one layer object is listed "
+            f"for several decoder layers (e.g. layers = [Layer()] * n), so they all write into the same keys and "
+            f"values — build one layer object per decoder layer")
 
 
 def kv_length_mismatch(calls, mask_sizes: dict, layer_max: list, held: int) -> str | None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from kvconform import compat
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
                                      forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
+                                     shared_layers,
                                      random_tokens, seq_length, tensors_of, unmasked_slots)
 from kvconform.ops import OPS
 from kvconform.outcomes import KVConformError
@@ -276,7 +277,8 @@ class Runner:
                     seq_length(self.cache), None if mask is None else mask.clone(),
                     None if self.encoder_ids is None else self.encoder_ids.clone(),
                     watch.fault or nonfinite_in(self.cache),
-                    kv_length_mismatch(watch.calls, watch.mask_sizes, layer_max_lengths(self.cache), start + n),
+                    shared_layers(self.cache)
+                    or kv_length_mismatch(watch.calls, watch.mask_sizes, layer_max_lengths(self.cache), start + n),
                     unmasked_slots(self.cache, start + n, n, mask), tuple(chunks), self.position_mode,
                     self.same_shapes, tuple(self.pending))
         self.chunks, self.pending = [*chunks, n], []

@@ -161,10 +161,41 @@ def check_beam_search(ctx):
         lines.append(token_mismatch(seq, ref_seq, "beam-search sequences", "uncached beam search"))
     else:
         lines.append(f"max|Δ sequence score| = {delta:.1e}, but should be ≤ {bound:.1e} ({tol.describe(floor)})")
+    without = _wrong_without_reorder(ctx, prompt, mask, n)
     lines += [f"ops: {ops_text}",
-              "likely cause: reorder_cache() does not move every layer's tensors with the surviving beams (or the "
-              "padding of the rows leaks into other rows)"]
-    ctx.fail(lines)
+              "likely cause: " + (without or "reorder_cache() does not move every layer's tensors with the surviving "
+                                  "beams (or the padding of the rows leaks into other rows)")]
+    ctx.fail(lines, {"wrong_without_reorder": without is not None})
+
+
+def _wrong_without_reorder(ctx, prompt, mask, n) -> str | None:
+    """Measured before blaming ``reorder_cache()`` for a beam-search failure: greedy ``generate()`` on the same
+    prompts (no beams, so no reorder) with a fresh subject cache against uncached greedy. Returns the cause when the
+    cache is already wrong there (raises, other tokens, or logits beyond the case tolerance), else None. Exact
+    subjects only (a lossy cache differs from uncached greedy by design)."""
+    if getattr(ctx.subject, "kind", "exact") != "exact":
+        return None
+    model = ctx.model
+    try:
+        cache = ctx.subject.build(model, max_cache_len=ctx.max_cache_len, batch_size=ctx.case.batch,
+                                  encoder_len=ctx.case.encoder_len)
+        seq, logits, _ = generate(model, prompt, n, compat.generate_cache_kwargs(cache, model.model), mask)
+    except Exception as exc:  # noqa: BLE001 - the subject's own failure, described
+        return (f"the cache fails without any reorder: greedy generate() on the same prompts raised "
+                f"{describe_exception(exc)}, so the fault is not in reorder_cache() (see the generate and logits "
+                f"families)")
+    ref_seq, ref_logits, _ = generate(model, prompt, n, {"use_cache": False}, mask)
+    bound = ctx.tolerance().bound(0.0)
+    if tuple(seq.shape) != tuple(ref_seq.shape) or not bool((seq == ref_seq).all()):
+        return ("the cache is wrong without any reorder: greedy generate() on the same prompts already gives other "
+                "tokens than uncached greedy, so the fault is not in reorder_cache() (see the generate and logits "
+                "families)")
+    delta = float((logits - ref_logits).abs().max())
+    if delta > bound:
+        return (f"the cache is wrong without any reorder: greedy generate() on the same prompts is off by "
+                f"max|Δlogit| = {delta:.1e} (> {bound:.1e}) from uncached greedy, so the fault is not in "
+                f"reorder_cache() (see the generate and logits families)")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ reorder after a flush

@@ -440,6 +440,63 @@ class BufferAddresses:
                                        for k, t in tensors_of(runner.cache).items()}))
 
 
+class ReturnedBuffers:
+    """Observer: whether the keys each single-token ``update()`` returns share storage with a tensor the cache holds
+    (``tensors_of``). A fixed-size cache hands attention its own buffers; a copy breaks CUDA-graph replay. The
+    wrapper sits on the cache *instance* (both halves of an encoder-decoder cache) until ``remove()``.
+    ``copies``: ``[(step label, layer_idx)]`` of calls that returned a copy."""
+
+    def __init__(self, cache):
+        self.copies: list = []
+        self._label = None
+        self._returned: list = []
+        self._targets = [c for c in (getattr(cache, "self_attention_cache", None),) if c is not None] or [cache]
+        self._cache = cache
+        for target in self._targets:
+            original = target.update
+
+            def update(key_states, value_states, layer_idx, *args, _original=original, **kwargs):
+                out = _original(key_states, value_states, layer_idx, *args, **kwargs)
+                if key_states.shape[-2] == 1 and isinstance(out, tuple) and hasattr(out[0], "untyped_storage"):
+                    self._returned.append((layer_idx, out[0].untyped_storage().data_ptr()))
+                return out
+
+            target.update = update
+
+    def remove(self):
+        """Take the wrappers off again."""
+        for target in self._targets:
+            target.__dict__.pop("update", None)
+
+    def after_forward(self, runner, step):
+        """Compare what this forward's single-token ``update()`` calls returned with the cache's storages."""
+        if self._returned:
+            held = {t.untyped_storage().data_ptr() for t in tensors_of(self._cache).values()}
+            self.copies += [(step.label, i) for i, ptr in self._returned if ptr not in held]
+        self._returned = []
+
+
+def _check_allocation(ctx, cache, label):
+    """A fixed-size cache built with ``max_cache_len`` (its factory accepts it) allocates no layer beyond it: fail
+    naming the layer, its key buffer's length and the bound."""
+    from kvconform.subjects import accepted_kwargs
+
+    if "max_cache_len" not in accepted_kwargs(ctx.subject.factory, {"max_cache_len": 1}):
+        return
+    target = getattr(cache, "self_attention_cache", cache)
+    for i, layer in enumerate(getattr(target, "layers", None) or ()):
+        keys = getattr(layer, "keys", None)
+        if getattr(keys, "dim", None) is not None and keys.dim() >= 3 and keys.shape[-2] > ctx.max_cache_len:
+            ctx.fail([
+                f"layer {i} allocated {keys.shape[-2]} slots for its keys, but the cache was built with "
+                f"max_cache_len={ctx.max_cache_len}",
+                f"ops: {ctx.case.ops_label()}   [after {label}]",
+                "likely cause: the cache allocates its fixed-size buffers from another length than max_cache_len "
+                "(a rounded-up size, a config default such as max_position_embeddings, or a doubled length), so "
+                "it holds memory it never uses and its mask covers slots beyond the requested length",
+            ], {"allocated": int(keys.shape[-2]), "max_cache_len": ctx.max_cache_len, "failed_at": label})
+
+
 @register("compile", needs=("forward",), applies=_applies(True), params=OP_PARAMS,
           ops=OpRule(min_forwards=2, why="it compares buffer addresses between forwards"))
 def check_static_addresses(ctx):
@@ -448,15 +505,31 @@ def check_static_addresses(ctx):
     ``torch.compile`` guards on them, so a buffer that moves (an out-of-place ``update``, a ``torch.cat``, a fresh
     tensor assigned each step) breaks them even where an eager run, or a compiled run on CPU, looks right."""
     probe = BufferAddresses()
-    runner = Runner(ctx, ctx.new_cache(), observers=[probe])
+    cache = ctx.new_cache()
+    returns = ReturnedBuffers(cache)
+    runner = Runner(ctx, cache, observers=[probe, returns])
     try:
         runner.run()
     except SubjectRaised as exc:
         fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    finally:
+        returns.remove()
     if not probe.rows:
         raise ValueError(f"case {ctx.case.id}: check_static_addresses needs forwards (prefill, decode)")
     first_label, first = probe.rows[0]
     ctx.metrics.update(steps=len(probe.rows), buffers=len(first))
+    _check_allocation(ctx, cache, first_label)
+    if returns.copies:
+        label, layer_idx = returns.copies[0]
+        ctx.fail([
+            f"is_compileable is True, but at {label} update(layer_idx={layer_idx}) returned keys/values that are "
+            f"not the cache's own buffers (their storage is none of the tensors the cache holds): "
+            f"{len(returns.copies)} such call(s)",
+            f"ops: {ctx.case.ops_label()}   [first at {label}]",
+            "likely cause: update() returns copies (.clone(), torch.cat, a sliced-and-copied tensor) instead of "
+            "the buffers it wrote into: a CUDA graph captured on those copies replays stale keys, and "
+            "torch.compile's in-place contract for static caches is broken",
+        ], {"returned_copies": len(returns.copies), "failed_at": label})
     for label, addresses in probe.rows[1:]:
         moved = sorted(k for k in first if k in addresses and addresses[k] != first[k])
         appeared = sorted(set(addresses) - set(first))

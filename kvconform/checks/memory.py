@@ -603,6 +603,67 @@ def _deeper(zm, layers: int):
     return model.to(device=device, dtype=zm.dtype).eval()
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable as a live Python ``torch.Tensor`` (``gc.get_objects()``,
+    after ``gc.collect()``), on any device: what a process keeps, wherever it is referenced from (a class-level or
+    module-level pool, a closure, a global list) — attribute traversal of the cache cannot see those."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that reads __class__, which some lazy module objects answer with a warning
+        if issubclass(kind, torch.Tensor) and not issubclass(kind, torch.nn.Parameter):
+            try:
+                storage = obj.untyped_storage()
+                key = (storage.data_ptr(), obj.device.type)
+            except Exception:  # noqa: BLE001 - a tensor subclass without a plain storage (meta, sparse ...)
+                continue
+            if key not in seen and storage.data_ptr() != 0:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
+
+
+@register("memory", needs=("forward",), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
+    "requests": Param(int, default=3, min=2, doc="requests served after the warm-up, each with a fresh cache"),
+    "slack_bytes": Param(int, default=16384, min=0, doc="live tensor bytes allowed to remain after the requests")})
+def check_memory_released(ctx):
+    """Memory a cache keeps after it is released: a warm-up request (a fresh cache, the case's ops, dropped), then
+    ``params.requests`` more, each with a fresh cache that is dropped afterwards; the bytes of live tensors in the
+    process (``live_tensor_bytes``, CPU and GPU alike) after the last must be within ``slack_bytes`` of the bytes
+    after the warm-up. A host-side pool that grows with every request fails; the memory family's formula checks
+    see only what the live cache object holds."""
+    def request():
+        cache = ctx.new_cache()
+        try:
+            run_memory_ops(ctx, cache, lambda *_: None)
+        except SubjectRaised as exc:
+            fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+        del cache
+
+    requests = int(ctx.case.params.get("requests", 3))
+    slack = int(ctx.case.params.get("slack_bytes", 16384))
+    request()
+    base = live_tensor_bytes()
+    after = []
+    for _ in range(requests):
+        request()
+        after.append(live_tensor_bytes() - base)
+    ctx.metrics.update(kept_bytes=after[-1], kept_per_request=after, slack_bytes=slack)
+    if after[-1] > slack:
+        ctx.fail([
+            f"after {requests} requests, each with a fresh cache dropped at its end, {_mib(after[-1])} more of live "
+            f"tensors remain than after the warm-up (slack {_mib(slack)}): "
+            + ", ".join(_mib(a) for a in after) + " after each",
+            f"ops per request: {ctx.case.ops_label()}",
+            "likely cause: the cache keeps tensors alive after it is released — a pool, list or dict at class or "
+            "module level (or in a closure) that grows with every request and is never emptied or reused",
+        ], {"kept_bytes": after[-1], "failed_at": f"request {requests}"})
+
+
 @register("memory", needs=("forward",), applies=_offloaded_row, ops=OpRule(allowed=FORWARD_OPS, first="prefill"),
           params={"layers": Param(int, default=6, min=1, doc="decoder layers of the model copy")})
 def check_offloaded_matches(ctx):

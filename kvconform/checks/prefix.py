@@ -61,6 +61,12 @@ def run_fork_case(ctx, cache, info=None):
     before = snapshot(runner.cache)
     for f in range(forks):
         copied = runner._call(f"copy.deepcopy #{f + 1}", copy.deepcopy, runner.cache)
+        if info is not None and f == 0:
+            try:
+                info["copy_length"] = int(copied.get_seq_length())
+                info["original_length"] = int(runner.cache.get_seq_length())
+            except Exception:  # noqa: BLE001 - a cache without a readable length: nothing measured here
+                pass
         branch = runner.branch(copied, f"copy {f + 1}", gen=case_generator(ctx.case, ctx.model.name, f"/copy{f}"))
         branch.run(suffix_ops, parked=False, index_ops=False)
     diff = changed(before, snapshot(runner.cache))
@@ -106,6 +112,12 @@ def check_prefix_fork(ctx):
         def cause(step, cmp):
             if step.label.startswith("original"):
                 return "the original no longer holds the prefix after its copies were extended (shared state)"
+            copy_len, orig_len = info.get("copy_length"), info.get("original_length")
+            if copy_len is not None and orig_len is not None and copy_len != orig_len:
+                return (f"the deep copy counts its tokens wrong: right after copy.deepcopy its get_seq_length() = "
+                        f"{copy_len}, the original's = {orig_len}; a length counter is not copied but recomputed "
+                        f"(past a sliding window: from the stored window), so positions derived from the cache "
+                        f"start wrong")
             return ("the deep copy does not hold the same state as the original (a layer, a length counter or a "
                     "conv/recurrent state was not copied)")
 

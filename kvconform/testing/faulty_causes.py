@@ -106,7 +106,54 @@ class NotCompileableStaticCache(StaticCache):
         super().__init__(config=config, max_cache_len=max_cache_len)
 
 
+# ------------------------------------------------------------------------------------------ one shared layer
+class SharedLayerCache(Cache):
+    """Lists one ``DynamicLayer`` object for every decoder layer (``[DynamicLayer()] * n``): layer 1 appends its
+    keys to layer 0's, so the second layer's ``update()`` returns twice the tokens held."""
+
+    kvconform_capabilities = ("forward",)  # what its pinned item needs; every family would fail it
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        # BUG: list multiplication repeats one object: every decoder layer gets the same layer
+        super().__init__(layers=[DynamicLayer()] * len(types))
+
+
+# ------------------------------------------------------------------------------------------ values as keys
+class _ValuesAsKeysLayer(DynamicLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        # BUG: a copy-paste slip: the values are stored in place of the keys
+        return super().update(value_states, value_states, *args, **kwargs)
+
+
+class ValuesAsKeysCache(Cache):
+    """Stores the values as keys. Wrong from the first cached step, with or without beams: a beam-search failure
+    must not blame ``reorder_cache()`` (which it inherits from ``DynamicLayer`` and which is right)."""
+
+    kvconform_capabilities = ("forward", "generate", "reorder")  # what its pinned item needs
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_ValuesAsKeysLayer() for _ in types])
+
+
 FAULTY = [
+    FaultyCache(
+        name="shared_layer", attr="SharedLayerCache", module=__name__, family="logits",
+        check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
+        message=("check_prefill_then_decode failed: SharedLayerCache on llama",),
+        cause=r"the cache's 2 layers are fewer distinct objects \(1\): one layer object is listed for several "
+              r"decoder layers",
+        also_caught_by=_ALL_FAMILIES,
+    ),
+    FaultyCache(
+        name="values_as_keys_beam", attr="ValuesAsKeysCache", module=__name__, family="batch",
+        check="check_beam_search", model="llama", case="beam_search",
+        message=("check_beam_search failed: ValuesAsKeysCache on llama",),
+        cause=r"the cache is wrong without any reorder: greedy generate\(\) on the same prompts .* so the fault is "
+              r"not in reorder_cache\(\)",
+        also_caught_by=_ALL_FAMILIES,
+    ),
     FaultyCache(
         name="encoder_depth", attr="EncoderDepthCache", module=__name__, family="logits",
         check="check_prefill_then_decode", model="bart", case="decode_implicit_positions",
