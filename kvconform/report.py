@@ -37,7 +37,13 @@ def _message(report, outcome) -> str:
         longrepr = report.longrepr
         return str(longrepr[2]).removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
     if outcome in ("failed", "error"):
-        return report.longreprtext.strip()
+        text = report.longreprtext.strip()
+        # under pytest-xdist the controller's copy of a report starts with the worker's line
+        # ("[gw0] linux -- Python 3.11.7 /path/python"): not part of the item's message
+        first, _, rest = text.partition("\n")
+        if first.startswith("[gw") and "] " in first and " -- Python " in first:
+            text = rest.strip()
+        return text
     return ""
 
 

@@ -12,6 +12,7 @@ import platform
 from dataclasses import dataclass, field
 
 from kvconform import zoo
+from kvconform.outcomes import breadcrumb
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,7 @@ class KVSession:
 
         from kvconform.checks import CheckContext, ConformanceError, KnownFaultShown, run_check
 
+        breadcrumb("building the model, the oracle and the cache (before the case's first op)", item=item.id)
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,

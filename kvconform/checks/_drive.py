@@ -11,6 +11,7 @@ from __future__ import annotations
 import zlib
 
 from kvconform import compat
+from kvconform.outcomes import breadcrumb
 from kvconform.oracle import padded_position_ids
 from kvconform.subjects import call_context
 
@@ -185,6 +186,7 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
         attention_mask: ``[B, S]`` (default: all ones).
         extra: more ``generate`` keyword arguments (``num_beams``, ``output_scores``...).
     """
+    breadcrumb(f"generate(max_new_tokens={max_new_tokens})")
     import torch
 
     m = model if isinstance(model, torch.nn.Module) else model.model

@@ -33,6 +33,7 @@ import copy
 from dataclasses import dataclass
 
 from kvconform import compat
+from kvconform.outcomes import breadcrumb
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
                                      forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
                                      random_tokens, seq_length, tensors_of, unmasked_slots)
@@ -383,6 +384,7 @@ class Runner:
         if self.allowed_ops is not None and op.name not in self.allowed_ops:
             raise ValueError(f"op {op.name!r} is not supported by {self.ctx.check_name} (case {self.ctx.case.id})")
         self._notify("before_op", op, self.op_index)
+        breadcrumb(op.label)
         if op.name in self.handlers:
             self.handlers[op.name](self, op)
             if op.name not in ("prefill", "chunk", "decode"):
@@ -395,6 +397,7 @@ class Runner:
         elif op.name == "decode":
             after = " after reorder" if self.decode_suffix and "reorder" in self.op_names else ""
             for s in range(op.n):
+                breadcrumb(f"decode {s + 1} of {op.n}{after}")
                 self.feed(1, f"decode {s + 1}{after}")
         elif op.name == "crop":
             self.crop(op.n, op.label)

@@ -35,6 +35,7 @@ from __future__ import annotations
 from kvconform.checks import IGNORES_OPS, Param, register
 from kvconform.checks._diagnosis import fail_raised
 from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call
+from kvconform.outcomes import breadcrumb
 from kvconform.timing import Target, measure_interleaved
 
 DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_steps": 1, "repeats": 5, "warmup": 1,
@@ -99,6 +100,7 @@ def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Targ
     fwd = forward or m
 
     def setup():
+        breadcrumb(f"{name}: prefill({context}) of a speed target")
         cache = spec.build(ctx.model, max_cache_len=context + steps, batch_size=ctx.case.batch)
         try:
             with torch.no_grad(), subject_call(cache, m):
@@ -108,6 +110,7 @@ def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Targ
         return cache
 
     def run(cache):
+        breadcrumb(f"{name}: {steps} timed decode steps from position {context}")
         with torch.no_grad():
             for s in range(steps):
                 pos = context + s
