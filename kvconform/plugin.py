@@ -255,7 +255,7 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(
             "kvconform: --kvconform is set but no conformance items were collected "
             "(was the packaged suite excluded by a collection setting?)")
-    for it in ours:
+    for it in _suite_items(ours):
         if "kv_item" in it.callspec.params:
             # JSON, so that --junitxml properties are machine-readable (report.py decodes them)
             it.user_properties.append((PROPERTY, encode_property(it.callspec.params["kv_item"].describe())))
@@ -512,6 +512,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     results = config.stash[RESULTS_KEY]
     write_terminal_matrix(terminalreporter, results, config.stash[SESSION_KEY])
+    _write_own_failures_hint(terminalreporter, results)
     if _opt(config, OPT_SELFTEST):
         from kvconform.report import write_selftest_summary
 
@@ -715,3 +716,26 @@ def _crashed_subject_message(config, item) -> str | None:
                     f"  each of its items would take a worker down again; fix that crash first (its item's message "
                     f"says more)")
     return None
+
+
+def _suite_items(items) -> list:
+    """The items of kvconform's own suite module. A project's test decorated with ``parametrize_with_checks`` in the
+    folder of a ``pytest --kvconform`` run is collected too and runs as the project's test; it is not counted in the
+    matrix and the JSON report a second time (its items are the suite's items under another node id)."""
+    return [it for it in items if Path(str(it.path)) in (SUITE_FILE, SELFTEST_FILE)]
+
+
+def _write_own_failures_hint(terminalreporter, results) -> None:
+    """Exit 1 with every conformance item green comes from the project's own tests collected beside the suite: say
+    so, naming them, instead of leaving the user to find it under an all-green matrix."""
+    if any(r["outcome"] in ("failed", "error") for r in results.values()):
+        return
+    own = [rep.nodeid for key in ("failed", "error") for rep in terminalreporter.stats.get(key, [])
+           if PROPERTY not in dict(getattr(rep, "user_properties", None) or ())]
+    own = list(dict.fromkeys(own))
+    if not own:
+        return
+    shown = ", ".join(own[:3]) + (f" and {len(own) - 3} more" if len(own) > 3 else "")
+    terminalreporter.write_line(
+        f"kvconform: every conformance item conformed; the failures ({len(own)}) are the project's own tests, not "
+        f"kvconform's: {shown}. Run the conformance suite alone with -m kvconform.", yellow=True)

@@ -218,6 +218,20 @@ def json_path_problem(path: str) -> str | None:
         return f"folder {directory!r} does not exist"
     if not os.access(directory, os.W_OK | os.X_OK):
         return f"folder {directory!r} is not writable"
+    # os.access trusts the permission bits (and root passes them), which special file systems such as /proc or a
+    # read-only mount do not honour: create and remove a file there, as write_json will
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvconform-", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"folder {directory!r} does not take new files ({exc.strerror or exc})"
+    if os.path.exists(target):
+        try:
+            with open(target, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            return f"cannot be written ({exc.strerror or exc})"
     return None
 
 

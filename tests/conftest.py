@@ -59,6 +59,10 @@ def _inner_runs_are_not_xdist_workers(monkeypatch):
     plain user run: without the worker's variables."""
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
+    # `pytest --kvconform` runs its items in pytest-xdist workers by default (kvconform/plugin.py, "crashes"); the
+    # runs a test starts are small, and worker start-ups would cost more than they save: in-process, unless a test
+    # asks for workers (-n) or unsets this (tests/test_crashes.py runs the default).
+    monkeypatch.setenv("KVCONFORM_WORKERS", "0")
 
 
 @pytest.fixture(scope="module", autouse=True)
