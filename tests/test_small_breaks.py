@@ -48,3 +48,25 @@ def test_a_user_parametrize_with_checks_file_is_not_counted_twice_and_own_failur
     matrix = out.split("subjects × check families")[1]
     assert "1/1" in matrix and "2/2" not in matrix
     assert "the failures (1) are the project's own tests, not kvconform's: test_mine.py::test_own_failing" in out
+
+
+def test_a_cache_returning_another_dtype_fails_each_item_with_the_same_precise_cause():
+    """update() returning bfloat16 for float32 states made every item fail on the attention's dtype error with the
+    generic cause; each item now names the measured cause (recognisably the same one in every item)."""
+    import torch
+    from transformers import DynamicCache
+
+    import kvconform
+
+    class BfloatReturningCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            return keys.to(torch.bfloat16), values.to(torch.bfloat16)
+
+    results = kvconform.check_cache(BfloatReturningCache, models=["llama"], checks=["check_prefill_then_decode"],
+                                    cases=["decode_explicit_positions", "decode_recording"])
+    assert len(results) == 2 and all(r.outcome == "failed" for r in results), results
+    causes = {line for r in results for line in r.message.splitlines() if "likely cause" in line}
+    assert causes == {"  likely cause: update(layer_idx=0) returned keys of dtype bfloat16 for key/value states of "
+                      "dtype float32: the attention then runs in another dtype or raises; return the states' dtype "
+                      "(cast back after dequantizing)"}, causes

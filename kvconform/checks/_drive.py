@@ -241,6 +241,9 @@ class UpdateWatch:
 
     def __init__(self, cache):
         self.fault: str | None = None
+        self.dtype_fault: str | None = None
+        """An ``update()`` that returned keys/values of another dtype than the states it was given: the likely cause
+        when the forward then raises (``raise_facts``); not a fault of a forward that went through."""
         self.calls: list[list] = []
         """``[layer_idx, new tokens, returned key length or None]`` per ``update()`` of the (self-attention) cache,
         in call order; None: the call raised (or returned no tensor)."""
@@ -284,6 +287,15 @@ class UpdateWatch:
                     if given.shape == kept.shape and not torch.equal(given.detach(), kept):
                         self.fault = (f"update(layer_idx={layer_idx}) wrote into the {what} it was given (the "
                                       f"caller's tensor changed during the call)")
+                        break
+            if self.dtype_fault is None and isinstance(out, (tuple, list)) and isinstance(key_states, torch.Tensor):
+                for what, t in zip(("keys", "values"), out):
+                    if isinstance(t, torch.Tensor) and t.dtype != key_states.dtype:
+                        self.dtype_fault = (f"update(layer_idx={layer_idx}) returned {what} of dtype "
+                                      f"{str(t.dtype).removeprefix('torch.')} for key/value states of dtype "
+                                      f"{str(key_states.dtype).removeprefix('torch.')}: the attention then runs in "
+                                      f"another dtype or raises; return the states' dtype (cast back after "
+                                      f"dequantizing)")
                         break
             if self.fault is None and isinstance(out, (tuple, list)):
                 for what, t in zip(("keys", "values"), out):
@@ -331,7 +343,8 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
     ``cache_layers`` (len of ``layers``, or None), ``grows_layers`` (layers appended on demand),
     ``decoder_depth``, ``layer_max`` (each layer's ``get_max_length()``, -1 unbounded, None unknown),
     ``kv_mismatch`` (``kv_length_mismatch``: an ``update()`` that returned a wrong number of keys, or None) and
-    ``batch_sizes`` (``{tensor name: dim 0}`` of every ≥3-dim tensor the cache holds).
+    ``batch_sizes`` (``{tensor name: dim 0}`` of every ≥3-dim tensor the cache holds), ``update_fault`` (what the
+    watch saw an ``update()`` do wrong: another dtype returned, NaN returned, its inputs written; or None).
     """
     target = getattr(cache, "self_attention_cache", cache)
     layers = getattr(target, "layers", None)
@@ -341,6 +354,7 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
              "cache_layers": len(layers) if isinstance(layers, (list, tuple)) else None,
              "grows_layers": getattr(target, "layer_class_to_replicate", None) is not None,
              "decoder_depth": getattr(model, "decoder_depth", None)}
+    facts["update_fault"] = (watch.fault or watch.dtype_fault) if watch else None
     facts["layer_max"] = layer_max_lengths(cache)
     facts["kv_mismatch"] = kv_length_mismatch(facts["update_calls"], facts["mask_sizes"], facts["layer_max"], held)
     try:
