@@ -471,29 +471,44 @@ def pytest_runtest_logreport(report):
         return
     from kvconform.report import record_report
 
-    record_report(config.stash[RESULTS_KEY], report, props)
+    with _JSON_LOCK:
+        record_report(config.stash[RESULTS_KEY], report, props)
     _write_json_progress(config)
 
 
 _JSON_EVERY_S = 2.0
+_JSON_LOCK = __import__("threading").Lock()
 
 
 def _write_json_progress(config, final: bool = False) -> None:
-    """The JSON report is rewritten as items finish (at most every ``_JSON_EVERY_S`` seconds, and at the end), so
-    that a session killed from outside still leaves what it finished on disk. Not in xdist workers (the controller
-    writes the one report)."""
-    import time
+    """The JSON report is rewritten as items finish, so that a session killed from outside still leaves what it
+    finished on disk: a timer thread writes it ``_JSON_EVERY_S`` seconds after the first unwritten result (one
+    rewrite per interval, not one per item: a rewrite costs the whole report), and ``final`` writes it at the end.
+    Not in xdist workers (the controller writes the one report)."""
+    import threading
 
     path = _opt(config, OPT_JSON)
     if not path or hasattr(config, "workerinput") or RESULTS_KEY not in config.stash:
         return
-    now = time.monotonic()
-    if not final and now - getattr(config, "_kvconform_json_at", 0.0) < _JSON_EVERY_S:
-        return
-    config._kvconform_json_at = now
     from kvconform.report import write_json
 
-    write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+    def flush():  # under the lock: never interleaved with the final write, never after it
+        with _JSON_LOCK:
+            config._kvconform_json_timer = None
+            if not getattr(config, "_kvconform_json_final", False):
+                write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+
+    timer = getattr(config, "_kvconform_json_timer", None)
+    if final:
+        with _JSON_LOCK:
+            config._kvconform_json_final = True
+            if timer is not None:
+                timer.cancel()
+            write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+    elif timer is None:
+        timer = config._kvconform_json_timer = threading.Timer(_JSON_EVERY_S, flush)
+        timer.daemon = True
+        timer.start()
 
 
 _CONFIG: dict = {}
