@@ -43,3 +43,56 @@ def with_article(word: str) -> str:
     """``word`` with its indefinite article, for messages naming a type: ``"an int"``, ``"a str"``, ``"an
     OffloadedCache"`` (by the first letter: a vowel takes "an")."""
     return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
+# ------------------------------------------------------------------------------------------------ breadcrumbs
+# Where a process is: the item it runs and the last op it started, kept in a small file that outlives the process.
+# A subject that kills its process (a segfault or abort in a native kernel, os._exit, the OOM killer's SIGKILL) leaves
+# no Python traceback; the pytest-xdist controller reads the crashed worker's file to name the item's last op
+# (kvconform.plugin, "crashes"). One pwrite of a fixed-size record per op: nothing is lost when the process dies
+# right after, since the kernel holds the data.
+_BREADCRUMB = {"fd": None}
+BREADCRUMB_SIZE = 1024
+
+
+def open_breadcrumbs(path: str) -> None:
+    """Record this process's breadcrumbs in ``path`` (created, or truncated)."""
+    import os
+
+    close_breadcrumbs()
+    _BREADCRUMB["fd"] = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+
+
+def close_breadcrumbs() -> None:
+    import os
+
+    fd, _BREADCRUMB["fd"] = _BREADCRUMB["fd"], None
+    if fd is not None:
+        os.close(fd)
+
+
+def breadcrumb(op: str, item: str | None = None) -> None:
+    """Record ``op`` (``"decode 6"``, ``"generate(max_new_tokens=12)"``) as the last op started, and ``item`` (an
+    item id) when a new item starts. A no-op unless ``open_breadcrumbs`` was called in this process."""
+    import os
+
+    fd = _BREADCRUMB["fd"]
+    if fd is None:
+        return
+    if item is not None:
+        _BREADCRUMB["item"] = item
+    text = f"{_BREADCRUMB.get('item', '')}\n{op}".encode("utf-8", "replace")[:BREADCRUMB_SIZE]
+    os.pwrite(fd, text.ljust(BREADCRUMB_SIZE, b"\0"), 0)
+
+
+def read_breadcrumbs(path: str) -> tuple[str, str] | None:
+    """``(item id, last op started)`` recorded in ``path``, or None when there is none."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(BREADCRUMB_SIZE).rstrip(b"\0").decode("utf-8", "replace")
+    except OSError:
+        return None
+    if not data:
+        return None
+    item, _, op = data.partition("\n")
+    return item, op

@@ -205,6 +205,7 @@ def pytest_configure(config):
     suite_ids = _point_suite_node_ids_at_the_suite(config)
     if not suite_ids and str(SUITE_DIR) not in config.args:
         config.args.append(str(SUITE_DIR))
+    _crash_setup(config)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -304,7 +305,7 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(
             "kvconform: --kvconform is set but no conformance items were collected "
             "(was the packaged suite excluded by a collection setting?)")
-    for it in ours:
+    for it in _suite_items(ours):
         if "kv_item" in it.callspec.params:
             # JSON, so that --junitxml properties are machine-readable (report.py decodes them)
             it.user_properties.append((PROPERTY, encode_property(it.callspec.params["kv_item"].describe())))
@@ -372,6 +373,7 @@ def pytest_configure_node(node):
     seed = getattr(node.config, "_kvconform_fuzz_seed", None)
     if seed is not None:
         node.workerinput["kvconform_fuzz_seed"] = seed
+    node.workerinput[_RUNDIR_KEY] = getattr(node.config, "_kvconform_rundir", None)
 
 
 def _reproduce_args(config) -> tuple:
@@ -466,17 +468,23 @@ def kv_runner(kv_session, request):
     from kvconform.session import item_timeout
 
     def run(item):
-        from kvconform.checks import CheckSkipped, KnownFaultShown
+        from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown
         from kvconform.report import encode_property
 
         metrics = {}
         benchmark = None
+        crashed = _crashed_subject_message(request.config, item)
+        if crashed:
+            request.node.user_properties.append((PROPERTY + "_metrics", encode_property({"crash": "earlier"})))
+            raise ConformanceError(crashed)
         if item.check.family == "speed":
-            # Timing budgets mean nothing while xdist workers share the CPU: skip, never pass (checks/speed.py).
+            # Under xdist (the default) pytest-benchmark disables itself: the rounds run in a plain loop, and a budget
+            # exceeded is confirmed by a second measurement before the item fails (checks/speed.py), so the other
+            # worker's load does not flip a verdict. --benchmark-disable still skips them (never a pass).
             if hasattr(request.config, "workerinput"):
-                pytest.skip("speed budgets are not measured under xdist (-n): parallel workers share the machine; "
-                            "run them serially, e.g. pytest --kvconform -m kvconform_speed")
-            if request.config.pluginmanager.hasplugin("benchmark"):
+                if request.config.getoption("benchmark_disable", False):
+                    pytest.skip("benchmarking is disabled (--benchmark-disable), so this budget was not measured")
+            elif request.config.pluginmanager.hasplugin("benchmark"):
                 benchmark = request.getfixturevalue("benchmark")
         try:
             with item_timeout(_timeout(request.config), item, kv_session.reproduce_args):
@@ -515,7 +523,44 @@ def pytest_runtest_logreport(report):
         return
     from kvconform.report import record_report
 
-    record_report(config.stash[RESULTS_KEY], report, props)
+    with _JSON_LOCK:
+        record_report(config.stash[RESULTS_KEY], report, props)
+    _write_json_progress(config)
+
+
+_JSON_EVERY_S = 2.0
+_JSON_LOCK = __import__("threading").Lock()
+
+
+def _write_json_progress(config, final: bool = False) -> None:
+    """The JSON report is rewritten as items finish, so that a session killed from outside still leaves what it
+    finished on disk: a timer thread writes it ``_JSON_EVERY_S`` seconds after the first unwritten result (one
+    rewrite per interval, not one per item: a rewrite costs the whole report), and ``final`` writes it at the end.
+    Not in xdist workers (the controller writes the one report)."""
+    import threading
+
+    path = _opt(config, OPT_JSON)
+    if not path or hasattr(config, "workerinput") or RESULTS_KEY not in config.stash:
+        return
+    from kvconform.report import write_json
+
+    def flush():  # under the lock: never interleaved with the final write, never after it
+        with _JSON_LOCK:
+            config._kvconform_json_timer = None
+            if not getattr(config, "_kvconform_json_final", False):
+                write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+
+    timer = getattr(config, "_kvconform_json_timer", None)
+    if final:
+        with _JSON_LOCK:
+            config._kvconform_json_final = True
+            if timer is not None:
+                timer.cancel()
+            write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+    elif timer is None:
+        timer = config._kvconform_json_timer = threading.Timer(_JSON_EVERY_S, flush)
+        timer.daemon = True
+        timer.start()
 
 
 _CONFIG: dict = {}
@@ -534,6 +579,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     results = config.stash[RESULTS_KEY]
     write_terminal_matrix(terminalreporter, results, config.stash[SESSION_KEY])
+    _write_own_failures_hint(terminalreporter, results)
     if _opt(config, OPT_SELFTEST):
         from kvconform.report import write_selftest_summary
 
@@ -548,14 +594,215 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if not is_active(config) or hasattr(config, "workerinput") or RESULTS_KEY not in config.stash:
         return
-    path = _opt(config, OPT_JSON)
-    if not path:
-        return
-    from kvconform.report import write_json
-
-    write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+    _write_json_progress(config, final=True)
 
 
 def pytest_unconfigure(config):
     _CONFIG.pop("config", None)
+    _crash_teardown(config)
 
+
+
+# ------------------------------------------------------------------------------------------------------ crashes
+# A subject with a native kernel can kill its process (segfault, abort, os._exit, the OOM killer's SIGKILL), which no
+# try/except catches. `pytest --kvconform` therefore runs its items in pytest-xdist workers by default: the controller
+# replaces a crashed worker and the session goes on. The crashed item fails with a kvconform message naming the
+# subject, the signal and the last op started (read from the worker's breadcrumb file, kvconform.outcomes); the
+# subject's other items fail at once naming that crash (each would take a worker down again). `-n 0` (or
+# KVCONFORM_WORKERS=0) runs in-process, without that protection.
+WORKERS_ENV = "KVCONFORM_WORKERS"
+_RUNDIR_KEY = "kvconform_rundir"
+
+
+def default_workers() -> int:
+    """Workers of a default ``pytest --kvconform`` run: ``$KVCONFORM_WORKERS`` if set, else the usable CPU cores
+    (at most 4: every worker builds its own models and oracles). 0: run in-process."""
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    if value:
+        if not value.isdigit():
+            raise pytest.UsageError(f"kvconform: {WORKERS_ENV}={value!r}: an integer ≥ 0 (0 runs in-process)")
+        return int(value)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config):
+    # a wrapper: runs before pytest-xdist's own pytest_cmdline_main, which turns -n into its workers
+    _distribute_by_default(config)
+    return (yield)
+
+
+def _distribute_by_default(config) -> None:
+    """Under ``--kvconform`` with pytest-xdist installed and no ``-n``/``--dist``/``--tx`` given: ``-n`` of
+    ``default_workers()`` (both cores working, and a crashing subject cannot take the session down)."""
+    if not is_active(config) or hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    opt = config.option
+    if getattr(opt, "numprocesses", 0) is not None or getattr(opt, "tx", None) or getattr(opt, "dist", "no") != "no":
+        return  # the user chose
+    if getattr(opt, "collectonly", False) or getattr(opt, "usepdb", False) or getattr(opt, "looponfail", False):
+        return
+    workers = default_workers()
+    if workers == 0:
+        return
+    opt.numprocesses = workers
+    if getattr(opt, "maxworkerrestart", None) is None:
+        opt.maxworkerrestart = "1000"  # bounded anyway: a crashed subject's other items do not run
+    config._kvconform_distributed = True
+
+
+def _crash_setup(config) -> None:
+    """Controller: a folder for the workers' breadcrumbs and the crashed subjects. Worker: its breadcrumb file."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        if worker.get(_RUNDIR_KEY):
+            from kvconform.outcomes import open_breadcrumbs
+
+            open_breadcrumbs(os.path.join(worker[_RUNDIR_KEY], f"{worker.get('workerid', 'gw')}.crumb"))
+        return
+    if config.getoption("dist", "no") != "no":
+        config._kvconform_rundir = tempfile.mkdtemp(prefix="kvconform-run-")
+
+
+def _crash_teardown(config) -> None:
+    import shutil
+
+    from kvconform.outcomes import close_breadcrumbs
+
+    close_breadcrumbs()
+    rundir = getattr(config, "_kvconform_rundir", None)
+    if rundir:
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _exit_text(worker) -> tuple[str, str]:
+    """``(short name, text)`` of how a crashed xdist worker process ended: the signal that killed it (SIGSEGV,
+    SIGABRT, SIGKILL…) or its exit status."""
+    import signal
+
+    popen = getattr(getattr(getattr(worker, "gateway", None), "_io", None), "popen", None)
+    code = None
+    if popen is not None:
+        try:
+            code = popen.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - still running or already reaped elsewhere
+            code = popen.returncode
+    if code is None:
+        return "unknown", "the worker process died (its exit status could not be read)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = {"SIGSEGV": "a segmentation fault: memory read or written out of bounds, e.g. by a native kernel",
+               "SIGABRT": "abort(): a failed assertion or check in native code",
+               "SIGKILL": "killed: the kernel's OOM killer sends SIGKILL when memory runs out",
+               "SIGBUS": "a bus error: a misaligned or unmapped memory access",
+               "SIGFPE": "an arithmetic fault in native code",
+               "SIGILL": "an illegal instruction: a kernel built for another CPU"}.get(name, "a fatal signal")
+        return name, f"{name} ({why})"
+    return f"exit {code}", (f"exit status {code} without a Python exception (os._exit, or exit() called from "
+                            f"native code)")
+
+
+def _plan_item(config, nodeid: str):
+    """The controller's ``PlanItem`` of a suite node id (None for other tests)."""
+    session = config.stash.get(SESSION_KEY, None)
+    if session is None or "[" not in nodeid:
+        return None
+    items = getattr(config, "_kvconform_items", None)
+    if items is None:
+        items = config._kvconform_items = {it.id: it for it in session.items()}
+    return items.get(nodeid.partition("[")[2].removesuffix("]"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """pytest-xdist: a worker died while running ``crashitem``. Turn xdist's bare "worker crashed" into the item's
+    kvconform failure, and remember the subject so that its other items fail at once."""
+    config = _CONFIG.get("config")
+    if config is None or not is_active(config):
+        return None
+    item = _plan_item(config, crashitem)
+    if item is None:
+        return None
+    from kvconform.checks import reproduce_line
+    from kvconform.outcomes import read_breadcrumbs
+    from kvconform.report import encode_property
+
+    worker = getattr(report, "node", None)
+    worker_id = getattr(getattr(worker, "gateway", None), "id", "?")
+    name, how = _exit_text(worker)
+    rundir = getattr(config, "_kvconform_rundir", None)
+    crumb = read_breadcrumbs(os.path.join(rundir, f"{worker_id}.crumb")) if rundir else None
+    op = crumb[1] if crumb and crumb[0] == item.id else "none recorded (before the item's first op)"
+    d = item.describe()
+    session = config.stash[SESSION_KEY]
+    message = "\n".join([
+        f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}",
+        f"  {d['subject']} killed its process: {how}",
+        f"  last op started: {op}",
+        f"  the session went on: pytest-xdist replaced worker {worker_id}; {d['subject']}'s other items fail "
+        f"without running (each would take a worker down)",
+        "  likely cause: a native kernel of the cache (C++, CUDA, Triton) crashed or aborted, the cache called "
+        "os._exit, or it exhausted memory",
+        "  " + reproduce_line(item.subject, item.model.spec, item.id, session.reproduce_args)
+        + "   (add -n 0 to see the crash itself)",
+    ])
+    report.longrepr = message
+    report.when = "call"
+    report.user_properties = [(PROPERTY, encode_property(d)),
+                              (PROPERTY + "_metrics", encode_property({"crash": name, "last_op": op}))]
+    if rundir:
+        with open(os.path.join(rundir, "crashed.tsv"), "a", encoding="utf-8") as fh:
+            fh.write(f"{d['subject']}\t{item.id}\t{how}\t{op}\n")
+    return None
+
+
+def _crashed_subject_message(config, item) -> str | None:
+    """In a worker: the failure message for ``item`` when its subject already killed a worker this session."""
+    rundir = getattr(config, "workerinput", {}).get(_RUNDIR_KEY)
+    if not rundir:
+        return None
+    try:
+        with open(os.path.join(rundir, "crashed.tsv"), encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        subject, first, how, op = (line.split("\t") + ["", "", ""])[:4]
+        if subject == item.subject.name:
+            d = item.describe()
+            return (f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}\n"
+                    f"  not run: {subject} killed its process earlier in this session, in {first}: {how}; last op "
+                    f"started: {op}\n"
+                    f"  each of its items would take a worker down again; fix that crash first (its item's message "
+                    f"says more)")
+    return None
+
+
+def _suite_items(items) -> list:
+    """The items of kvconform's own suite module. A project's test decorated with ``parametrize_with_checks`` in the
+    folder of a ``pytest --kvconform`` run is collected too and runs as the project's test; it is not counted in the
+    matrix and the JSON report a second time (its items are the suite's items under another node id)."""
+    return [it for it in items if Path(str(it.path)) in (SUITE_FILE, SELFTEST_FILE)]
+
+
+def _write_own_failures_hint(terminalreporter, results) -> None:
+    """Exit 1 with every conformance item green comes from the project's own tests collected beside the suite: say
+    so, naming them, instead of leaving the user to find it under an all-green matrix."""
+    if any(r["outcome"] in ("failed", "error") for r in results.values()):
+        return
+    own = [rep.nodeid for key in ("failed", "error") for rep in terminalreporter.stats.get(key, [])
+           if PROPERTY not in dict(getattr(rep, "user_properties", None) or ())]
+    own = list(dict.fromkeys(own))
+    if not own:
+        return
+    shown = ", ".join(own[:3]) + (f" and {len(own) - 3} more" if len(own) > 3 else "")
+    terminalreporter.write_line(
+        f"kvconform: every conformance item conformed; the failures ({len(own)}) are the project's own tests, not "
+        f"kvconform's: {shown}. Run the conformance suite alone with -m kvconform.", yellow=True)

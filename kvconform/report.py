@@ -37,7 +37,13 @@ def _message(report, outcome) -> str:
         longrepr = report.longrepr
         return str(longrepr[2]).removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
     if outcome in ("failed", "error"):
-        return report.longreprtext.strip()
+        text = report.longreprtext.strip()
+        # under pytest-xdist the controller's copy of a report starts with the worker's line
+        # ("[gw0] linux -- Python 3.11.7 /path/python"): not part of the item's message
+        first, _, rest = text.partition("\n")
+        if first.startswith("[gw") and "] " in first and " -- Python " in first:
+            text = rest.strip()
+        return text
     return ""
 
 
@@ -212,6 +218,20 @@ def json_path_problem(path: str) -> str | None:
         return f"folder {directory!r} does not exist"
     if not os.access(directory, os.W_OK | os.X_OK):
         return f"folder {directory!r} is not writable"
+    # os.access trusts the permission bits (and root passes them), which special file systems such as /proc or a
+    # read-only mount do not honour: create and remove a file there, as write_json will
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvconform-", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"folder {directory!r} does not take new files ({exc.strerror or exc})"
+    if os.path.exists(target):
+        try:
+            with open(target, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            return f"cannot be written ({exc.strerror or exc})"
     return None
 
 

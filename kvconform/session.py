@@ -15,6 +15,7 @@ from kvconform.plan import (ModelInfo, PlanItem, in_scope, model_info, most_toke
 from kvconform.plan import architecture_names as _architecture_names
 from kvconform.plan import external as _external
 from kvconform.plan import zoo_family as _zoo_family
+from kvconform.outcomes import breadcrumb
 
 
 @dataclass
@@ -90,6 +91,7 @@ class KVSession:
 
         from kvconform.checks import CheckContext, ConformanceError, KnownFaultShown, run_check
 
+        breadcrumb("building the model, the oracle and the cache (before the case's first op)", item=item.id)
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,

@@ -4,8 +4,33 @@ import os
 import sys
 
 import pytest
+from _pytest import pytester as _pytester
 
 pytest_plugins = ["pytester"]
+
+# Modules that register native state when first imported (torch libraries: ``TORCH_LIBRARY(c10d_functional)`` by
+# ``torch.distributed``, quanto's and hqq's operators) cannot be imported twice in one process. pytester snapshots
+# ``sys.modules`` before each test (and around each in-process run) and drops every module imported after: a model
+# built inside a test loads ``torch.distributed`` modules, pytester drops them, and the next transformers model import
+# re-registers the library ("Only a single TORCH_LIBRARY can be used to register the namespace ..."), so tests failed
+# by the order they ran in. These packages are kept across snapshots; kvconform's own modules are still dropped, so
+# each in-process run imports its plugin and session afresh.
+NATIVE_PACKAGES = ("torch", "torchgen", "functorch", "transformers", "optimum", "hqq", "triton", "safetensors",
+                   "tokenizers", "numpy", "scipy", "sympy", "huggingface_hub", "turboquant")
+
+
+def _keeps_native_state(name: str) -> bool:
+    return name.split(".", 1)[0] in NATIVE_PACKAGES
+
+
+class _SysModulesSnapshot(_pytester.SysModulesSnapshot):
+    """pytester's snapshot, keeping the modules of ``NATIVE_PACKAGES`` imported after it was taken."""
+
+    def __init__(self, preserve=None):
+        super().__init__(preserve=lambda name: _keeps_native_state(name) or bool(preserve and preserve(name)))
+
+
+_pytester.SysModulesSnapshot = _SysModulesSnapshot
 
 
 @pytest.fixture
@@ -13,7 +38,9 @@ def run_kvconform(pytester):
     """``run_kvconform(*args)`` → ``RunResult`` of ``pytest --kvconform -p no:cacheprovider *args`` in an empty dir."""
 
     def run(*args, timeout=600):
-        return pytester.runpytest_subprocess("--kvconform", "-p", "no:cacheprovider", *args, timeout=timeout)
+        # -p no:randomly: a user's run, in the suite's order (pytest-randomly, in the dev extra, would shuffle it)
+        return pytester.runpytest_subprocess("--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", *args,
+                                             timeout=timeout)
 
     return run
 
@@ -32,6 +59,10 @@ def _inner_runs_are_not_xdist_workers(monkeypatch):
     plain user run: without the worker's variables."""
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
+    # `pytest --kvconform` runs its items in pytest-xdist workers by default (kvconform/plugin.py, "crashes"); the
+    # runs a test starts are small, and worker start-ups would cost more than they save: in-process, unless a test
+    # asks for workers (-n) or unsets this (tests/test_crashes.py runs the default).
+    monkeypatch.setenv("KVCONFORM_WORKERS", "0")
 
 
 @pytest.fixture(scope="module", autouse=True)

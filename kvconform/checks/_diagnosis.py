@@ -152,7 +152,8 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     * an ``update()`` returned another number of keys than the cache should hold (an unbounded layer: the tokens
       fed; a bounded one: the ``kv_length`` its ``get_mask_sizes`` gave the mask);
     * ``get_mask_sizes`` sized the mask of an unbounded layer for another number of keys than the tokens held;
-    * the cache's tensors disagree on the batch size, or all differ from the batch's rows.
+    * the cache's tensors disagree on the batch size, or all differ from the batch's rows;
+    * what the forward's ``UpdateWatch`` saw an ``update()`` do wrong (``update_fault``: another dtype returned…).
     """
     f = exc.facts
     if not f:
@@ -185,7 +186,7 @@ def measured_cause(exc: SubjectRaised) -> str | None:
         return (f"the cache holds tensors of batch sizes {', '.join(str(b) for b in sorted(set(sizes.values())))} "
                 f"({shown}) for a batch of {batch} rows"
                 + (f": {since} did not resize every tensor of every layer alike" if since else ""))
-    return None
+    return f.get("update_fault")  # e.g. update() returned another dtype than it was given
 
 
 _BATCH_OPS = op_names(copies=False, rows=("permute", "resize", "new"))

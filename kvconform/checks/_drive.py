@@ -14,6 +14,7 @@ from typing import Any
 from kvconform import compat
 from kvconform.memo import MEMO
 from kvconform.outcomes import KVConformError
+from kvconform.outcomes import breadcrumb
 from kvconform.oracle import padded_position_ids
 from kvconform.subjects import call_context
 
@@ -188,6 +189,7 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
         attention_mask: ``[B, S]`` (default: all ones).
         extra: more ``generate`` keyword arguments (``num_beams``, ``output_scores``...).
     """
+    breadcrumb(f"generate(max_new_tokens={max_new_tokens})")
     import torch
 
     m = model if isinstance(model, torch.nn.Module) else model.model
@@ -242,6 +244,9 @@ class UpdateWatch:
 
     def __init__(self, cache):
         self.fault: str | None = None
+        self.dtype_fault: str | None = None
+        """An ``update()`` that returned keys/values of another dtype than the states it was given: the likely cause
+        when the forward then raises (``raise_facts``); not a fault of a forward that went through."""
         self.calls: list[list] = []
         """``[layer_idx, new tokens, returned key length or None]`` per ``update()`` of the (self-attention) cache,
         in call order; None: the call raised (or returned no tensor)."""
@@ -285,6 +290,15 @@ class UpdateWatch:
                     if given.shape == kept.shape and not torch.equal(given.detach(), kept):
                         self.fault = (f"update(layer_idx={layer_idx}) wrote into the {what} it was given (the "
                                       f"caller's tensor changed during the call)")
+                        break
+            if self.dtype_fault is None and isinstance(out, (tuple, list)) and isinstance(key_states, torch.Tensor):
+                for what, t in zip(("keys", "values"), out):
+                    if isinstance(t, torch.Tensor) and t.dtype != key_states.dtype:
+                        self.dtype_fault = (f"update(layer_idx={layer_idx}) returned {what} of dtype "
+                                      f"{str(t.dtype).removeprefix('torch.')} for key/value states of dtype "
+                                      f"{str(key_states.dtype).removeprefix('torch.')}: the attention then runs in "
+                                      f"another dtype or raises; return the states' dtype (cast back after "
+                                      f"dequantizing)")
                         break
             if self.fault is None and isinstance(out, (tuple, list)):
                 for what, t in zip(("keys", "values"), out):
@@ -333,7 +347,8 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
     ``decoder_depth``, ``layer_max`` (each layer's ``get_max_length()``, -1 unbounded, None unknown),
     ``kv_mismatch`` (``kv_length_mismatch``: an ``update()`` that returned a wrong number of keys, or None) and
     ``batch_sizes`` (``{tensor name: dim 0}`` of every ≥3-dim tensor the cache holds), ``shared_layers``
-    (``shared_layers``: one layer object listed for several layers, or None).
+    (``shared_layers``: one layer object listed for several layers, or None), ``update_fault`` (what the
+    watch saw an ``update()`` do wrong: another dtype returned, NaN returned, its inputs written; or None).
     """
     target = getattr(cache, "self_attention_cache", cache)
     layers = getattr(target, "layers", None)
@@ -344,6 +359,7 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
              "grows_layers": getattr(target, "layer_class_to_replicate", None) is not None,
              "decoder_depth": getattr(model, "decoder_depth", None)}
     facts["shared_layers"] = shared_layers(cache)
+    facts["update_fault"] = (watch.fault or watch.dtype_fault) if watch else None
     facts["layer_max"] = layer_max_lengths(cache)
     facts["kv_mismatch"] = kv_length_mismatch(facts["update_calls"], facts["mask_sizes"], facts["layer_max"], held)
     try:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvconform import compat
+from kvconform.outcomes import breadcrumb
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
                                      forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
                                      shared_layers,
@@ -391,6 +392,7 @@ class Runner:
         runner was made with ``decode_suffix_after_reorder``)."""
         after = " after reorder" if self.decode_suffix and "reorder" in self.op_names else ""
         for s in range(op.n):
+            breadcrumb(f"decode {s + 1} of {op.n}{after}")
             self.feed(1, f"decode {s + 1}{after}")
 
     def op_crop(self, op) -> None:
@@ -449,6 +451,7 @@ class Runner:
             raise ValueError(f"op {op.name!r} is not supported by {self.ctx.check_name} (case {self.ctx.case.id})")
         self._notify("before_op", op, self.op_index)
         spec = OPS.get(op.name)
+        breadcrumb(op.label)
         if op.name in self.handlers:
             self.handlers[op.name](self, op)
             if spec is None or not spec.feeds:

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Generate README.md's example matrices and default-run counts from a real run, so that they cannot go stale.
+
+    python ci/readme_examples.py REPORT.json [--wall SECONDS] [--write | --check]
+
+REPORT.json is the ``--kvconform-json`` report of a default ``pytest --kvconform`` run in an empty folder. The
+README's blocks between ``<!-- readme_examples:NAME -->`` and ``<!-- /readme_examples:NAME -->`` are rendered from it
+with kvconform's own matrix code (``kvconform.report.matrix``): ``matrix`` (the two tables, cut to a few rows and
+columns) and ``counts`` (the sentence giving the run's items, outcomes and wall time — ``--wall`` from
+``ci/bench_loop.sh``). ``--write`` rewrites README.md; ``--check`` exits 1 when it differs; neither: print the blocks.
+``tests/test_readme.py`` checks the committed blocks against the current code and plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SUBJECT_ROWS = ("ReferenceCache", "DynamicCache", "StaticCache", "QuantizedCache_hqq4")
+MODEL_ROWS = ("llama", "mistral", "jamba")
+MODEL_COLS = 4
+FIRST_FAMILIES, LAST_FAMILIES = 5, 2
+
+
+def _lines(title, header, rows) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *[[n, *c] for n, c in rows])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [title, fmt.format(*header).rstrip(), *(fmt.format(n, *c).rstrip() for n, c in rows)]
+
+
+def render(results: list, wall: float | None = None) -> dict[str, str]:
+    """``{block name: text}`` rendered from the JSON report's ``results``."""
+    sys.path.insert(0, str(README.parent))
+    from kvconform.report import _families, matrix
+
+    by_id = {r["nodeid"]: r for r in results}
+    fams = _families(by_id)
+    cut = fams[:FIRST_FAMILIES] + ["..."] + fams[-LAST_FAMILIES:] if len(fams) > FIRST_FAMILIES + LAST_FAMILIES \
+        else fams
+    shown = [f for f in cut if f != "..."]
+    rows = {name: dict(zip(shown, cells)) for name, cells, _ in matrix(by_id, "subject", shown, "family")}
+    subject_rows = [(s, [rows[s].get(f, "...") if f != "..." else "..." for f in cut]) for s in SUBJECT_ROWS
+                    if s in rows]
+    subjects = [s for s in dict.fromkeys(r["subject"] for r in results)]
+    order = [s for s in ("ReferenceCache", "DynamicCache", "StaticCache", "QuantizedCache_quanto4") if s in subjects]
+    mrows = {name: cells for name, cells, _ in matrix(by_id, "model", order[:MODEL_COLS], "subject")}
+    model_rows = [(m, mrows[m]) for m in MODEL_ROWS if m in mrows]
+    table = _lines("subjects × check families (passed/ran, xN = known faults xfailed, FN = failed):",
+                   ["subject", *cut], subject_rows) + ["..."] + [""] + \
+        _lines("models × subjects:", ["model", *order[:MODEL_COLS], "..."], [(m, [*c, ""]) for m, c in model_rows]) \
+        + ["..."]
+    counts = collections.Counter(r["outcome"] for r in results)
+    ran = sum(counts[o] for o in ("passed", "xpassed", "failed", "xfailed", "error"))
+    sentence = (f"{len(results):,} items: {counts['passed']:,} pass, {counts['xfailed']:,} known upstream faults "
+                f"xfail, {counts['failed'] + counts['error']:,} fail, {counts['skipped']:,} skip with their reasons"
+                f" ({ran:,} ran)")
+    if wall is not None:
+        sentence = f"about {round(wall / 5) * 5:.0f} s wall on 2 CPU cores for " + sentence
+    return {"matrix": "```\n" + "\n".join(table) + "\n```", "counts": sentence}
+
+
+def blocks(text: str) -> dict[str, str]:
+    """``{name: content}`` of the README's generated blocks."""
+    return {m.group(1): m.group(2).strip("\n") for m in
+            re.finditer(r"<!-- readme_examples:(\w+) -->\n?(.*?)\n?<!-- /readme_examples:\1 -->", text, re.S)}
+
+
+def replace(text: str, rendered: dict[str, str]) -> str:
+    for name, content in rendered.items():
+        text = re.sub(rf"(<!-- readme_examples:{name} -->\n?)(.*?)(\n?<!-- /readme_examples:{name} -->)",
+                      lambda m: m.group(1) + content + m.group(3), text, flags=re.S)
+    return text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("report")
+    parser.add_argument("--wall", type=float, default=None, help="median wall seconds of the default run")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true")
+    mode.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    rendered = render(json.loads(Path(args.report).read_text())["results"], args.wall)
+    text = README.read_text()
+    new = replace(text, rendered)
+    if args.write:
+        README.write_text(new)
+    elif args.check:
+        if new != text:
+            print("README.md's generated blocks differ from the report; run with --write", file=sys.stderr)
+            return 1
+    else:
+        for name, content in rendered.items():
+            print(f"--- {name}\n{content}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
