@@ -89,7 +89,7 @@ class KVSession:
         the check cannot measure here. ``benchmark``: the pytest-benchmark fixture for speed items (or None)."""
         import torch
 
-        from kvconform.checks import CheckContext, ConformanceError, KnownFaultShown, run_check
+        from kvconform.checks import CheckContext, ConformanceError, run_check
 
         breadcrumb("building the model, the oracle and the cache (before the case's first op)", item=item.id)
         torch.manual_seed(0)

@@ -1,10 +1,10 @@
 """Model repositories that ship their own code: refused without explicit consent (never a prompt), and with it their
 own cache classes become subjects, a faulty one caught with its file and class named, a correct one passing."""
 
+import re
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -136,7 +136,8 @@ def test_repository_cache_classes_become_subjects_and_the_faulty_one_is_caught(r
         if item_id.startswith("correct_repo."):
             assert outcome == "passed", outcome
         else:
-            assert "reorder_cache() did not move every tensor" in outcome, outcome
+            # the beam reorder (rows rolled) and the beam swap (two rows exchanged) both blame reorder_cache()
+            assert re.search(r"reorder_cache\(\).*did not move every tensor", outcome), outcome
             assert "subject: class RepoCache of " in outcome and "faulty_repo/modeling_repo.py" in outcome
             assert "--kvconform-trust-remote-code" in outcome.splitlines()[-1]
     assert any(k.startswith("faulty_repo.") for k in outcomes) and any(k.startswith("correct_repo.") for k in outcomes)

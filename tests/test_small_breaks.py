@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import textwrap
 
-import pytest
 
 from kvconform.report import json_path_problem
 

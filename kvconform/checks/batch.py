@@ -173,7 +173,7 @@ def _wrong_without_reorder(ctx, prompt, mask, n) -> str | None:
     prompts (no beams, so no reorder) with a fresh subject cache against uncached greedy. Returns the cause when the
     cache is already wrong there (raises, other tokens, or logits beyond the case tolerance), else None. Exact
     subjects only (a lossy cache differs from uncached greedy by design)."""
-    if getattr(ctx.subject, "kind", "exact") != "exact":
+    if ctx.kind.declared != "exact":
         return None
     model = ctx.model
     try:
