@@ -544,3 +544,14 @@ def cache_layers(cache) -> list:
     if not layers:
         return [("cache", cache)]
     return [(f"layer {i}", layer) for i, layer in enumerate(layers)]
+
+
+def narrow_stored(cache, dtype) -> list:
+    """``[(path, dtype)]`` of the floating tensors ``cache`` holds with fewer bits than ``dtype`` (the model's), e.g.
+    keys kept as bfloat16 for a float32 model; empty when every floating tensor is at least as wide. Integer tensors
+    (indices, packed codes) are not counted: they are a quantized cache's compressed form, not a narrowed copy."""
+    import torch
+
+    want = torch.finfo(dtype).bits if dtype.is_floating_point else 0
+    return [(path, t.dtype) for path, t in held_tensor_items(cache)
+            if t.is_floating_point() and t.numel() > 1 and torch.finfo(t.dtype).bits < want]
