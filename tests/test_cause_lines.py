@@ -126,3 +126,13 @@ def test_nan_equals_nan_when_checking_an_original():
     assert changed({"k": a}, {"k": a.clone()}) == []
     assert changed({"k": torch.tensor([1.0, 2.0])}, {"k": torch.tensor([1.0, float("nan")])}) == ["k (now non-finite)"]
     assert changed({"k": torch.tensor([1, 2])}, {"k": torch.tensor([1, 3])}) == ["k"]
+
+
+def test_fuzz_program_failing_at_its_first_op_is_not_called_an_interaction():
+    """A cache that rounds what it stores fails every program at its prefill: the fuzz line says so (the first op on
+    its own), not "an interaction between these ops"."""
+    [result] = _run("kvconform.testing.faulty_causes:HalfStoreCache", "llama", "check_op_sequences", "fuzz_quick")
+    assert result.outcome == "failed", result.message
+    line = _cause_line(result.message)
+    assert "fails at its first op, prefill(" in line and "no interaction" in line, line
+    assert "an interaction between these ops" not in line, line

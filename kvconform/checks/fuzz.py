@@ -124,6 +124,19 @@ def _outcome(ctx, spec, program):
             info)
 
 
+def _program_cause(exc) -> str:
+    """The likely cause of a failing program: a failure at its first op (the prefill, before any other op ran) is
+    that op's own fault, not an interaction; otherwise the interaction of its ops."""
+    failed_at = str(exc.metrics.get("failed_at") or "")
+    first = exc.program[0] if exc.program else None
+    if first is not None and (failed_at.startswith("prefill") or failed_at == f"{first[0]}({first[1]})"):
+        return (f"the program fails at its first op, {failed_at}, before any other op ran: no interaction — the "
+                f"cache fails a plain prefill of {first[1]} tokens on its own (a case with ops = "
+                f"[\"prefill {first[1]}\", \"decode 1\"] reproduces it; see the logits family)")
+    return ("an interaction between these ops that no single-op case covers (replay the program as a case to "
+            "bisect it)")
+
+
 def _strategy(ctx, ops, max_ops):
     from hypothesis import strategies as st
 
@@ -266,8 +279,7 @@ def check_op_sequences(ctx):
                   if reference.name == ctx.subject.name else
                   f"oracle: {reference.name} on the same program conforms → the fault is in the subject",
                   f"as a case: ops = {program_case_syntax(exc.program)}",
-                  "likely cause: an interaction between these ops that no single-op case covers (replay the "
-                  "program as a case to bisect it)"],
+                  "likely cause: " + _program_cause(exc)],
                  {**exc.metrics, "program": program_case_syntax(exc.program), "ops_drawn_from": ops,
                   "left_out": left_out, **stats})
     ctx.metrics.update(ops_drawn_from=ops, left_out=left_out, examples=examples, **stats)
