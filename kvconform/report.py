@@ -271,7 +271,9 @@ def _shared_by_fresh_instance(session, subject, r) -> bool:
     """Whether ``r``'s pass says nothing about its known fault: the subject is judged by self-consistency (lossy,
     without a fake-quant twin: a fresh instance of its own class on the same model is the target) and the fault is
     one of the model's code (it matches kvconform's ReferenceCache too), which that fresh instance shares."""
-    if getattr(subject, "kind", "exact") != "lossy" or getattr(subject, "twin", None) is not None:
+    from kvconform.subjects import FRESH, kind_of
+
+    if kind_of(subject).target != FRESH:
         return False
     return session.fault_entry("ReferenceCache", r["model"], r["check"], r["family"], r["case"]) is not None
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvconform.outcomes import CheckSkipped  # noqa: F401 - re-exported: the suite catches it from here
+from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, LOSSY_FRESH,  # noqa: F401 - for
+                                      LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
 
 
 class ConformanceError(AssertionError):
@@ -235,6 +237,10 @@ class CheckInfo:
         validate: ``validate(case) -> (key, problem) | None``: the check's own load-time rule for what ``OpRule`` and
             ``Param`` cannot say (a relation between params, a requirement); the problem names what the check needs
             and the fix. None: no rule of its own.
+        judges: the subject kinds (``kvconform.subjects.kinds.KIND_NAMES``) the check judges as such; on a subject
+            of another kind the item is skipped with the reason its kind gives (``Kind.not_judged``: an evicting
+            subject keeps the cases that never make it hold more than ``tokens_max`` tokens). Default
+            ``DEFAULT_JUDGES``: every kind but ``evicting``.
     """
 
     name: str
@@ -246,6 +252,7 @@ class CheckInfo:
     params: dict = field(default_factory=dict)
     ops: OpRule | None = None
     validate: Callable | None = None
+    judges: frozenset = DEFAULT_JUDGES
 
     def case_problem(self, case) -> tuple[str, str] | None:
         """``(key, problem)`` when ``case`` (a ``cases.Case`` with its params filled in) is wrong for this check,
@@ -264,16 +271,19 @@ FAMILIES = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contr
 
 
 def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
-             ops: OpRule | None = None, validate: Callable | None = None):
+             ops: OpRule | None = None, validate: Callable | None = None, judges=DEFAULT_JUDGES):
     """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
-    it ``needs``, its own applicability rule (``applies``, see ``CheckInfo``), its ``params`` schema
+    it ``needs``, the subject kinds it ``judges`` (``CheckInfo.judges``), its own applicability rule (``applies``,
+    see ``CheckInfo``), its ``params`` schema
     (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check), what it needs of a case's ``ops``
     (``OpRule``; ``IGNORES_OPS`` for a check that does not read them) and its own load-time case rule
     (``validate(case) -> (key, problem) | None``). A case file breaking any of them is a usage error at load.
 
     Raises:
-        TypeError: a ``params`` value that is not a ``Param``, an ``ops`` that is not an ``OpRule``.
+        TypeError: a ``params`` value that is not a ``Param``, an ``ops`` that is not an ``OpRule``, a ``judges``
+            name that is not a kind.
     """
+    judged = check_judges(judges)
     schema = dict(params or {})
     for key, value in schema.items():
         if not isinstance(value, Param):
@@ -283,7 +293,7 @@ def register(family: str, needs=(), applies: Callable | None = None, params: dic
 
     def deco(fn):
         CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
-                                        applies, schema, ops, validate)
+                                        applies, schema, ops, validate, judged)
         return fn
 
     return deco
@@ -337,6 +347,14 @@ class CheckContext:
 
         factor = (self.case.tolerance_factor or DEFAULT_FACTOR) * self.subject.tolerance_factor
         return Tolerance(factor, self.case.abs_min if self.case.abs_min is not None else DEFAULT_ABS_MIN)
+
+    @property
+    def kind(self):
+        """The subject's ``Kind`` (``kvconform.subjects.kind_of``): what its steps are compared with, how messages
+        name it."""
+        from kvconform.subjects import kind_of
+
+        return kind_of(self.subject)
 
     @property
     def max_cache_len(self) -> int:

@@ -76,8 +76,7 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
         tol_text = (f"the fresh instance's compression error: after a crop inside a forward or a batch-size change "
                     f"its replay runs forwards of other shapes, so rounding may differ by a quantization level; "
                     f"{tol_text}")
-    versus = (f" vs {verdict.target}" if verdict.target else " vs its fake-quant twin"
-              if getattr(ctx.subject, "twin", None) else "")
+    versus = f" vs {verdict.target}" if verdict.target else ctx.kind.versus
     own = verdict.own_error.get(step.index)
     ctx.fail([
         f"max|Δlogit| = {observed}{versus}, but should be ≤ {cmp.tol:.1e} ({tol_text})",

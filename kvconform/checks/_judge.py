@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 
 from kvconform.checks._interpreter import run_ops
 from kvconform.oracle import compare_logits
+from kvconform.subjects import FRESH, TWIN, kind_of
 
 
 @dataclass
 class Verdict:
     """Comparison of all steps: ``first_fail`` (step, Comparison) or None, and the ``worst`` pair overall.
 
-    For a lossy subject judged by self-consistency (``judged_by_consistency``): ``target`` names what the steps were
+    For a lossy subject judged by self-consistency (``Kind.target`` ``FRESH``): ``target`` names what the steps were
     compared with (``"a fresh <Class> fed the equivalent history"``), ``cause`` is the likely cause of the first
     failure (the op after which the subject diverged, ``_consistency.divergence_cause``) and ``own_error`` maps each
     step index to the fresh instance's max|logit − oracle| there: the class's own compression error on that history,
@@ -145,19 +146,13 @@ def oracle_pair(ctx, step, source=None):
     return oracle, uncached
 
 
-def judged_by_consistency(spec) -> bool:
-    """Whether ``judge`` compares ``spec``'s steps with a fresh instance of its class fed the equivalent history
-    (a lossy subject without a fake-quant twin; see ``_consistency``)."""
-    return getattr(spec, "kind", "exact") == "lossy" and getattr(spec, "twin", None) is None
-
-
 def judge(ctx, steps, spec=None, driver=None) -> Verdict:
     """Compare every step with the oracle under ``ctx.tolerance()``.
 
     ``spec`` is the subject that produced ``steps`` (default: ``ctx.subject``). A lossy subject with a fake-quant
-    twin (``spec.twin``) is compared with its twin run on the same ops instead (``kvconform.checks._twin.twin_targets``);
+    twin (``Kind.target`` ``TWIN``) is compared with its twin run on the same ops instead (``_twin.twin_targets``);
     ``driver`` (``fn(ctx, cache) -> steps``, default ``run_ops``) is how the twin replays them. A lossy subject
-    without a twin (``judged_by_consistency``) is compared with a fresh instance of its own class fed each step's
+    without a twin (``Kind.target`` ``FRESH``) is compared with a fresh instance of its own class fed each step's
     equivalent history (``_consistency.consistency_targets``), with the exact path's noise floor: the target plus
     ``uncached − oracle`` is the floor reference, as for a twin.
 
@@ -169,12 +164,13 @@ def judge(ctx, steps, spec=None, driver=None) -> Verdict:
     spec = spec or ctx.subject
     twin = fresh = None
     own, widened = {}, set()
-    if getattr(spec, "twin", None) is not None:  # lossy subject: the twin's float64 run is the target
+    target = kind_of(spec).target
+    if target == TWIN:  # lossy subject: the twin's float64 run is the target
         from kvconform.checks._interpreter import run_ops
         from kvconform.checks._twin import twin_targets
 
         twin = twin_targets(ctx, spec, steps, driver or run_ops)
-    elif judged_by_consistency(spec):
+    elif target == FRESH:
         from kvconform.checks._consistency import consistency_targets
 
         fresh = consistency_targets(ctx, spec, steps)
@@ -234,14 +230,3 @@ def run_and_judge(ctx, spec=None, position_mode=None, driver=None) -> Verdict:
     sctx = _copy.copy(ctx)
     sctx.subject, sctx.metrics = spec, {}
     return judge(sctx, driver(sctx, sctx.new_cache()), spec, driver)
-
-
-def lossy_generate_rule(subject, model, case, **_):
-    """Applicability rule for checks comparing ``generate`` tokens with the exact model: a lossy subject (one with a
-    fake-quant ``twin``) is not held to that (``@register(..., applies=lossy_generate_rule)``)."""
-    if getattr(subject, "twin", None) is not None or getattr(subject, "kind", "exact") == "lossy":
-        return (f"{subject.name} is lossy: its generate() tokens are not compared token for token with the exact "
-                f"model (a near-tie would flip a greedy token); its cache operations are judged by self-consistency"
-                f"{' and its fake-quant twin' if getattr(subject, 'twin', None) is not None else ''}, its outputs by "
-                f"the quality family")
-    return None

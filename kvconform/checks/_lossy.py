@@ -19,6 +19,7 @@ from kvconform.checks._diagnosis import describe_raise, measured_cause
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.oracle import compare_logits
+from kvconform.subjects import kind_of
 
 LOSSY_OPS = ("prefill", "chunk", "decode", "reorder", "crop")
 """The ops the lossy checks' driver accepts."""
@@ -29,7 +30,7 @@ CLEAR_ERRORS = (ValueError, NotImplementedError, RuntimeError, TypeError)
 
 def lossy_only(subject, model, case, device="cpu"):
     """Applicability rule (``@register(..., applies=lossy_only)``): only subjects with a fake-quant twin."""
-    if getattr(subject, "twin", None) is None:
+    if not kind_of(subject).has_twin:
         return "applies to lossy subjects only (a CacheSpec with a fake-quant twin)"
     return None
 
@@ -83,8 +84,8 @@ def oracle_slices(ctx, steps) -> dict:
 
 
 def twin_line(ctx) -> str:
-    twin = ctx.subject.twin
-    qc = getattr(twin, "quant_config", None)
+    twin = ctx.kind.twin_spec().factory
+    qc = ctx.kind.quant_config
     what = qc.describe(ctx.model.config) if qc is not None else "the declared quantization"
     return f"twin: {getattr(twin, '__name__', 'twin')} ({what}), exact bookkeeping"
 
@@ -133,6 +134,5 @@ def fail_subject_raised(ctx, exc: SubjectRaised, cause: str):
 
 
 def twin_spec(ctx):
-    import dataclasses
-
-    return dataclasses.replace(ctx.subject, name=f"{ctx.subject.name}.twin", factory=ctx.subject.twin, twin=None)
+    """The ``CacheSpec`` of the subject's fake-quant twin (``Kind.twin_spec``)."""
+    return ctx.kind.twin_spec()

@@ -8,9 +8,10 @@ so that this module stays below the engine (see ARCHITECTURE.md and the import c
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
+
+from kvconform.subjects import kind_of
 
 
 def twin_targets(ctx, spec, steps, driver) -> dict:
@@ -35,7 +36,7 @@ def twin_targets(ctx, spec, steps, driver) -> dict:
         RuntimeError: the twin run does not replay ``steps`` (different count, lengths or tokens): the calling check
             feeds tokens some other way than ``driver`` and cannot judge a lossy subject.
     """
-    twin_spec = dataclasses.replace(spec, name=f"{spec.name}.twin", factory=spec.twin, twin=None)
+    twin_spec = kind_of(spec).twin_spec()
     tctx = copy.copy(ctx)
     tctx.subject, tctx.metrics = twin_spec, {}
     twin_steps = driver(tctx, tctx.new_cache())

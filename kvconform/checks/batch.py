@@ -12,12 +12,13 @@ fake-quant twin (transformers 5.5–5.18 left the quantized part in the old orde
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import IGNORES_OPS, OP_PARAMS, OpRule, Param, register
+from kvconform.checks import EXACT, IGNORES_OPS, OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
 from kvconform.checks._interpreter import run_ops
-from kvconform.checks._judge import judge, judged_by_consistency, lossy_generate_rule, record_verdict
+from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
+from kvconform.subjects import FRESH, kind_of
 
 _OP_CAUSE = {
     "reorder": ("reorder_cache", "reorder_cache() did not move every tensor of every layer with its row (keys "
@@ -102,7 +103,7 @@ def _beam(m, prompt, mask, n, beams, cache_kwargs):
     return seq, out.sequences_scores.detach().to("cpu", torch.float64)
 
 
-@register("batch", needs=("generate", "reorder"), applies=lossy_generate_rule,
+@register("batch", needs=("generate", "reorder"), judges=(EXACT,),
           params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
           ops=IGNORES_OPS)
 def check_beam_search(ctx):
@@ -163,7 +164,7 @@ def check_beam_search(ctx):
 # ------------------------------------------------------------------------------------------ reorder after a flush
 def _lossy_subject(subject, model, case, device="cpu"):
     """Applicability: lossy subjects, with a fake-quant twin or judged by self-consistency (``kind="lossy"``)."""
-    if getattr(subject, "kind", "exact") == "lossy":
+    if kind_of(subject).declared_lossy:
         return None
     return lossy_only(subject, model, case, device=device)
 
@@ -181,7 +182,7 @@ def check_reorder_after_flush(ctx):
     except SubjectRaised as exc:
         fail_subject_raised(ctx, exc, "reorder_cache() does not handle this state (e.g. an emptied residual after a flush)"
                 + _reorder_history())
-    if judged_by_consistency(ctx.subject):
+    if ctx.kind.target == FRESH:
         verdict = judge(ctx, steps)
         record_verdict(ctx, verdict, len(steps))
         if not verdict.passed:

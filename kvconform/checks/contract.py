@@ -25,7 +25,8 @@ from kvconform.checks import OP_PARAMS, OpRule, register
 from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised, measured_cause
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner, StopRun
-from kvconform.checks._judge import judge, judged_by_consistency, record_verdict
+from kvconform.checks._judge import judge, record_verdict
+from kvconform.subjects import FRESH
 from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised, oracle_slices
 from kvconform.checks._observe import FORWARD_OPS, run_observed
 from kvconform.checks.crop import CROP_WORDS, clear_error
@@ -477,7 +478,7 @@ def check_encoder_decoder_subcaches(ctx):
                                       or "the subject cannot serve as one half of an EncoderDecoderCache")],
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})
     tol = ctx.tolerance()
-    if judged_by_consistency(ctx.subject):  # a lossy subject: against a fresh instance fed the same history
+    if ctx.kind.target == FRESH:  # a lossy subject: against a fresh instance fed the same history
         verdict = judge(ctx, steps)
         cmps = [verdict.first_fail or verdict.worst]
         record_verdict(ctx, verdict, len(steps))
@@ -490,7 +491,7 @@ def check_encoder_decoder_subcaches(ctx):
     bad = next(((step, c) for step, c in cmps if not c.passed), None)
     if bad is not None:
         step, c = bad
-        versus = f" vs {verdict.target}" if judged_by_consistency(ctx.subject) else ""
+        versus = f" vs {verdict.target}" if ctx.kind.target == FRESH else ""
         problems.insert(0, f"max|Δlogit| = {c.max_abs:.1e}{versus} at {step.label}, but should be ≤ {c.tol:.1e} "
                            f"({tol.describe(c.floor)})")
     if problems:

@@ -98,11 +98,8 @@ def check_cache_implementation(ctx):
                   + (f" / cross {list(expected[2])}" if expected[2] else ""),
                   f"likely cause: transformers changed what {impl!r} means; update coverage.toml (and test the new "
                   f"cache as its own subject)"])
-    lossy = getattr(ctx.subject, "twin", None) is not None
-    if lossy:
-        import dataclasses
-
-        twin = dataclasses.replace(ctx.subject, name=f"{ctx.subject.name}.twin", factory=ctx.subject.twin, twin=None)
+    twin = ctx.kind.twin_spec()
+    if twin is not None:
         _, ref_seq, ref_logits, _ = _generate(ctx, **compat.generate_cache_kwargs(ctx.new_cache(twin), ctx.model.model))
         reference = "generate(cache=fake-quant twin)"
     else:

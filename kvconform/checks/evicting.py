@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import copy
 
-from kvconform.checks import IGNORES_OPS, CheckSkipped, Param, register
+from kvconform.checks import ALL_KINDS, IGNORES_OPS, CheckSkipped, Param, register
 from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, forward, random_tokens,
                                      seq_length)
 from kvconform.checks._diagnosis import describe_exception, fail_raised
 from kvconform.checks.crop import CROP_WORDS, changed, clear_error, snapshot
+from kvconform.subjects import kind_of
 
 
 def evicting_only(subject, model, case, device="cpu"):
     """Applicability rule: evicting subjects only (``kind="evicting"`` with a ``tokens_max`` budget)."""
-    if getattr(subject, "kind", "exact") != "evicting" or getattr(subject.budget, "tokens_max", None) is None:
+    kind = kind_of(subject)
+    if not kind.evicts or kind.tokens_max is None:
         return "applies to evicting subjects only (kind='evicting' with a tokens_max budget)"
     return None
 
@@ -96,7 +98,7 @@ def _max_abs(a, b) -> float:
 
 
 # ------------------------------------------------------------------------------------------ bounds and length
-@register("contract", needs=("forward",), applies=evicting_only, params=_PARAMS, ops=IGNORES_OPS)
+@register("contract", needs=("forward",), judges=ALL_KINDS, applies=evicting_only, params=_PARAMS, ops=IGNORES_OPS)
 def check_evicting_bounds(ctx):
     """Past ``tokens_max``: the forward that brings the cache past it is exact, ``get_seq_length()`` counts the
     tokens seen, and each attention layer holds at most ``tokens_max`` tokens per row after every forward."""
@@ -170,11 +172,8 @@ def _judge_bounds(ctx, run, label, ops_text, T):
                  {"held": n, "layer": i, "tokens_max": T, "failed_at": label})
 
 
-check_evicting_bounds.evicting_judged = True  # session.evicting_skip_reason: judges evicting subjects as such
-
-
 # ------------------------------------------------------------------------------------------ crop
-@register("contract", needs=("forward", "crop"), applies=evicting_only, params={
+@register("contract", needs=("forward", "crop"), judges=ALL_KINDS, applies=evicting_only, params={
     **_PARAMS, "crop": Param(int, default=2, min=1, doc="tokens the crop removes after the eviction")},
     ops=IGNORES_OPS)
 def check_evicting_crop(ctx):
@@ -244,16 +243,13 @@ def check_evicting_crop(ctx):
              {"failed_at": "decode 1 after crop"})
 
 
-check_evicting_crop.evicting_judged = True
-
-
 # ------------------------------------------------------------------------------------------ batch ops, reset, fork
 OPS = ("reorder", "select", "repeat", "reset", "fork")
 _NEEDS = {"reorder": "reorder", "select": "batch_select", "repeat": "batch_repeat", "reset": "reset",
           "fork": "deepcopy"}
 
 
-@register("contract", needs=("forward",), applies=evicting_only, params={
+@register("contract", needs=("forward",), judges=ALL_KINDS, applies=evicting_only, params={
     **_PARAMS, "op": Param(str, required=True, choices=OPS, doc="the op applied after the eviction")},
     ops=IGNORES_OPS)
 def check_evicting_ops(ctx):
@@ -331,6 +327,3 @@ def check_evicting_ops(ctx):
               f"equivalent history, but should be ≤ {tol:.1e}",
               f"ops: {ops_text}   [failed at {where}]", "likely cause: " + cause[op]],
              {"failed_at": where, "op": label})
-
-
-check_evicting_ops.evicting_judged = True

@@ -31,6 +31,7 @@ from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge
 from kvconform.checks._diagnosis import describe_exception
+from kvconform.subjects import kind_of
 
 MAX_BATCH = 8
 OPS = ("decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
@@ -191,7 +192,7 @@ def _applies(subject, model, case, **_):
 
     if importlib.util.find_spec("hypothesis") is None:
         return "requires hypothesis (pip install hypothesis) for op-sequence fuzzing"
-    if getattr(subject, "twin", None) is not None and case.tier != "full":
+    if kind_of(subject).has_twin and case.tier != "full":
         return (f"{subject.name} is lossy: each program replays its fake-quant twin twice, so it is fuzzed in the "
                 f"full tier only (--kvconform-full)")
     return None

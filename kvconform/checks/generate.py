@@ -8,7 +8,7 @@ For a lossy subject (``check_generate_vs_twin``) the reference is ``generate(cac
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import IGNORES_OPS, register
+from kvconform.checks import EXACT, IGNORES_OPS, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
 from kvconform.checks._diagnosis import describe_raise, token_mismatch
 from kvconform.checks._lossy import fail_subject_raised, lossy_only, twin_line, twin_spec
@@ -28,7 +28,7 @@ def _generate(ctx, cache_kwargs, prompt_len=None):
     return prompt, seq, logits
 
 
-@register("generate", needs=("generate",), ops=IGNORES_OPS)
+@register("generate", needs=("generate",), ops=IGNORES_OPS, judges=(EXACT,))
 def check_generate_greedy(ctx):
     """Greedy ``generate(cache=subject)`` equals ``generate(use_cache=False)`` token for token; its step logits
     equal the oracle's."""

@@ -33,7 +33,7 @@ def _length_note(steps, upto) -> str | None:
 def _twin_cause(ctx, step) -> str:
     """The likely cause of a lossy subject that departs from its fake-quant twin (the quantization it declares) at
     ``step``: from the first tokens it reads back (another quantization), or only later (another flush schedule)."""
-    qc = getattr(ctx.subject.twin, "quant_config", None)
+    qc = ctx.kind.quant_config
     residual = getattr(qc, "residual_length", None)
     if step.label.startswith("prefill") or step.index == 1:
         return ("the subject's keys/values differ from its declared quantization (its fake-quant twin) as soon as "
@@ -65,7 +65,7 @@ def _decode_cause(ctx, steps, cache=None):
         note = _length_note(steps, step)
         if note and not positions_label(ctx).startswith("explicit"):
             return note
-        if getattr(ctx.subject, "twin", None) is not None:
+        if ctx.kind.has_twin:
             return _twin_cause(ctx, step)
         narrow = _narrow_cause(ctx, cache)
         if narrow:

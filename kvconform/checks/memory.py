@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvconform import compat
-from kvconform.checks import OpRule, Param, register
+from kvconform.checks import EXACT, LOSSY_TWIN, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 # counting bytes lives in _drive (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, storage_bytes  # noqa: F401
@@ -403,7 +403,8 @@ def _shapes_for(ctx) -> dict:
     return _SHAPES[key]
 
 
-@register("memory", needs=("forward",), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
+@register("memory", needs=("forward",), judges=(EXACT, LOSSY_TWIN), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1),
+          params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0, doc="bytes per layer allowed above the formula")})
 def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
@@ -549,7 +550,8 @@ def _cuda_applies(subject, model, case, device="cpu"):
     return None
 
 
-@register("memory", needs=("forward",), applies=_cuda_applies, ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
+@register("memory", needs=("forward",), applies=_cuda_applies, judges=(EXACT, LOSSY_TWIN),
+          ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "cuda_slack_bytes": Param(int, default=1 << 20, min=0, doc="bytes allowed above the counted bytes")})
 def check_memory_cuda_allocated(ctx):
     """On CUDA: the allocator's view agrees with the counted bytes — ``memory_allocated`` after the ops minus before

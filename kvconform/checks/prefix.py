@@ -19,10 +19,10 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import IGNORES_OPS, OP_PARAMS, OpRule, Param, register
+from kvconform.checks import EXACT, IGNORES_OPS, OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
 from kvconform.checks._interpreter import Runner
-from kvconform.checks._judge import judge, lossy_generate_rule, record_verdict
+from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._drive import forward, seq_length
 from kvconform.checks._diagnosis import describe_raise
@@ -219,7 +219,7 @@ def _generate_or_fail(ctx, ops_text, *args, **kwargs):
                   "from (see the exception)"], {"raised": type(exc).__name__})
 
 
-@register("prefix", needs=("forward", "generate"), applies=lossy_generate_rule, params={
+@register("prefix", needs=("forward", "generate"), judges=(EXACT,), params={
     **OP_PARAMS,
     "mode": Param(str, default="full_prompt", choices=("full_prompt", "suffix_only"),
                   doc="full_prompt: generate gets the whole prompt and skips the cached tokens; suffix_only: the "
@@ -267,7 +267,7 @@ def _run_turns(ctx, spec, ops_text):
     return turn2.shape[1], seq, logits
 
 
-@register("prefix", needs=("forward", "generate"), applies=lossy_generate_rule,
+@register("prefix", needs=("forward", "generate"), judges=(EXACT,),
           params={"user": Param(int, default=3, min=1, doc="new tokens in the second turn")}, ops=IGNORES_OPS)
 def check_multi_turn(ctx):
     """Turn 1: ``generate(prompt, cache=c)``; turn 2: ``generate(turn-1 output + new tokens, cache=c)`` equals a

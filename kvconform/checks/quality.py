@@ -27,22 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvconform.checks import OpRule, Param, register
+from kvconform.checks import ALL_KINDS, OpRule, Param, register
 from kvconform.checks._drive import (SubjectRaised, cache_layers, held_bytes, held_tensor_items, largest_holdings,
                                      storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
+from kvconform.subjects import kind_of
 
-BUDGETED_KINDS = ("lossy", "evicting")
 DEFAULT_SLACK_BYTES = 256
 LONG_CONTEXT_RULE = OpRule(allowed=LOSSY_OPS, min_forwards=2, why="it judges every position after the first forward")
 """What the quality family's checks need of a case: the ops their driver runs, and a forward after the first."""
 
 
 # ------------------------------------------------------------------------------------------ applicability
-def _kind(subject) -> str:
-    return getattr(subject, "kind", "exact")
-
-
 def _declares_no_budget(subject, case) -> str | None:
     if getattr(subject, "budget", None) is None and not {"kl_max", "top1_min"} <= set(case.params or {}):
         return (f"{subject.name} declares no quality budget: declare kind='lossy' (or 'evicting') with "
@@ -54,25 +50,27 @@ def budgeted(subject, model, case, device="cpu"):
     """Applicability rule of ``check_quality_budget``: lossy and evicting subjects (``CacheSpec.kind``), and
     subjects with a fake-quant twin. A twin subject of kind ``exact`` without a budget (and no ``kl_max`` /
     ``top1_min`` in the case) is skipped with the declaration it lacks."""
-    if _kind(subject) in BUDGETED_KINDS:
+    kind = kind_of(subject)
+    if kind.budgeted:
         return None
-    if getattr(subject, "twin", None) is not None:
+    if kind.has_twin:
         return _declares_no_budget(subject, case)
     return "applies to lossy and evicting subjects only (CacheSpec kind='lossy' or 'evicting', with a Budget)"
 
 
 def compressing(subject, model, case, device="cpu"):
     """Applicability rule of ``check_compression_real``: lossy subjects (kind ``lossy``, or a fake-quant twin)."""
-    if _kind(subject) == "lossy" or (_kind(subject) == "exact" and getattr(subject, "twin", None) is not None):
+    kind = kind_of(subject)
+    if kind.compresses:
         return None
-    if _kind(subject) == "evicting":
+    if kind.evicts:
         return f"{subject.name} is evicting: its bytes are bounded by check_memory_bound (budget.tokens_max)"
     return "applies to lossy subjects only (CacheSpec kind='lossy')"
 
 
 def evicting(subject, model, case, device="cpu"):
     """Applicability rule of ``check_memory_bound``: evicting subjects (kind ``evicting``, ``budget.tokens_max``)."""
-    if _kind(subject) == "evicting":
+    if kind_of(subject).evicts:
         return None
     return "applies to evicting subjects only (CacheSpec kind='evicting' with budget.tokens_max)"
 
@@ -116,7 +114,7 @@ def _per_op(ctx, steps, oracle_by_step) -> str:
     return ", ".join(parts)
 
 
-@register("quality", needs=("forward",), applies=budgeted, params={
+@register("quality", needs=("forward",), judges=ALL_KINDS, applies=budgeted, params={
     "kl_max": Param(float, min=0, doc="replaces the subject's budget.kl_max (mean KL(oracle ‖ subject), nats)"),
     "top1_min": Param(float, min=0, max=1, doc="replaces the subject's budget.top1_min (top-1 agreement)"),
 }, ops=LONG_CONTEXT_RULE)
@@ -147,7 +145,7 @@ def check_quality_budget(ctx):
     if q["kl_mean"] <= kl_max and q["top1"] >= top1_min:
         return
     tq = None
-    if getattr(ctx.subject, "twin", None) is not None:  # the twin's own quality, same model and dtype
+    if ctx.kind.has_twin:  # the twin's own quality, same model and dtype
         twin_steps = drive(ctx, ctx.new_cache(twin_spec(ctx)))
         tq = quality_metrics(_cache_positions(twin_steps), oracle)
         ctx.metrics.update(twin_kl_mean=tq["kl_mean"], twin_top1=tq["top1"])
@@ -277,7 +275,7 @@ def _holdings(cache) -> str:
     return "; ".join(f"{path or 'cache'} {desc} {_mib(size)}" for path, size, desc in largest_holdings(cache, 3))
 
 
-@register("quality", needs=("forward",), applies=compressing, params={
+@register("quality", needs=("forward",), judges=ALL_KINDS, applies=compressing, params={
     "bytes_ratio_max": Param(float, min=0, doc="replaces the subject's budget.bytes_ratio_max (held / exact bytes)"),
 }, ops=LONG_CONTEXT_RULE)
 def check_compression_real(ctx):
@@ -337,7 +335,7 @@ def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
     return "the cache compresses less than it declares (more bits, smaller groups or a longer exact window)"
 
 
-@register("quality", needs=("forward",), applies=evicting, params={
+@register("quality", needs=("forward",), judges=ALL_KINDS, applies=evicting, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0,
                          doc="bytes per layer allowed above the bound (bookkeeping: positions, counters)"),
 }, ops=LONG_CONTEXT_RULE)

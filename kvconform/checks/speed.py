@@ -25,7 +25,7 @@ items before they run (parallel workers share the CPU, so timings would be meani
 
 from __future__ import annotations
 
-from kvconform.checks import IGNORES_OPS, Param, register
+from kvconform.checks import ALL_KINDS, IGNORES_OPS, Param, register
 from kvconform.checks._diagnosis import fail_raised
 from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call
 from kvconform.timing import Target, measure_interleaved
@@ -155,7 +155,7 @@ def _quantized(ctx) -> bool:
     ``residual_length`` steps), so its budget against the uncached forward is ``params.min_speedup_quantized``."""
     from kvconform.checks.memory import cache_layers, quant_params
 
-    if getattr(ctx.subject, "kind", "exact") == "lossy":  # declared lossy (kvconform_lossy / CacheSpec.kind)
+    if ctx.kind.declared_lossy:  # declared lossy (kvconform_lossy / CacheSpec.kind)
         return True
     try:
         cache = ctx.new_cache()
@@ -168,7 +168,7 @@ def _ms(t) -> str:
     return f"{t.median * 1e3:.2f}"
 
 
-@register("speed", needs=("forward",), params={
+@register("speed", needs=("forward",), judges=ALL_KINDS, params={
     **TIMING_PARAMS, "context": CONTEXT, "uncached_steps": UNCACHED_STEPS, "min_speedup": MIN_SPEEDUP,
     "min_speedup_quantized": Param(float, min=0, doc="budget of a quantized subject (default: min_speedup)"),
 }, ops=IGNORES_OPS, validate=_min_context_case)
@@ -203,7 +203,7 @@ def check_speed_vs_uncached(ctx):
         ], {"speedup": speedup})
 
 
-@register("speed", needs=("forward",), params={
+@register("speed", needs=("forward",), judges=ALL_KINDS, params={
     **TIMING_PARAMS, "uncached_steps": UNCACHED_STEPS,
     "short": Param(int, default=DEFAULTS["short"], min=1, doc="the short context"),
     "long": Param(int, default=DEFAULTS["long"], min=1, doc="the long context"),
@@ -264,7 +264,7 @@ def _compiled_applies(subject, model, case, device="cpu"):
     return _applies(True)(subject, model, case, device=device)
 
 
-@register("speed", needs=("compile",), applies=_compiled_applies, params={
+@register("speed", needs=("compile",), judges=ALL_KINDS, applies=_compiled_applies, params={
     **TIMING_PARAMS, "context": CONTEXT, "min_speedup": MIN_SPEEDUP, "mode": COMPILE_MODE, "device": CUDA_DEVICE,
 }, ops=IGNORES_OPS)
 def check_speed_compiled_static(ctx):

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from kvconform.outcomes import with_article
+from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH, KIND_NAMES,  # noqa: F401
+                                      LOSSY_FRESH, LOSSY_TWIN, ORACLE, TWIN, Kind, kind_of)
 
 CONSTRUCTION_KWARGS = ("config", "max_cache_len", "batch_size", "device", "dtype", "model")
 """What a factory may be called with; ``model`` only when its signature names it (see the module docstring)."""

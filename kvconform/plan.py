@@ -1,0 +1,212 @@
+"""The plan of a run: which items exist and which are skipped (``in_scope``, ``skip_reason``), what an item is
+(``PlanItem``), and what collection knows of a model without building it (``ModelInfo``, ``model_info``).
+
+The session (``kvconform.session``) builds the plan from these; nothing here builds a model or runs a cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from kvconform import zoo
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What collection needs to know about a model without building its weights."""
+
+    name: str
+    spec: str
+    layer_types: tuple
+    is_encoder_decoder: bool
+    accepts_position_ids: bool
+
+    @property
+    def features(self) -> set:
+        from kvconform.zoo import ZooModel
+
+        return set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
+
+
+def model_info(spec: str, zoo_only: bool = False) -> ModelInfo:
+    """Inspect a zoo name or checkpoint folder (config only).
+
+    Raises:
+        ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed).
+    ``zoo_only``: ``spec`` is a zoo name, whatever folders the working directory holds (internal look-ups).
+    """
+    import os
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    if zoo_only or not zoo.is_checkpoint_spec(spec):
+        if not zoo_only and os.path.isfile(os.path.join(spec, "config.json")):
+            raise ValueError(f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; "
+                             f"write ./{spec} for the folder")
+        config, name = zoo.zoo_config(spec), spec
+    else:
+        path = os.path.expanduser(spec)
+        problem = zoo.checkpoint_problem(path)
+        if problem == "no such folder" and os.sep not in spec and "/" not in spec:
+            problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
+        if problem:
+            raise ValueError(f"--kvconform-model {spec!r}: {problem}")
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
+        name = zoo.checkpoint_name(path)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    if zoo.is_checkpoint_spec(spec) and type(config) not in auto._model_mapping:
+        raise ValueError(
+            f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
+            f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
+            f"({auto.__name__} does not map {type(config).__name__}); kvconform checks the KV cache of "
+            f"autoregressive decoding, so it needs a decoder-only or encoder-decoder language model")
+    try:
+        cls = auto._model_mapping[type(config)]
+        import inspect
+
+        accepts = "position_ids" in inspect.signature(cls.forward).parameters
+    except Exception:  # noqa: BLE001 - unknown architecture: decided at run time
+        accepts = True
+    types, _ = zoo._layer_types(config)
+    return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts)
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """One item: subject × model × check × case, with the reason it is skipped or expected to fail."""
+
+    subject: object
+    model: ModelInfo
+    check: object
+    case: object
+    skip: str | None = None
+    xfail: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.subject.name}-{self.model.name}-{self.check.name.removeprefix('check_')}-{self.case.id}"
+
+    def marks(self, pytest):
+        marks = [pytest.mark.kvconform, getattr(pytest.mark, f"kvconform_{self.check.family}")]
+        if self.skip:
+            marks.append(pytest.mark.skip(reason=self.skip))
+        elif self.xfail:
+            marks.append(pytest.mark.xfail(reason=self.xfail, strict=False, raises=AssertionError))
+        return marks
+
+    def describe(self) -> dict:
+        return {"subject": self.subject.name, "model": self.model.name, "check": self.check.name,
+                "family": self.check.family, "case": self.case.id}
+
+
+def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
+    """Whether the item exists at all. A case limited to some models (``models``; ``models_full`` under
+    ``--kvconform-full``) or model features
+    (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
+    model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
+    ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
+    from kvconform.cases import model_requirements_unmet
+
+    if (case.tier == "full" or subject.tier == "full") and not full:
+        return False  # opt-in tier: counted in the report header instead of listed as skips
+    scope = case.model_scope(full)  # models, or models_full under --kvconform-full
+    if scope and model.name not in scope and not stands_in_for(model, scope):
+        return False
+    if model_requirements_unmet(case, model.features):
+        return False
+    return subject.applies_to is None or subject.applies_to(model) is None
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_features(name: str) -> frozenset:
+    """The features (``ModelInfo.features``) of a zoo family, from its config (no weights built)."""
+    return frozenset(model_info(name, zoo_only=True).features)
+
+
+def same_kind(model: ModelInfo) -> list[str]:
+    """The zoo families with exactly ``model``'s features (decoder-only or encoder-decoder, attention, sliding
+    window, linear-attention state), in zoo order."""
+    features = frozenset(model.features)
+    return [name for name in zoo.ZOO_NAMES if zoo_features(name) == features]
+
+
+def stands_in_for(model: ModelInfo, scope) -> bool:
+    """Whether a checkpoint takes the place of the zoo models a case is limited to: cases list a few representative
+    zoo families to keep the run short, and a checkpoint of the same kind — the same features (decoder-only or
+    encoder-decoder, attention, sliding window, linear-attention state) as one of them — gets that case too, so a
+    user's checkpoint is checked by every family that applies to its architecture. Zoo models never stand in."""
+    if not zoo.is_checkpoint_spec(model.spec):
+        return False
+    return any(name in scope for name in same_kind(model))
+
+
+def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> str | None:
+    """Why an item that exists (``in_scope``) is skipped, or None: the one place that decides it (see
+    ARCHITECTURE.md, "Items"). In order: a capability the subject does not declare (with its ``notes``); the check's
+    own rule (``@register(..., applies=rule)``, ``rule(subject, model, case, device=...) -> reason or None``:
+    lossy-only checks, coverage checks tied to one subject, ...); the subject's kind, where the check does not judge
+    it (``CheckInfo.judges``; ``Kind.not_judged``: e.g. a lossy subject is not held to the generate family's
+    token-for-token comparison with the exact model, an evicting one keeps only the cases that never make it hold
+    more than its ``tokens_max`` tokens, ``most_tokens_held``); ``CacheSpec.requires`` and ``CacheSpec.needs_cuda``
+    (optional backends and hardware); explicit ``position_ids`` on a model whose forward takes none.
+    """
+    from kvconform.compat import missing_requirement
+    from kvconform.subjects import kind_of
+
+    missing = sorted(check.needs - subject.capabilities)
+    if missing:
+        note = getattr(subject, "notes", {}).get(missing[0])
+        return f"{subject.name} does not declare capability '{missing[0]}'" + (f": {note}" if note else "")
+    own_rule = check.applies
+    reason = own_rule(subject, model, case, device=device) if own_rule is not None else None
+    if reason:
+        return reason
+    kind = kind_of(subject)
+    if kind.name not in check.judges:
+        reason = kind.not_judged(check, case, held=lambda: most_tokens_held(case, check))
+        if reason:
+            return reason
+    for requirement, hint in getattr(subject, "requires", {}).items():
+        if missing_requirement(requirement):
+            return f"requires {requirement} ({hint})"
+    if getattr(subject, "needs_cuda", None) and not _cuda_device(device):
+        return subject.needs_cuda
+    if case.position_ids == "explicit" and not model.accepts_position_ids and check.family == "logits":
+        return f"{model.name}'s forward takes no position_ids"
+    return None
+
+
+def most_tokens_held(case, check) -> int:
+    """The most tokens per row a cache holds while the case runs (an upper bound), from its ops: ``prefill``,
+    ``chunk`` and ``decode`` add their tokens, ``crop`` removes (not below 0), ``reset`` empties, batch ops and
+    ``fork`` keep; checks that also generate add the tokens they feed and generate (a case without ops: ``prompt +
+    max_new_tokens``; ``check_prefix_generate`` / ``check_multi_turn``: ``suffix`` / ``user`` + ``max_new_tokens``),
+    and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
+    if check.family == "fuzz":
+        return 10 + 5 * int(case.params.get("max_ops", 6)) + 1
+    held = most = 0
+    for op in case.ops:
+        if op.name in ("prefill", "chunk", "decode"):
+            held += op.n
+        elif op.name == "crop":
+            held = max(held - op.n, 0)
+        elif op.name == "reset":
+            held = 0
+        most = max(most, held)
+    if not case.ops:
+        return case.prompt + case.max_new_tokens
+    if check.name in ("check_prefix_generate", "check_multi_turn"):
+        extra = case.params.get("suffix", case.params.get("user", 4))
+        most = max(most, held + int(extra) + case.max_new_tokens)
+    return most
+
+
+def _cuda_device(device: str) -> bool:
+    import torch
+
+    return str(device).startswith("cuda") and torch.cuda.is_available()

@@ -1,0 +1,248 @@
+"""The kinds of subject: what a subject promises about its logits, and so what a check compares it with, why an
+item does not apply to it, and how messages describe it. The one place that reads a subject's declared ``kind``
+and ``twin``; every other module asks the ``Kind`` object (``kind_of(subject)``, ``CheckContext.kind``).
+
+Four kinds (``Kind.name``; a check names those it judges with ``@register(..., judges=...)``):
+
+* ``exact`` (``Exact``): the logits of the uncached model within float noise; compared with the float64 oracle.
+* ``lossy_twin`` (``LossyWithTwin``): a lossy (quantized) subject with a fake-quant ``twin``
+  (``CacheSpec.twin``): the exact families compare it with the twin run on the same ops in float64, the quality
+  family holds it to its budget against the oracle.
+* ``lossy_fresh`` (``SelfConsistent``): a lossy subject without a twin (``kind="lossy"``, ``kvconform_lossy``):
+  compared with a fresh instance of its own class fed the equivalent history (``checks/_consistency.py``).
+* ``evicting`` (``Evicting``): drops tokens past ``Budget.tokens_max``: exact (against the oracle, or its twin when
+  it has one) while it holds at most ``tokens_max`` tokens; past that judged by quality and its memory bound.
+
+A check that does not name a kind in ``judges`` does not apply to its subjects, with the reason the kind gives
+(``Kind.not_judged``); the default (``DEFAULT_JUDGES``) is every kind but ``evicting``, which is then judged only on
+the cases that never make it hold more than ``tokens_max`` tokens.
+
+Adding a kind: a ``Kind`` subclass here (its ``name``, ``target``, ``not_judged`` reason), its case in ``kind_of``,
+its declaration in ``subjects.declared_kind`` / ``validate_kind``, and ``judges=`` on the checks that judge it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING = "exact", "lossy_twin", "lossy_fresh", "evicting"
+KIND_NAMES = (EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING)
+"""The names a check may give in ``@register(..., judges=...)``."""
+
+ALL_KINDS = frozenset(KIND_NAMES)
+"""``judges=ALL_KINDS``: the check judges every kind as such, at any length (quality, speed, the evicting contract)."""
+
+DEFAULT_JUDGES = frozenset({EXACT, LOSSY_TWIN, LOSSY_FRESH})
+"""What a check judges unless it declares ``judges``: every kind but ``evicting`` (an evicting subject then gets the
+check's cases that never make it hold more than ``tokens_max`` tokens, where it must be exact)."""
+
+ORACLE, TWIN, FRESH = "oracle", "twin", "fresh"
+"""``Kind.target``: what a check compares the subject's steps with — the float64 oracle, its fake-quant twin run on
+the same ops, or a fresh instance of its own class fed the equivalent history."""
+
+
+class Kind:
+    """A subject's kind (see the module docstring). Built by ``kind_of``; ``subject`` is the ``CacheSpec``.
+
+    Attributes:
+        name: one of ``KIND_NAMES`` (what ``judges=`` names).
+        target: ``ORACLE``, ``TWIN`` or ``FRESH``.
+        subject: the ``CacheSpec`` (or any object with its fields).
+    """
+
+    name = EXACT
+    target = ORACLE
+
+    def __init__(self, subject):
+        self.subject = subject
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({getattr(self.subject, 'name', '?')})"
+
+    # ------------------------------------------------------------------------------------------------ what it is
+    @property
+    def declared(self) -> str:
+        """The declared kind (``CacheSpec.kind``): ``"exact"``, ``"lossy"`` or ``"evicting"``."""
+        return getattr(self.subject, "kind", "exact")
+
+    @property
+    def has_twin(self) -> bool:
+        """Whether the subject has a fake-quant twin (``CacheSpec.twin``)."""
+        return getattr(self.subject, "twin", None) is not None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether it compresses what it holds: declared lossy, or has a fake-quant twin."""
+        return self.declared == "lossy" or self.has_twin
+
+    @property
+    def declared_lossy(self) -> bool:
+        """Whether it declares ``kind="lossy"`` (``kvconform_lossy``)."""
+        return self.declared == "lossy"
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether it declares a quality budget in place of exactness (lossy or evicting)."""
+        return self.declared in ("lossy", "evicting")
+
+    @property
+    def compresses(self) -> bool:
+        """Whether its held bytes must be fewer than an exact cache's (declared lossy, or exact with a twin)."""
+        return self.declared == "lossy" or (self.declared == "exact" and self.has_twin)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether it declares ``kind="evicting"``."""
+        return self.declared == "evicting"
+
+    @property
+    def tokens_max(self) -> int | None:
+        """``Budget.tokens_max`` (evicting subjects), else None."""
+        return getattr(getattr(self.subject, "budget", None), "tokens_max", None)
+
+    # ------------------------------------------------------------------------------------------------ its twin
+    @property
+    def quant_config(self):
+        """The twin's ``quant_config`` (``kvconform.quant.QuantConfig``) where it has one, else None."""
+        return getattr(getattr(self.subject, "twin", None), "quant_config", None)
+
+    def twin_spec(self):
+        """The ``CacheSpec`` of the subject's fake-quant twin (named ``<subject>.twin``, no twin of its own), or None
+        without a twin."""
+        import dataclasses
+
+        twin = getattr(self.subject, "twin", None)
+        if twin is None:
+            return None
+        return dataclasses.replace(self.subject, name=f"{self.subject.name}.twin", factory=twin, twin=None)
+
+    # ------------------------------------------------------------------------------------------------ messages
+    @property
+    def versus(self) -> str:
+        """What a failure line adds after ``max|Δlogit| = …`` when nothing more precise is known: ``" vs its
+        fake-quant twin"`` for a subject judged against its twin, else ``""`` (the oracle is implied)."""
+        return " vs its fake-quant twin" if self.target == TWIN else ""
+
+    def describe(self) -> str:
+        """One phrase for messages: what the subject is and what judges it."""
+        return "exact: judged against the float64 oracle"
+
+    # ------------------------------------------------------------------------------------------------ applicability
+    def not_judged(self, check, case, held: Callable[[], int]) -> str | None:
+        """Why an item of ``check`` (a ``CheckInfo``) on ``case`` does not apply to this kind, or None. Consulted
+        only for checks whose ``judges`` do not name this kind. ``held()``: the most tokens per row the case makes
+        a cache hold (``plan.most_tokens_held``), asked only where the kind needs it."""
+        return None
+
+
+def _generate_tokens_reason(subject_name: str, twin: bool) -> str:
+    return (f"{subject_name} is lossy: its generate() tokens are not compared token for token with the exact model "
+            f"(a near-tie would flip a greedy token); its cache operations are judged by self-consistency"
+            f"{' and its fake-quant twin' if twin else ''}, its outputs by the quality family")
+
+
+class Exact(Kind):
+    """Exact: compared with the float64 oracle; every check applies."""
+
+
+class LossyWithTwin(Kind):
+    """Lossy with a fake-quant twin: the exact families compare it with the twin on the same ops; generate-token
+    comparisons with the exact model do not apply."""
+
+    name = LOSSY_TWIN
+    target = TWIN
+
+    def describe(self) -> str:
+        return "lossy: judged against its fake-quant twin and by its quality budget"
+
+    def not_judged(self, check, case, held) -> str | None:
+        name = self.subject.name
+        if check.family == "generate":
+            return (f"{name} is lossy: its greedy generate() is compared with its fake-quant twin "
+                    f"(check_generate_vs_twin), not token for token with the exact model")
+        return _generate_tokens_reason(name, twin=True)
+
+
+LOSSY_NOT_EXACT = {
+    "memory": "its held bytes are judged by the quality family's compression check (check_compression), not by the "
+              "exact cache's byte formula",
+}
+"""Why a check of these families that does not judge ``lossy_fresh`` skips it: what judges that property instead."""
+
+
+class SelfConsistent(Kind):
+    """Lossy without a twin: compared with a fresh instance of its own class fed the equivalent history; not held
+    to generate-token comparisons with the exact model nor to an exact cache's byte formula."""
+
+    name = LOSSY_FRESH
+    target = FRESH
+
+    def describe(self) -> str:
+        return "lossy: judged by self-consistency (a fresh instance of its class) and by its quality budget"
+
+    def not_judged(self, check, case, held) -> str | None:
+        name = self.subject.name
+        if check.family == "generate":
+            return (f"{name} is lossy: its greedy generate() is not compared token for token with the exact "
+                    f"model (a near-tie would flip a greedy token); its cache operations are judged by self-consistency "
+                    f"(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family "
+                    f"(check_quality_budget against the float64 oracle)")
+        if check.family in LOSSY_NOT_EXACT:
+            return f"{name} is lossy: {LOSSY_NOT_EXACT[check.family]}"
+        return _generate_tokens_reason(name, twin=False)
+
+
+class Evicting(Kind):
+    """Evicting: exact (against the oracle, or its twin where it has one) while it holds at most ``tokens_max``
+    tokens; a check that does not judge evicting subjects keeps only the cases that never make it hold more."""
+
+    name = EVICTING
+
+    @property
+    def target(self) -> str:  # type: ignore[override]
+        return TWIN if self.has_twin else ORACLE
+
+    def describe(self) -> str:
+        return (f"evicting past {self.tokens_max} tokens: exact below, judged by its quality budget and memory bound "
+                f"above")
+
+    def not_judged(self, check, case, held) -> str | None:
+        limit = self.tokens_max
+        if getattr(self.subject, "budget", None) is not None and limit is not None:
+            most = held()
+            if most > limit:
+                return (f"{self.subject.name} evicts past {limit} tokens and case {case.id} makes it hold up to "
+                        f"{most}: judged by quality and the memory bound, not against the exact oracle")
+        if self.has_twin and LOSSY_TWIN not in check.judges:
+            return LossyWithTwin(self.subject).not_judged(check, case, held)
+        return None
+
+
+def kind_of(subject) -> Kind:
+    """The ``Kind`` of ``subject`` (a ``CacheSpec``, or any object with its ``kind`` / ``twin`` / ``budget``
+    fields; missing ones mean exact, no twin, no budget): ``Evicting`` when it declares ``kind="evicting"``,
+    ``LossyWithTwin`` when it has a twin, ``SelfConsistent`` when it declares ``kind="lossy"``, else ``Exact``."""
+    declared = getattr(subject, "kind", "exact")
+    if declared == "evicting":
+        return Evicting(subject)
+    if getattr(subject, "twin", None) is not None:
+        return LossyWithTwin(subject)
+    if declared == "lossy":
+        return SelfConsistent(subject)
+    return Exact(subject)
+
+
+def check_judges(judges) -> frozenset:
+    """``judges`` of ``@register`` as a frozenset of ``KIND_NAMES``.
+
+    Raises:
+        TypeError: a name that is not a kind (naming the known ones), or a bare string.
+    """
+    if isinstance(judges, str):
+        raise TypeError(f"register(judges=...): give a collection of kind names, e.g. ({judges!r},)")
+    out = frozenset(judges)
+    unknown = sorted(out - ALL_KINDS)
+    if unknown:
+        raise TypeError(f"register(judges=...): unknown kind(s) {', '.join(map(repr, unknown))}; known: "
+                        f"{', '.join(KIND_NAMES)}")
+    return out
