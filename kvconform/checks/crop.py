@@ -86,6 +86,7 @@ class CropRecord:
         self.label, self.k, self.held, self.flag, self.positive = label, k, held, flag, positive
         self.refused: BaseException | None = None
         self.reported_after = None
+        self.reported_before = None
 
 
 def _flag(cache):
@@ -114,6 +115,7 @@ def run_crop_case(ctx, cache, records=None):
         positive = bool(params.get("positive"))
         label = f"crop({op.n})" if positive or op.n == 0 else op.label
         rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
+        rec.reported_before = seq_length(runner.cache)
         records.append(rec)
         before = snapshot(runner.cache)
         try:
@@ -138,15 +140,29 @@ def run_crop_case(ctx, cache, records=None):
             ctx.fail([f"after {label} on a {rec.held}-token cache get_seq_length() = {rec.reported_after}, but should "
                       f"be {keep}" + (" (never negative)" if rec.reported_after < 0 else ""),
                       f"ops: {' → '.join(runner.trail)}",
-                      "likely cause: " + ("crop() subtracts k from the length without clamping at 0: removing more "
-                                          "tokens than are cached must empty the cache or raise a clear error"
-                                          if rec.reported_after < 0 else
-                                          "crop() removed a different number of tokens than asked")],
+                      "likely cause: " + _length_cause(rec, runner)],
                      {"flag": rec.flag, "reported_length": rec.reported_after, "expected_length": keep})
 
     runner.handlers["crop"] = crop
     runner.run()
     return runner, records
+
+
+def _length_cause(rec, runner) -> str:
+    """Why the length after a crop is wrong: a length already wrong before the crop (the cache reported the tokens
+    it holds, not the tokens seen: an eviction or a press compressing the prefill), a negative length, or the crop
+    itself."""
+    before, after = rec.reported_before, rec.reported_after
+    if before is not None and before != rec.held:
+        removed = before - after
+        return (f"get_seq_length() was already {before} for the {rec.held} tokens fed before crop() ran (at "
+                f"{' → '.join(runner.trail[:-1]) or 'the start'}): the cache reports the tokens it holds, not the "
+                f"tokens seen (an eviction, or a press compressing the prefill); crop() then removed {removed} as "
+                f"asked — the length counter is the fault, not the crop")
+    if after < 0:
+        return ("crop() subtracts k from the length without clamping at 0: removing more tokens than are cached must "
+                "empty the cache or raise a clear error")
+    return "crop() removed a different number of tokens than asked"
 
 
 class PositiveCropNote(UserWarning):
