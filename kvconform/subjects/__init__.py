@@ -68,27 +68,33 @@ CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_rep
                 "compile")
 """Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
 
-KINDS = ("exact", "lossy", "evicting")
+KINDS = ("exact", "lossy", "evicting", "press")
 """What a subject promises about the logits it gives:
 
 * ``exact``: the logits of the uncached model, within float noise (the default);
 * ``lossy``: it compresses what it holds (quantization, low rank, ...): judged by quality against the float64 oracle
   within its ``Budget``, by self-consistency (every cache operation gives what a fresh instance of the same class
   fed the equivalent history gives), and by holding fewer bytes than an exact cache;
-* ``evicting``: it drops tokens (attention sinks + window, KV presses): exact until it holds ``Budget.tokens_max``
-  tokens, then judged by quality and by its memory bound.
+* ``evicting``: it drops tokens past a bound (attention sinks + window): exact until it holds ``Budget.tokens_max``
+  tokens, then judged by quality and by its memory bound;
+* ``press``: it compresses the prefill by keeping a subset of its tokens exactly, at any length, with no token bound
+  (KV presses: StreamingLLM, Knorm, SnapKV, ExpectedAttention ratios): judged like ``lossy`` (self-consistency,
+  quality, real compression) plus the press contract (``checks/press.py``: ``get_seq_length()`` = tokens seen,
+  short prompts handled or refused clearly, held tokens a subset of the fed ones).
+
+The kinds as objects (what each is compared with, which checks judge it): ``kvconform.subjects.kinds``.
 """
 
 
 @dataclass(frozen=True)
 class Budget:
-    """What a lossy or evicting subject promises, in place of exactness.
+    """What a lossy, evicting or press subject promises, in place of exactness.
 
     Attributes:
         kl_max: mean KL(oracle ‖ subject) in nats per position, over every position that read the cache in the
             long-context quality cases (next-token distributions of the float64 oracle vs the subject's).
         top1_min: fraction of those positions whose top-1 token equals the oracle's, in [0, 1].
-        bytes_ratio_max: lossy only, optional: the subject's held bytes after the long context divided by an exact
+        bytes_ratio_max: lossy and press, optional: the subject's held bytes after the long context divided by an exact
             cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the ratio must be < 1
             (compression must be real).
         tokens_max: evicting only, required: the most tokens the cache holds per row and attention layer (e.g.
@@ -811,25 +817,28 @@ def validate_kind(kind, budget, where: str) -> None:
     if kind == "evicting" and budget.tokens_max is None:
         raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
                         f"and attention layer, e.g. sinks + window)")
-    if kind == "lossy" and budget.tokens_max is not None:
-        raise SpecError(f"{where}: tokens_max is for evicting subjects; a lossy subject keeps every token "
-                        f"(declare kind='evicting' if it drops tokens)")
+    if kind in ("lossy", "press") and budget.tokens_max is not None:
+        raise SpecError(f"{where}: tokens_max is for evicting subjects; a {kind} subject has no token bound "
+                        f"(declare kind='evicting' if it never holds more than tokens_max tokens)")
 
 
 def declared_kind(obj, where: str) -> tuple:
-    """``(kind, budget)`` a Cache subclass or factory declares with ``kvconform_lossy = {budget}`` or
-    ``kvconform_evicting = {budget}`` (``Budget`` fields); ``("exact", None)`` when it declares neither.
+    """``(kind, budget)`` a Cache subclass or factory declares with ``kvconform_lossy = {budget}``,
+    ``kvconform_evicting = {budget}`` or ``kvconform_press = {budget}`` (``Budget`` fields); ``("exact", None)`` when
+    it declares none.
 
     Raises:
         SpecError: both attributes, or a budget that is not valid (see ``validate_kind``).
     """
-    lossy, evicting = getattr(obj, "kvconform_lossy", None), getattr(obj, "kvconform_evicting", None)
-    if lossy is not None and evicting is not None:
-        raise SpecError(f"{where}: declares both kvconform_lossy and kvconform_evicting; a subject has one kind "
-                        f"(an evicting cache that also quantizes declares kvconform_evicting)")
-    if lossy is None and evicting is None:
+    declared = {k: getattr(obj, f"kvconform_{k}", None) for k in ("lossy", "evicting", "press")}
+    declared = {k: v for k, v in declared.items() if v is not None}
+    if len(declared) > 1:
+        raise SpecError(f"{where}: declares {' and '.join('kvconform_' + k for k in declared)}; a subject has one "
+                        f"kind (an evicting cache that also quantizes declares kvconform_evicting; a press that "
+                        f"also quantizes kvconform_press)")
+    if not declared:
         return "exact", None
-    kind, value = ("lossy", lossy) if lossy is not None else ("evicting", evicting)
+    [(kind, value)] = declared.items()
     validate_kind(kind, value, f"{where}: kvconform_{kind}")
     return kind, Budget.from_mapping(value, f"{where}: kvconform_{kind}")
 
