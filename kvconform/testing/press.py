@@ -13,8 +13,11 @@ press has nothing to gain on a window the model bounds already). What it must ge
   drops tokens only afterwards;
 * ``get_seq_length()`` is the number of tokens *seen* (positions derive from it), not the number held;
 * ``get_mask_sizes(q)`` is ``(held + q, seen - held)``: key slot ``j`` is read as position ``seen - held + j``. For a
-  kept *suffix* that is each token's own position, so a left-padded row's mask columns still land on its own
-  tokens (a press that keeps tokens out of order, e.g. sinks in front, breaks that: ``SinkPress`` below);
+  kept *suffix* that is each token's own position (a press that keeps tokens out of order, e.g. sinks in front,
+  breaks that on padded rows: ``SinkPress`` below);
+* a left-padded prefill is refused with a ``ValueError`` (seen in the ``position_ids`` the model hands ``update``):
+  its rows would keep different numbers of real tokens, which one attention mask cannot express, so a padded row
+  could not equal the same row run alone;
 * ``crop(-k)`` of tokens fed after the prefill is exact; a crop reaching into the compressed prefill cannot be (the
   tokens a fresh press would keep of the shorter prompt were dropped) and is refused with a ``ValueError``, leaving
   the cache unchanged;
@@ -37,6 +40,27 @@ from kvconform.testing import FaultyCache
 PRESS_BUDGET = {"kl_max": 0.5, "top1_min": 0.3}
 """Quality budget of ``TailPress`` at ratio 0.25 (mean KL(oracle ‖ subject) nats per position, top-1 agreement),
 the budget a user of a 25 % ratio press declares on the zoo's random-weight models."""
+
+
+def _refuse_padding(kwargs, n: int) -> None:
+    """Refuse a left-padded prefill (seen in the ``position_ids`` the model hands ``update``: a padded row's
+    positions do not run ``0 .. n-1``). A press cannot compress it right: the rows would keep different numbers of
+    real tokens, and the mask (one column per position seen, read through ``get_mask_sizes``) cannot hide the
+    filler slots of the shorter ones.
+
+    Raises:
+        ValueError: naming the padding and the fix.
+    """
+    inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
+    pos = inner.get("position_ids") if isinstance(inner, dict) else None
+    if pos is None or pos.dim() != 2 or pos.shape[-1] != n:
+        return
+    span = pos[:, -1] - pos[:, 0]
+    if bool((span != n - 1).any()):
+        rows = (span != n - 1).nonzero().flatten().tolist()
+        raise ValueError(f"a press cannot compress a left-padded prefill (rows {rows} are padded): rows would keep "
+                         f"different numbers of real tokens, which one attention mask cannot express; prefill padded "
+                         f"rows one at a time, or without padding")
 
 
 class PressLayer(ReferenceAttentionLayer):
@@ -70,6 +94,8 @@ class PressLayer(ReferenceAttentionLayer):
         """Append ``[B, H, k, D]`` keys/values and return every held token plus them; a prefill (the first forward
         into an empty layer) is then compressed to ``kept_indices``."""
         first = self.seen == 0 and not self.key_chunks
+        if first and self.ratio > 0:
+            _refuse_padding(kwargs, key_states.shape[-2])
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         n = key_states.shape[-2]
         self.seen += n
@@ -173,13 +199,20 @@ class TailPress(Cache):
 
 
 # ------------------------------------------------------------------------------------------------ faulty variants
+class _PadBlindLayer(PressLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        # BUG: compresses a left-padded prefill like any other (kvpress does): the sinks are the pads
+        return super().update(key_states, value_states)
+
+
 class SinkPress(TailPress):
-    """FAULTY: StreamingLLM's press — 4 sink tokens in front of the kept tail. Its mask sizes still say "key slot
-    ``j`` is position ``seen - held + j``", true for the tail but not for the sinks: on an unpadded row every held
-    token is visible anyway and the logits are right; on a left-padded row the sinks are pads, read under the
-    columns of real tokens, and attended."""
+    """FAULTY: StreamingLLM's press — 4 sink tokens in front of the kept tail — that compresses a left-padded
+    prefill too. Its mask sizes say "key slot ``j`` is position ``seen - held + j``", true for the tail but not for
+    the sinks: on an unpadded row every held token is visible anyway and the logits are right; on a left-padded row
+    the sinks are pads, read under the columns of real tokens, and attended."""
 
     sinks = 4
+    layer_class = _PadBlindLayer
 
 
 class _HeldLengthLayer(PressLayer):
@@ -202,13 +235,13 @@ _M = "kvconform.testing.press"
 FAULTY = [
     FaultyCache("press_held_length", "HeldLengthPress", _M, "contract", "check_press_contract", "llama",
                 ("check_press_contract failed: HeldLengthPress on llama", "but should be"),
-                also_caught_by=("contract", "crop", "fuzz", "batch", "logits", "prefix", "lifecycle", "exactness",
+                also_caught_by=("contract", "crop", "fuzz", "batch", "logits", "prefix", "lifecycle",
                                 "quality"),
                 case="press_contract",
                 cause=r"get_seq_length\(\) reports the tokens held \(\d+\), not the tokens seen"),
-    FaultyCache("press_sinks_padded", "SinkPress", _M, "exactness", "check_padded_row_alone", "llama",
+    FaultyCache("press_sinks_padded", "SinkPress", _M, "batch", "check_padded_row_alone", "llama",
                 ("check_padded_row_alone failed: SinkPress on llama", "the same row run alone"),
-                also_caught_by=("exactness",),
+                also_caught_by=("batch",),
                 case="padded_row_alone",
                 cause=r"left-padded row"),
 ]
