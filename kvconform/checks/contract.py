@@ -287,6 +287,8 @@ class Bookkeeping:
             kv_len, kv_off = self.predicted[layer_idx]
             window = self.windows[layer_idx] if layer_idx < len(self.windows) else None
             first_needed = 0 if window is None else max(held - window + 1, 0)
+            if self.ctx.kind.presses:  # a press announces the tokens it kept: its slots end at the last position
+                first_needed = max(first_needed, kv_off) if kv_off + kv_len == held + q else first_needed
             if returned != kv_len:
                 self.problems.append(f"at {step.label}: layer {layer_idx} update() returned {returned} keys, but "
                                      f"get_mask_sizes({q}) said kv_length={kv_len}")

@@ -403,6 +403,23 @@ class Int8ResetKeepsQuantized(Int8ResidualCache):
     layer_class = _ResetKeepsQuantizedLayer
 
 
+class _RequantOnBatchOpLayer(Int8ResidualLayer):
+    def _map_batch(self, fn) -> None:
+        if self.tail_k is not None and self.tail_k.shape[-2]:
+            # BUG: "one code path for every layout change": the store is rebuilt from its decoded view, so the
+            # exact tail comes back quantized (turboquant-kv 1.0.0 decodes and re-quantizes on every batch op)
+            self.tail_k = dequantize(*quantize(self.tail_k), self.dtype)
+            self.tail_v = dequantize(*quantize(self.tail_v), self.dtype)
+        super()._map_batch(fn)
+
+
+class Int8RequantOnBatchOp(Int8ResidualCache):
+    """FAULTY: every batch op (reorder, select, repeat) rebuilds the store from its decoded view, quantizing the
+    exact tail: an identity reorder or ``repeat(1)`` moves the next logits by the int8 error of the recent tokens."""
+
+    layer_class = _RequantOnBatchOpLayer
+
+
 _M = "kvconform.testing.lossy"
 FAULTY = [
     FaultyCache("int8_reorder_residual_only", "Int8ReorderResidualOnly", _M, "batch", "check_reorder_then_decode",
@@ -421,5 +438,9 @@ FAULTY = [
                 "llama", ("vs a fresh Int8ResetKeepsQuantized fed the equivalent history",
                           "likely cause: reset() did not clear every part of the cache"), case="reset_reuse",
                 cause=r"reset\(\) did not clear every part of the cache"),
+    FaultyCache("int8_requant_on_batch_op", "Int8RequantOnBatchOp", _M, "batch", "check_identity_ops", "llama",
+                ("check_identity_ops failed: Int8RequantOnBatchOp on llama", "vs the same cache without it"),
+                also_caught_by=("batch", "fuzz", "prefix"), case="identity_ops",
+                cause=r"reorder_cache\(\) rebuilds the store instead of permuting it"),
 ]
 """The faulty variants of ``Int8ResidualCache`` (collected by ``kvconform.testing.faulty_caches``)."""

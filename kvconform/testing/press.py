@@ -81,6 +81,12 @@ class PressLayer(ReferenceAttentionLayer):
         self.ratio, self.sinks = float(ratio), int(sinks)
         self.seen = self.prefill = self.dropped = 0
 
+    @property
+    def is_croppable(self) -> bool:
+        """False once a prefill was compressed: a crop reaching into it is refused (``crop_problem``); a crop of the
+        tokens fed after it is still exact."""
+        return self.dropped == 0
+
     def kept_indices(self, n: int) -> torch.Tensor:
         """Indices ``[0, n)`` kept of a prefill of ``n`` tokens (int64, increasing)."""
         drop = int(self.ratio * n)
