@@ -420,6 +420,23 @@ class Int8RequantOnBatchOp(Int8ResidualCache):
     layer_class = _RequantOnBatchOpLayer
 
 
+class _WideCodesLayer(Int8ResidualLayer):
+    def _append_quantized(self, qk, sk, qv, sv) -> None:
+        # BUG: codes kept as int64 "indices" (what torch.bucketize / argmin return), never narrowed to int8
+        super()._append_quantized(qk.to(torch.int64), sk, qv.to(torch.int64), sv)
+
+    def _init_attention(self, key_states, value_states) -> None:
+        super()._init_attention(key_states, value_states)
+        self.qk, self.qv = self.qk.to(torch.int64), self.qv.to(torch.int64)
+
+
+class Int8WideCodes(Int8ResidualCache):
+    """FAULTY: quantizes to 255 levels but stores the codes as int64: 8 bytes a value where the float32 original took
+    4, so the "compressed" cache holds more than an exact one."""
+
+    layer_class = _WideCodesLayer
+
+
 _M = "kvconform.testing.lossy"
 FAULTY = [
     FaultyCache("int8_reorder_residual_only", "Int8ReorderResidualOnly", _M, "batch", "check_reorder_then_decode",
@@ -442,5 +459,10 @@ FAULTY = [
                 ("check_identity_ops failed: Int8RequantOnBatchOp on llama", "vs the same cache without it"),
                 also_caught_by=("batch", "fuzz", "prefix"), case="identity_ops",
                 cause=r"reorder_cache\(\) rebuilds the store instead of permuting it"),
+    FaultyCache("int8_wide_codes", "Int8WideCodes", _M, "quality", "check_compression_real", "llama",
+                ("check_compression_real failed: Int8WideCodes on llama",),
+                case="compression_long",
+                cause=r"the compressed codes are stored in wide dtypes — layers\[0\]\.qk int64 holding \d+ levels "
+                      r"\(8 bits needed, 64 stored\)"),
 ]
 """The faulty variants of ``Int8ResidualCache`` (collected by ``kvconform.testing.faulty_caches``)."""
