@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 
 from kvconform import compat
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, prefill_refusal
 from kvconform.checks._judge import Verdict, run_and_judge
 
 
@@ -121,11 +121,11 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
     context that left the model changed has its own (``subjects.ModelLeftChanged.likely_cause``)."""
     from kvconform.subjects import ModelLeftChanged
 
-    if padding_refused(ctx, exc):
+    reason = prefill_refusal(ctx, exc)
+    if reason:
         from kvconform.outcomes import CheckSkipped
 
-        raise CheckSkipped(f"{ctx.subject.name} refuses a left-padded prefill with a clear error "
-                           f"({describe_raise(exc)}): padded rows are not checked on this subject")
+        raise CheckSkipped(reason)
     if isinstance(exc.cause, ModelLeftChanged):
         cause = ModelLeftChanged.likely_cause
     else:
@@ -135,22 +135,6 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
         f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",
         "likely cause: " + cause,
     ], {"raised": type(exc.cause).__name__, "failed_at": exc.where})
-
-
-PAD_REFUSAL_WORDS = ("pad", "attention mask", "attention_mask")
-
-
-def padding_refused(ctx, exc: SubjectRaised) -> bool:
-    """Whether ``exc`` is a clear refusal of a left-padded prefill: the case pads its rows (``params.padding``), the
-    raise is at the first prefill, and the error is not a raw tensor error (``IndexError``, ``RuntimeError``...) but
-    one naming the padding (a press cannot compress padded rows alike, see ``kvconform.testing.press``)."""
-    pads = (ctx.case.params or {}).get("padding") or ()
-    if not any(pads) or not str(exc.where).startswith("prefill"):
-        return False
-    cause = exc.cause
-    if isinstance(cause, (IndexError, KeyError, AttributeError, ZeroDivisionError, RuntimeError, TypeError)):
-        return False
-    return any(w in str(cause).lower() for w in PAD_REFUSAL_WORDS)
 
 
 def _size_error(cause: BaseException) -> bool:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from kvconform import compat
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
                                      forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
-                                     random_tokens, seq_length, tensors_of, unmasked_slots)
+                                     prefill_refusal, random_tokens, seq_length, tensors_of, unmasked_slots)
+from kvconform.outcomes import CheckSkipped
 
 
 class StopRun(Exception):
@@ -213,7 +214,11 @@ class Runner:
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
-            raise SubjectRaised(where, exc, op_index=self.op_index) from exc
+            err = SubjectRaised(where, exc, op_index=self.op_index)
+            reason = prefill_refusal(self.ctx, err) if self.length == 0 else None
+            if reason:  # a clear refusal the contract allows (a padded batch; a press's too-short prompt)
+                raise CheckSkipped(reason) from exc
+            raise err from exc
 
     def _new_tokens(self, n):
         import torch

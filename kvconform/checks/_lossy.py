@@ -125,13 +125,13 @@ def fail_twin(ctx, failed, cause):
 def fail_subject_raised(ctx, exc: SubjectRaised, cause: str):
     from kvconform.subjects import ModelLeftChanged
 
-    from kvconform.checks._diagnosis import padding_refused
+    from kvconform.checks._drive import prefill_refusal
 
-    if padding_refused(ctx, exc):
+    reason = prefill_refusal(ctx, exc)
+    if reason:
         from kvconform.outcomes import CheckSkipped
 
-        raise CheckSkipped(f"{ctx.subject.name} refuses a left-padded prefill with a clear error "
-                           f"({describe_raise(exc)}): padded rows are not checked on this subject")
+        raise CheckSkipped(reason)
     if isinstance(exc.cause, ModelLeftChanged):
         cause = ModelLeftChanged.likely_cause
     ctx.fail([f"the subject raised {describe_raise(exc)}",

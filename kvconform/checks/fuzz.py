@@ -26,7 +26,7 @@ import copy
 import os
 
 from kvconform.cases import Op
-from kvconform.checks import IGNORES_OPS, OP_PARAMS, Param, register
+from kvconform.checks import IGNORES_OPS, OP_PARAMS, CheckSkipped, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge
@@ -104,6 +104,8 @@ def _outcome(ctx, spec, program):
     info = {}
     try:
         steps = run_program(sctx, sctx.new_cache(), program, info)
+    except CheckSkipped:
+        return None  # a clear refusal of the program's prefill the contract allows (a press's too-short prompt)
     except SubjectRaised as exc:
         return ([f"the subject raised {describe_exception(exc.cause)} at {exc.where}"],
                 {"raised": type(exc.cause).__name__, "failed_at": exc.where}, info)
