@@ -183,6 +183,10 @@ class CacheSpec:
             held bytes grow). The memory budget of an exact, non-preallocated layer then allows at most one page per
             row of slack above the formula (``page_size · B · H_kv · (D_k + D_v) · b`` bytes per layer). A Cache
             subclass or factory declares it with a ``kvconform_page_size = N`` attribute (``declared_page_size``).
+        allocation: how the cache allocates K/V when not token by token (``ALLOCATIONS``): ``"preallocated"`` (every
+            bounded layer holds its capacity from the first token on: a fixed ring of a sliding layer's window, a
+            capacity buffer), ``"doubling"`` (amortised doubling buffers: at most twice the tokens held), or None
+            (undeclared: the memory family infers it from the held bytes). Declared with ``kvconform_allocation``.
     """
 
     name: str
@@ -201,6 +205,7 @@ class CacheSpec:
     same_as: str | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
     page_size: int | None = None
+    allocation: str | None = None
 
     def __post_init__(self):
         if isinstance(self.budget, Mapping):  # a dict is accepted for convenience; validate_spec checks it
@@ -847,7 +852,31 @@ def _declared(obj, where: str) -> dict:
     """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
     kind, budget = declared_kind(obj, where)
     return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
-                page_size=declared_page_size(obj, where))
+                page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where))
+
+
+ALLOCATIONS = ("preallocated", "doubling")
+"""Allocation policies a subject may declare besides token by token and pages (``CacheSpec.allocation``):
+``preallocated`` — each bounded layer (``get_max_length() > 0``: a sliding window, a capacity) holds its whole
+capacity from the first token on (a ring of ``sliding_window`` slots, a fixed buffer); ``doubling`` — amortised
+doubling buffers, holding at most twice the tokens fed (and shrunk again by ``crop`` / ``reset``)."""
+
+
+def declared_allocation(obj, where: str) -> str | None:
+    """The ``kvconform_allocation`` a Cache subclass or factory declares (one of ``ALLOCATIONS``), or None.
+
+    Raises:
+        SpecError: a value not in ``ALLOCATIONS`` (closest named).
+    """
+    declared = getattr(obj, "kvconform_allocation", None)
+    if declared is None:
+        return None
+    if not isinstance(declared, str):
+        raise SpecError(f"{where}: kvconform_allocation must be one of {', '.join(ALLOCATIONS)}; got {declared!r}")
+    _check_names(where, "kvconform_allocation", {declared}, ALLOCATIONS)
+    return declared
+
+
 def declared_page_size(obj, where: str) -> int | None:
     """The ``kvconform_page_size`` a Cache subclass or a factory function declares: its allocation granularity in
     tokens (a paged cache allocating K/V in pages of N tokens), or None when it declares none.
@@ -902,6 +931,8 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
     if page is not None and (isinstance(page, bool) or not isinstance(page, int) or page < 1):
         raise SpecError(f"{where}: {spec.name}: page_size must be a positive int (tokens per page) or None, got "
                         f"{page!r}")
+    if spec.allocation is not None:
+        _check_names(f"{where}: {spec.name}", "allocation", {spec.allocation}, ALLOCATIONS)
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",

@@ -1,0 +1,265 @@
+"""Correct caches with allocation policies other than "token by token" or "pages", written the way their authors
+would, and faulty variants that really over-hold.
+
+* ``RingWindowCache``: every sliding-window layer keeps a fixed ring of ``sliding_window`` slots, allocated at its
+  first update (what a serving engine does to avoid reallocating as the window slides); full-attention layers as
+  ``DynamicCache``. Its sliding layers hold ``sliding_window`` tokens' bytes from the first token on: more than
+  ``min(S, window)`` while ``S`` is small, by design. It declares ``kvconform_allocation = "preallocated"`` (the
+  memory family infers it too: the held bytes equal the capacity after every op).
+* ``DoublingCache``: every full-attention layer appends into a buffer whose capacity doubles when full (amortised
+  O(1) appends, as a C++ vector does) and is halved back by ``crop`` when less than half full, freed by ``reset``:
+  at most twice the tokens held. It declares ``kvconform_allocation = "doubling"`` (also inferred: the held bytes
+  double at each growth and stay flat between).
+
+Both are exact: attention reads exactly the tokens it would read from ``DynamicCache`` (checked against the
+float64 oracle by every family).
+
+Faulty variants (``FAULTY``): ``RingTwoWindows`` (a ring of ``2 · sliding_window`` slots "for headroom": twice the
+window, beyond its declared preallocation), ``DoublingNeverShrinks`` (crop never gives the buffer back: after a deep
+crop it holds many times the tokens left).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from kvconform.compat import crop_tokens_to_remove, layer_types_and_kwargs
+from kvconform.testing import FaultyCache
+
+
+# ------------------------------------------------------------------------------------------------ ring
+class RingSlidingLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer whose keys/values live in a ring of ``slots`` (default ``sliding_window``) rows per
+    head, allocated once; ``keys`` / ``values`` are the held tokens in order (a gather of the ring), and assigning
+    them (what ``DynamicSlidingWindowLayer``'s update, crop and batch ops do) writes them back into the ring,
+    reallocating only when the batch or head shape changes (or past recording holds more than the ring)."""
+
+    ring_factor = 1
+
+    def __init__(self, sliding_window: int, **kwargs):
+        self._ring = {"keys": None, "values": None}
+        self._held = 0
+        self._start = 0
+        super().__init__(sliding_window=sliding_window, **kwargs)
+
+    @property
+    def slots(self) -> int:
+        return self.ring_factor * self.sliding_window
+
+    def _read(self, name):
+        ring = self._ring[name]
+        if ring is None or ring.dim() != 4:
+            return ring
+        idx = (self._start + torch.arange(self._held, device=ring.device)) % ring.shape[-2]
+        return ring.index_select(-2, idx)
+
+    def _write(self, name, t):
+        if t is None or t.dim() != 4:
+            self._ring[name] = t
+            if name == "keys":
+                self._held, self._start = 0, 0
+            return
+        n = t.shape[-2]
+        ring = self._ring[name]
+        if ring is None or ring.dim() != 4 or ring.shape[:2] != t.shape[:2] or ring.shape[-1] != t.shape[-1] \
+                or ring.dtype != t.dtype or ring.shape[-2] < n:
+            ring = torch.zeros(*t.shape[:2], max(self.slots, n), t.shape[-1], dtype=t.dtype, device=t.device)
+            self._ring[name] = ring
+        ring[..., :n, :] = t
+        if name == "keys":
+            self._held, self._start = n, 0
+
+    keys = property(lambda self: self._read("keys"), lambda self, t: self._write("keys", t))
+    values = property(lambda self: self._read("values"), lambda self, t: self._write("values", t))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """As ``DynamicSlidingWindowLayer.update``; single tokens past the window go into the ring in place."""
+        ring = self._ring["keys"]
+        q = key_states.shape[-2]
+        if (self.is_initialized and not self.record_past and ring is not None and ring.dim() == 4
+                and ring.shape[:2] == key_states.shape[:2] and self._held + q > self.sliding_window - 1
+                and q < self.sliding_window):
+            full_k = torch.cat([self.keys, key_states], dim=-2)
+            full_v = torch.cat([self.values, value_states], dim=-2)
+            self.cumulative_length += q
+            # overwrite the oldest q slots (a true ring: nothing else moves), keep the last window - 1 tokens
+            keep = self.sliding_window - 1
+            slots = ring.shape[-2]
+            end = (self._start + self._held) % slots
+            pos = (end + torch.arange(q, device=ring.device)) % slots
+            self._ring["keys"].index_copy_(-2, pos, key_states)
+            self._ring["values"].index_copy_(-2, pos, value_states)
+            total = self._held + q
+            self._start = (self._start + max(total - keep, 0)) % slots
+            self._held = min(total, keep)
+            return full_k, full_v
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class RingWindowCache(Cache):
+    """Sliding-window layers in rings of ``sliding_window`` slots, full-attention layers as ``DynamicCache``
+    (module docstring). ``RingWindowCache(config)``; other keyword arguments are accepted and ignored. Models
+    without sliding layers get plain dynamic layers (nothing to ring).
+
+    Raises:
+        ValueError: a config without layer types transformers can read (``layer_types_and_kwargs``).
+    """
+
+    kvconform_allocation = "preallocated"
+    sliding_class = RingSlidingLayer
+
+    def __init__(self, config=None, **ignored_kwargs):
+        if config is None:
+            super().__init__(layer_class_to_replicate=DynamicLayer)
+            return
+        layers = []
+        for layer_type, kw in zip(*layer_types_and_kwargs(config)):
+            window = kw.get("sliding_window")
+            if layer_type in ("sliding_attention", "chunked_attention") and window:
+                layers.append(type(self).sliding_class(sliding_window=window))
+            else:
+                layers.append(_plain_layer(layer_type, kw))
+        super().__init__(layers=layers)
+
+
+def _plain_layer(layer_type, kw):
+    """A correct layer for a type neither cache changes: ``DynamicLayer`` for full attention, else kvconform's
+    reference layer of that type (linear attention, hybrid)."""
+    from kvconform.reference import make_reference_layer
+
+    return DynamicLayer() if layer_type == "full_attention" else make_reference_layer(layer_type, kw)
+
+
+# ------------------------------------------------------------------------------------------------ doubling
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+class DoublingLayer(DynamicLayer):
+    """A full-attention layer appending into a buffer of ``capacity`` token slots per row and head that doubles
+    when full; ``crop`` halves it back while it is less than half full, ``reset`` frees it. ``keys`` / ``values``
+    are views of the first ``length`` slots."""
+
+    shrink_on_crop = True
+
+    def __init__(self, **kwargs):
+        self._buf = {"keys": None, "values": None}
+        self.length = 0
+        super().__init__()
+
+    def _read(self, name):
+        buf = self._buf[name]
+        return buf if buf is None or buf.dim() != 4 else buf[..., :self.length, :]
+
+    def _write(self, name, t):
+        if t is None or t.dim() != 4:
+            self._buf[name] = t
+            if name == "keys":
+                self.length = 0
+            return
+        buf = self._buf[name]
+        n = t.shape[-2]
+        fits = (buf is not None and buf.dim() == 4 and buf.shape[:2] == t.shape[:2] and buf.shape[-2] >= n
+                and buf.dtype == t.dtype)
+        if fits and buf.data_ptr() == t.data_ptr() and not self.shrink_on_crop:
+            pass  # a slice of the buffer itself (crop): keep the buffer as it is
+        elif not fits or (self.shrink_on_crop and buf.shape[-2] > _pow2(max(n, 1))):
+            new = torch.empty(*t.shape[:2], _pow2(max(n, 1)), t.shape[-1], dtype=t.dtype, device=t.device)
+            new[..., :n, :] = t
+            self._buf[name] = new
+        else:
+            buf[..., :n, :] = t
+        if name == "keys":
+            self.length = n
+
+    keys = property(lambda self: self._read("keys"), lambda self, t: self._write("keys", t))
+    values = property(lambda self: self._read("values"), lambda self, t: self._write("values", t))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Append ``[B, H, q, D]`` in place, doubling the buffer when it is full; return views of every token."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.length, key_states.shape[-2]
+        for name, new in (("keys", key_states), ("values", value_states)):
+            buf = self._buf[name]
+            if buf is None or buf.dim() != 4 or buf.shape[-2] < n + q:
+                grown = torch.empty(*new.shape[:2], _pow2(n + q), new.shape[-1], dtype=new.dtype, device=new.device)
+                if n:
+                    grown[..., :n, :] = buf[..., :n, :]
+                self._buf[name] = buf = grown
+            buf[..., n:n + q, :] = new
+        self.length = n + q
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class DoublingCache(Cache):
+    """Full-attention layers in doubling buffers; sliding and other layers as ``DynamicCache`` builds them
+    (module docstring). ``DoublingCache(config)``; other keyword arguments are accepted and ignored."""
+
+    kvconform_allocation = "doubling"
+    layer_class = DoublingLayer
+
+    def __init__(self, config=None, **ignored_kwargs):
+        if config is None:
+            super().__init__(layer_class_to_replicate=type(self).layer_class)
+            return
+        layers = []
+        for layer_type, kw in zip(*layer_types_and_kwargs(config)):
+            window = kw.get("sliding_window")
+            if layer_type == "full_attention":
+                layers.append(type(self).layer_class())
+            elif layer_type in ("sliding_attention", "chunked_attention") and window:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            else:
+                layers.append(_plain_layer(layer_type, kw))
+        super().__init__(layers=layers)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens in every layer (the installed release's sign contract)."""
+        count = -crop_tokens_to_remove(tokens_to_remove, self.get_seq_length)
+        for layer in self.layers:
+            layer.crop(count)
+
+
+# ------------------------------------------------------------------------------------------------ faulty variants
+class _TwoWindowRing(RingSlidingLayer):
+    ring_factor = 2  # BUG: "headroom": the ring is allocated twice the window the layer ever reads
+
+
+class RingTwoWindows(RingWindowCache):
+    """FAULTY: its rings have ``2 · sliding_window`` slots — twice what its declared preallocation allows."""
+
+    sliding_class = _TwoWindowRing
+
+
+class _NeverShrinkLayer(DoublingLayer):
+    shrink_on_crop = False  # BUG: crop only moves the length; the doubled buffer is never given back
+
+    def reset(self) -> None:
+        # BUG: "reuse the allocation for the next sequence": reset only rewinds the length
+        self.length = 0
+
+
+class DoublingNeverShrinks(DoublingCache):
+    """FAULTY: ``crop`` and ``reset`` only rewind the length and keep the largest buffer ever grown: after a reset
+    and a short sequence the layer holds many times the tokens it serves."""
+
+    layer_class = _NeverShrinkLayer
+
+
+_M = "kvconform.testing.allocation"
+FAULTY = [
+    FaultyCache("ring_two_windows", "RingTwoWindows", _M, "memory", "check_memory_bytes", "mistral",
+                ("check_memory_bytes failed: RingTwoWindows on mistral", "allocation: its capacity preallocated"),
+                case="memory_decode",
+                cause=r"the preallocated buffer is larger than the layer's capacity \(8 tokens"),
+    FaultyCache("doubling_never_shrinks", "DoublingNeverShrinks", _M, "memory", "check_memory_bytes", "llama",
+                ("check_memory_bytes failed: DoublingNeverShrinks on llama", "allocation: amortised doubling"),
+                case="memory_decode",
+                cause=r"the doubling buffer is not shrunk by crop\(\)/reset\(\)"),
+]
+"""The faulty allocation variants (collected by ``kvconform.testing.faulty_caches``)."""
