@@ -29,18 +29,49 @@ from kvconform.testing import FaultyCache
 
 
 # ------------------------------------------------------------------------------------------------ ring
-class RingSlidingLayer(DynamicSlidingWindowLayer):
+class HonestSlidingLayer(DynamicSlidingWindowLayer):
+    """``DynamicSlidingWindowLayer`` with an honest crop: ``is_croppable`` is False once the window is full without
+    past recording, and ``crop(-k)`` removes ``k`` tokens only while what remains still holds every token the
+    window needs (else a ``RuntimeError`` naming the problem, nothing changed); with past recording on, the recorded
+    past is kept across crops (5.24's layer throws it away, see the known fault ``dynamic-sliding-crop-twice``)."""
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past or self.cumulative_length < self.sliding_window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (the installed release's sign contract).
+
+        Raises:
+            ValueError: a positive count (transformers ≥ 5.20).
+            RuntimeError: the tokens left would not cover the window (they were dropped as it slid).
+        """
+        k = crop_tokens_to_remove(tokens_to_remove, self.get_seq_length)
+        if k == 0 or not self.is_initialized or self.keys is None or self.keys.dim() != 4:
+            return
+        held = self.keys.shape[-2]
+        remaining = max(self.cumulative_length - k, 0)
+        if held - k < min(remaining, self.sliding_window - 1):
+            raise RuntimeError(f"cannot crop({-k}): this sliding layer holds only its last {held} tokens (the window "
+                               f"slid past the others; call activate_past_recording() before decoding to crop later)")
+        keys, values = self.keys[..., :max(held - k, 0), :], self.values[..., :max(held - k, 0), :]
+        self.keys, self.values = keys, values
+        self.cumulative_length = remaining
+
+
+class RingSlidingLayer(HonestSlidingLayer):
     """A sliding-window layer whose keys/values live in a ring of ``slots`` (default ``sliding_window``) rows per
     head, allocated once; ``keys`` / ``values`` are the held tokens in order (a gather of the ring), and assigning
     them (what ``DynamicSlidingWindowLayer``'s update, crop and batch ops do) writes them back into the ring,
-    reallocating only when the batch or head shape changes (or past recording holds more than the ring)."""
+    reallocating only when the batch or head shape changes (or past recording holds more than the ring). Keys and
+    values each keep their own start and count, so assigning one never moves the other."""
 
     ring_factor = 1
 
     def __init__(self, sliding_window: int, **kwargs):
         self._ring = {"keys": None, "values": None}
-        self._held = 0
-        self._start = 0
+        self._held = {"keys": 0, "values": 0}
+        self._start = {"keys": 0, "values": 0}
         super().__init__(sliding_window=sliding_window, **kwargs)
 
     @property
@@ -51,48 +82,45 @@ class RingSlidingLayer(DynamicSlidingWindowLayer):
         ring = self._ring[name]
         if ring is None or ring.dim() != 4:
             return ring
-        idx = (self._start + torch.arange(self._held, device=ring.device)) % ring.shape[-2]
+        idx = (self._start[name] + torch.arange(self._held[name], device=ring.device)) % ring.shape[-2]
         return ring.index_select(-2, idx)
 
     def _write(self, name, t):
         if t is None or t.dim() != 4:
-            self._ring[name] = t
-            if name == "keys":
-                self._held, self._start = 0, 0
+            self._ring[name], self._held[name], self._start[name] = t, 0, 0
             return
         n = t.shape[-2]
         ring = self._ring[name]
         if ring is None or ring.dim() != 4 or ring.shape[:2] != t.shape[:2] or ring.shape[-1] != t.shape[-1] \
                 or ring.dtype != t.dtype or ring.shape[-2] < n:
             ring = torch.zeros(*t.shape[:2], max(self.slots, n), t.shape[-1], dtype=t.dtype, device=t.device)
-            self._ring[name] = ring
+        else:
+            t = t.clone()  # t may be a gather of this very ring
         ring[..., :n, :] = t
-        if name == "keys":
-            self._held, self._start = n, 0
+        self._ring[name], self._held[name], self._start[name] = ring, n, 0
 
     keys = property(lambda self: self._read("keys"), lambda self, t: self._write("keys", t))
     values = property(lambda self: self._read("values"), lambda self, t: self._write("values", t))
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """As ``DynamicSlidingWindowLayer.update``; single tokens past the window go into the ring in place."""
+        """As ``DynamicSlidingWindowLayer.update``; once the window is full, new tokens overwrite the oldest slots of
+        the ring in place."""
         ring = self._ring["keys"]
         q = key_states.shape[-2]
+        keep = self.sliding_window - 1
         if (self.is_initialized and not self.record_past and ring is not None and ring.dim() == 4
-                and ring.shape[:2] == key_states.shape[:2] and self._held + q > self.sliding_window - 1
-                and q < self.sliding_window):
+                and ring.shape[:2] == key_states.shape[:2] and ring.shape[-2] == self.slots
+                and self._held["keys"] + q > keep and q < self.sliding_window):
             full_k = torch.cat([self.keys, key_states], dim=-2)
             full_v = torch.cat([self.values, value_states], dim=-2)
             self.cumulative_length += q
-            # overwrite the oldest q slots (a true ring: nothing else moves), keep the last window - 1 tokens
-            keep = self.sliding_window - 1
-            slots = ring.shape[-2]
-            end = (self._start + self._held) % slots
-            pos = (end + torch.arange(q, device=ring.device)) % slots
-            self._ring["keys"].index_copy_(-2, pos, key_states)
-            self._ring["values"].index_copy_(-2, pos, value_states)
-            total = self._held + q
-            self._start = (self._start + max(total - keep, 0)) % slots
-            self._held = min(total, keep)
+            for name, new in (("keys", key_states), ("values", value_states)):
+                slots, held = self._ring[name].shape[-2], self._held[name]
+                pos = ((self._start[name] + held) % slots + torch.arange(q, device=new.device)) % slots
+                self._ring[name].index_copy_(-2, pos, new)
+                total = held + q
+                self._start[name] = (self._start[name] + max(total - keep, 0)) % slots
+                self._held[name] = min(total, keep)
             return full_k, full_v
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -138,40 +166,40 @@ def _pow2(n: int) -> int:
 
 class DoublingLayer(DynamicLayer):
     """A full-attention layer appending into a buffer of ``capacity`` token slots per row and head that doubles
-    when full; ``crop`` halves it back while it is less than half full, ``reset`` frees it. ``keys`` / ``values``
-    are views of the first ``length`` slots."""
+    when full; ``crop`` halves it back to the smallest power of two that holds what is left, ``reset`` frees it.
+    ``keys`` / ``values`` are views of the first ``length`` slots (each with its own length, so assigning one never
+    moves the other)."""
 
     shrink_on_crop = True
 
     def __init__(self, **kwargs):
         self._buf = {"keys": None, "values": None}
-        self.length = 0
+        self._len = {"keys": 0, "values": 0}
         super().__init__()
+
+    @property
+    def length(self) -> int:
+        return self._len["keys"]
 
     def _read(self, name):
         buf = self._buf[name]
-        return buf if buf is None or buf.dim() != 4 else buf[..., :self.length, :]
+        return buf if buf is None or buf.dim() != 4 else buf[..., :self._len[name], :]
 
     def _write(self, name, t):
         if t is None or t.dim() != 4:
-            self._buf[name] = t
-            if name == "keys":
-                self.length = 0
+            self._buf[name], self._len[name] = t, 0
             return
         buf = self._buf[name]
         n = t.shape[-2]
         fits = (buf is not None and buf.dim() == 4 and buf.shape[:2] == t.shape[:2] and buf.shape[-2] >= n
                 and buf.dtype == t.dtype)
-        if fits and buf.data_ptr() == t.data_ptr() and not self.shrink_on_crop:
-            pass  # a slice of the buffer itself (crop): keep the buffer as it is
-        elif not fits or (self.shrink_on_crop and buf.shape[-2] > _pow2(max(n, 1))):
+        if fits and not (self.shrink_on_crop and buf.shape[-2] > _pow2(max(n, 1))):
+            buf[..., :n, :] = t.clone()  # t may be a view of this very buffer
+        else:
             new = torch.empty(*t.shape[:2], _pow2(max(n, 1)), t.shape[-1], dtype=t.dtype, device=t.device)
             new[..., :n, :] = t
             self._buf[name] = new
-        else:
-            buf[..., :n, :] = t
-        if name == "keys":
-            self.length = n
+        self._len[name] = n
 
     keys = property(lambda self: self._read("keys"), lambda self, t: self._write("keys", t))
     values = property(lambda self: self._read("values"), lambda self, t: self._write("values", t))
@@ -180,8 +208,8 @@ class DoublingLayer(DynamicLayer):
         """Append ``[B, H, q, D]`` in place, doubling the buffer when it is full; return views of every token."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, q = self.length, key_states.shape[-2]
         for name, new in (("keys", key_states), ("values", value_states)):
+            n, q = self._len[name], new.shape[-2]
             buf = self._buf[name]
             if buf is None or buf.dim() != 4 or buf.shape[-2] < n + q:
                 grown = torch.empty(*new.shape[:2], _pow2(n + q), new.shape[-1], dtype=new.dtype, device=new.device)
@@ -189,7 +217,7 @@ class DoublingLayer(DynamicLayer):
                     grown[..., :n, :] = buf[..., :n, :]
                 self._buf[name] = buf = grown
             buf[..., n:n + q, :] = new
-        self.length = n + q
+            self._len[name] = n + q
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -213,7 +241,7 @@ class DoublingCache(Cache):
             if layer_type == "full_attention":
                 layers.append(type(self).layer_class())
             elif layer_type in ("sliding_attention", "chunked_attention") and window:
-                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+                layers.append(HonestSlidingLayer(sliding_window=window))
             else:
                 layers.append(_plain_layer(layer_type, kw))
         super().__init__(layers=layers)
@@ -241,7 +269,7 @@ class _NeverShrinkLayer(DoublingLayer):
 
     def reset(self) -> None:
         # BUG: "reuse the allocation for the next sequence": reset only rewinds the length
-        self.length = 0
+        self._len = {"keys": 0, "values": 0}
 
 
 class DoublingNeverShrinks(DoublingCache):
