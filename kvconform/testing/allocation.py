@@ -51,7 +51,9 @@ class HonestSlidingLayer(DynamicSlidingWindowLayer):
             return
         held = self.keys.shape[-2]
         remaining = max(self.cumulative_length - k, 0)
-        if held - k < min(remaining, self.sliding_window - 1):
+        if remaining == 0:  # every token goes: an empty layer, whatever the window dropped before
+            k = held
+        elif held - k < min(remaining, self.sliding_window - 1):
             raise RuntimeError(f"cannot crop({-k}): this sliding layer holds only its last {held} tokens (the window "
                                f"slid past the others; call activate_past_recording() before decoding to crop later)")
         keys, values = self.keys[..., :max(held - k, 0), :], self.values[..., :max(held - k, 0), :]
