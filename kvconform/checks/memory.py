@@ -427,8 +427,6 @@ def allocations(subject, raw: list, rows: list, shapes: dict, slack: int) -> dic
         return {label: Allocation(declared, "declared") for label in shapes}
     series: dict = {}
     for cp, layers in raw:
-        if cp.after_reset:
-            continue
         for name, held, layer, tokens in layers:
             series.setdefault(name, []).append((tokens, held, layer))
     return {label: infer_allocation(series.get(label, []), rows, label, shape.token_bytes, slack)
