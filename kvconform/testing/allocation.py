@@ -289,6 +289,7 @@ FAULTY = [
                 cause=r"the preallocated buffer is larger than the layer's capacity \(8 tokens"),
     FaultyCache("doubling_never_shrinks", "DoublingNeverShrinks", _M, "memory", "check_memory_bytes", "llama",
                 ("check_memory_bytes failed: DoublingNeverShrinks on llama", "allocation: amortised doubling"),
+                also_caught_by=("lifecycle", "batch", "fuzz", "contract", "prefix", "generate"),
                 case="memory_decode",
                 cause=r"the doubling buffer is not shrunk by crop\(\)/reset\(\)"),
 ]

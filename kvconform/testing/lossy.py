@@ -457,7 +457,7 @@ FAULTY = [
                 cause=r"reset\(\) did not clear every part of the cache"),
     FaultyCache("int8_requant_on_batch_op", "Int8RequantOnBatchOp", _M, "batch", "check_identity_ops", "llama",
                 ("check_identity_ops failed: Int8RequantOnBatchOp on llama", "vs the same cache without it"),
-                also_caught_by=("batch", "fuzz", "prefix"), case="identity_ops",
+                also_caught_by=("batch", "fuzz", "prefix", "lifecycle", "contract"), case="identity_ops",
                 cause=r"reorder_cache\(\) rebuilds the store instead of permuting it"),
     FaultyCache("int8_wide_codes", "Int8WideCodes", _M, "quality", "check_compression_real", "llama",
                 ("check_compression_real failed: Int8WideCodes on llama",),

@@ -241,13 +241,13 @@ _M = "kvconform.testing.press"
 FAULTY = [
     FaultyCache("press_held_length", "HeldLengthPress", _M, "contract", "check_press_contract", "llama",
                 ("check_press_contract failed: HeldLengthPress on llama", "but should be"),
-                also_caught_by=("contract", "crop", "fuzz", "batch", "logits", "prefix", "lifecycle",
-                                "quality"),
+                also_caught_by=("contract", "crop", "fuzz", "batch", "logits", "prefix", "lifecycle", "quality",
+                                "coverage", "compile"),
                 case="press_contract",
                 cause=r"get_seq_length\(\) reports the tokens held \(\d+\), not the tokens seen"),
     FaultyCache("press_sinks_padded", "SinkPress", _M, "batch", "check_padded_row_alone", "llama",
                 ("check_padded_row_alone failed: SinkPress on llama", "the same row run alone"),
-                also_caught_by=("batch",),
+                also_caught_by=("batch", "fuzz", "logits", "crop", "prefix", "lifecycle", "contract"),
                 case="padded_row_alone",
                 cause=r"left-padded row"),
 ]
