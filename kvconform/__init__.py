@@ -15,6 +15,7 @@ _LAZY = {
     "Budget": "kvconform.subjects",
     "ReferenceCache": "kvconform.reference",
     "ConformanceError": "kvconform.checks",
+    "KVConformError": "kvconform.outcomes",
 }
 __all__ = ["__version__", *_LAZY]
 

@@ -38,6 +38,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvconform.memo import MEMO
+from kvconform.outcomes import UsageError
+
 
 OP_NAMES = ("prefill", "decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")
 """Op vocabulary (ARCHITECTURE.md, "The op interpreter"). ``prefill N``: first pass over N prompt tokens; ``decode N``: N single-token steps;
@@ -50,7 +53,7 @@ REQUIREMENTS = ("attention", "sliding", "linear_attention", "decoder_only", "enc
 _ID = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
-class CaseFileError(ValueError):
+class CaseFileError(ValueError, UsageError):
     """A case file is malformed. ``str(err)`` names file, case id, key and the allowed values."""
 
 
@@ -288,7 +291,7 @@ def _validate_padding(path, case):
                       f"({what}): every row needs a real token; pad at most {length - 1}")
 
 
-_FEATURES: dict = {}
+_FEATURES: dict = MEMO.table("cases.features")
 
 
 def _zoo_features(name) -> frozenset:

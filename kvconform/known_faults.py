@@ -36,6 +36,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvconform.outcomes import UsageError
+
 FAULTS_FILE = Path(__file__).with_name("known_faults.toml")
 PATTERN_KEYS = ("subject", "model", "check", "family", "case")
 KEYS = {
@@ -52,7 +54,7 @@ KEYS = {
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
-class KnownFaultsError(ValueError):
+class KnownFaultsError(ValueError, UsageError):
     """A known-faults file is malformed. ``str(err)`` names the file, the entry id (or ``#index`` when it has
     none), the key and what is allowed."""
 

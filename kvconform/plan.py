@@ -6,10 +6,10 @@ The session (``kvconform.session``) builds the plan from these; nothing here bui
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from kvconform import zoo
+from kvconform.memo import MEMO
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,14 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
     return subject.applies_to is None or subject.applies_to(model) is None
 
 
-@functools.lru_cache(maxsize=None)
+_ZOO_FEATURES: dict = MEMO.table("plan.zoo_features")
+
+
 def zoo_features(name: str) -> frozenset:
-    """The features (``ModelInfo.features``) of a zoo family, from its config (no weights built)."""
-    return frozenset(model_info(name, zoo_only=True).features)
+    """The features (``ModelInfo.features``) of a zoo family, from its config (no weights built; memoised)."""
+    if name not in _ZOO_FEATURES:
+        _ZOO_FEATURES[name] = frozenset(model_info(name, zoo_only=True).features)
+    return _ZOO_FEATURES[name]
 
 
 def same_kind(model: ModelInfo) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvconform.families import FAMILIES
 from kvconform.outcomes import with_article
 
 SUITE_DIR = Path(__file__).parent / "suite"
@@ -152,10 +153,8 @@ def _keep_benchmarks_out_of_the_folder(config) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ configure
-# One marker per check family (kept in sync with kvconform.checks.FAMILIES by tests/test_plugin.py; listed here
-# because importing kvconform.checks would import torch in every pytest run).
-FAMILY_MARKERS = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contract", "fuzz", "quality",
-                  "coverage", "compile", "memory", "speed")
+# One marker per check family (kvconform.families: torch-free, unlike kvconform.checks).
+FAMILY_MARKERS = FAMILIES
 MARKERS = {"kvconform": "an item of the kvconform conformance suite",
            **{f"kvconform_{f}": f"kvconform check family '{f}'" for f in FAMILY_MARKERS}}
 

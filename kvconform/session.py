@@ -280,6 +280,9 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     from kvconform.known_faults import load_all
     from kvconform.subjects import CacheSpec, as_cache_spec, builtin_subjects, check_factory_builds_cache, validate_spec
 
+    from kvconform.memo import MEMO
+
+    MEMO.clear()  # a new run measures afresh (the process's memo tables: kvconform.memo)
     _quiet_transformers()
     _limit_threads()
     registry = load_checks()

@@ -21,8 +21,9 @@ def test_press_is_declared_and_judged_as_a_press():
     from kvconform.testing.press import TailPress
 
     kind, budget = declared_kind(TailPress, "TailPress")
-    assert kind == "press" and budget.tokens_max is None
+    assert kind == "press" and "tokens_max" not in budget
     spec = kvconform_spec(TailPress)
+    assert spec.kind == "press" and spec.budget.tokens_max is None
     k = kind_of(spec)
     assert k.name == "press" and k.presses and k.compresses and k.budgeted and not k.exact
 
@@ -34,11 +35,14 @@ def kvconform_spec(obj):
 
 
 def test_press_with_a_token_bound_is_a_usage_error():
-    class Bad:
-        kvconform_press = {"kl_max": 0.5, "top1_min": 0.3, "tokens_max": 64}
+    from transformers import DynamicCache
 
+    def bad(config):
+        return DynamicCache(config=config)
+
+    bad.kvconform_press = {"kl_max": 0.5, "top1_min": 0.3, "tokens_max": 64}
     with pytest.raises(SpecError, match="tokens_max is for evicting subjects"):
-        declared_kind(Bad, "Bad")
+        check_cache(bad, models=["llama"], checks=["check_press_contract"])
 
 
 def test_correct_press_passes_its_contract_and_the_exactness_checks():

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from kvconform.outcomes import CheckSkipped  # noqa: F401 - re-exported: the suite catches it from here
+from kvconform.families import FAMILIES  # noqa: F401 - the one family list (matrix order), re-exported
+from kvconform.outcomes import CheckSkipped, KVConformError  # noqa: F401 - re-exported: the suite catches it here
 from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, LOSSY_FRESH,  # noqa: F401 - for
                                       LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
 
+if TYPE_CHECKING:  # the types of CheckContext's fields, without importing torch-heavy modules at run time
+    from kvconform.cases import Case
+    from kvconform.oracle import Oracle
+    from kvconform.subjects import CacheSpec, Kind
+    from kvconform.zoo import ZooModel
 
-class ConformanceError(AssertionError):
+
+class ConformanceError(AssertionError, KVConformError):
     """A subject does not conform. ``str(err)`` is the failure message (format: ARCHITECTURE.md, "Failure messages"); ``metrics`` is JSON-serialisable
     (``max_abs`` logits units, ``tolerance``, ``noise_floor``, ...)."""
 
@@ -24,7 +31,7 @@ class ConformanceError(AssertionError):
         self.metrics = metrics or {}
 
 
-class Unexcused(Exception):
+class Unexcused(KVConformError):
     """A non-conforming item that no expected failure may excuse. Deliberately *not* an ``AssertionError``, so that
     the xfail of a known fault (``raises=AssertionError``) does not apply: the item fails. ``str(err)`` is the
     message; ``metrics`` as in ``ConformanceError``."""
@@ -34,7 +41,7 @@ class Unexcused(Exception):
         self.metrics = metrics or {}
 
 
-class KnownFaultShown(Exception):
+class KnownFaultShown(KVConformError):
     """A failure that shows a known upstream fault's ``evidence`` (``known_faults.toml``): the suite reports the
     item as xfailed with ``str(err)`` (the fault's reason), as for a fault known before the run."""
 
@@ -229,7 +236,7 @@ class CheckInfo:
         needs: the subject capabilities it needs (else the item is skipped, naming the first missing one).
         doc: the function's docstring.
         applies: ``applies(subject, model, case, device="cpu") -> reason or None``: the check's own applicability
-            rule (lossy subjects only, CUDA only, one subject's row, ...); ``session.skip_reason`` calls it. None:
+            rule (lossy subjects only, CUDA only, one subject's row, ...); ``plan.skip_reason`` calls it. None:
             no rule of its own.
         params: ``{key: Param}``: the keys a case of this check may give in ``params`` (validated at load).
         ops: the ``OpRule`` its cases' ``ops`` must follow (checked at load); None: not declared (any ops; every
@@ -265,9 +272,6 @@ class CheckInfo:
 
 
 CHECKS: dict[str, CheckInfo] = {}
-FAMILIES = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contract", "fuzz", "quality",
-            "coverage", "compile", "memory", "speed")
-"""Check families in matrix-column order. A check registered under another family is appended after these."""
 
 
 def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
@@ -329,16 +333,16 @@ class CheckContext:
             (``kvconform.timing`` then times with its own loop).
     """
 
-    subject: object
-    model: object
-    case: object
-    oracle: object
-    reference: object = None
+    subject: CacheSpec
+    model: ZooModel
+    case: Case
+    oracle: Oracle
+    reference: CacheSpec | None = None
     metrics: dict = field(default_factory=dict)
     check_name: str = ""
     known_fault: str | None = None
     full: bool = False
-    benchmark: object = None
+    benchmark: Any = None
     reproduce_args: tuple = ()
     fuzz_seed: int | None = None
 
@@ -349,7 +353,7 @@ class CheckContext:
         return Tolerance(factor, self.case.abs_min if self.case.abs_min is not None else DEFAULT_ABS_MIN)
 
     @property
-    def kind(self):
+    def kind(self) -> Kind:
         """The subject's ``Kind`` (``kvconform.subjects.kind_of``): what its steps are compared with, how messages
         name it."""
         from kvconform.subjects import kind_of

@@ -11,6 +11,8 @@ from __future__ import annotations
 import zlib
 
 from kvconform import compat
+from kvconform.memo import MEMO
+from kvconform.outcomes import KVConformError
 from kvconform.oracle import padded_position_ids
 from kvconform.subjects import call_context
 
@@ -18,7 +20,7 @@ FIRST_TOKEN = 3  # ids 0..2 are pad / bos / eos in the zoo
 PAD_TOKEN = 0
 
 
-class SubjectRaised(Exception):
+class SubjectRaised(KVConformError):
     """The subject (or the model through it) raised; ``where`` is the op label, ``cause`` the exception.
 
     ``op_index``: the index of the raising op in the ops run (None when unknown). ``facts``: what was measured at the
@@ -57,7 +59,7 @@ def prefill_refusal(ctx, exc: "SubjectRaised") -> str | None:
     if any(pads) and any(w in text for w in PAD_REFUSAL_WORDS):
         return (f"{ctx.subject.name} refuses a left-padded prefill with a clear error ({what}): padded rows are not "
                 f"checked on this subject")
-    if getattr(ctx, "kind", None) is not None and ctx.kind.presses and any(w in text for w in SHORT_PROMPT_WORDS):
+    if ctx.kind.presses and any(w in text for w in SHORT_PROMPT_WORDS):
         return (f"{ctx.subject.name} refuses a prompt this short with a clear error at {exc.where} ({what}): a press "
                 f"may refuse a prompt it cannot compress (check_press_contract judges short prompts)")
     return None
@@ -93,7 +95,7 @@ def seq_length(cache):
         return None
 
 
-_MASK_ON_WARM_STEPS: dict = {}
+_MASK_ON_WARM_STEPS: dict = MEMO.table("drive.mask_on_warm_steps")
 
 
 def wants_mask_after_prefill(model) -> bool:

@@ -84,7 +84,8 @@ def oracle_slices(ctx, steps) -> dict:
 
 
 def twin_line(ctx) -> str:
-    twin = ctx.kind.twin_spec().factory
+    spec = ctx.kind.twin_spec()
+    twin = spec.factory if spec is not None else None
     qc = ctx.kind.quant_config
     what = qc.describe(ctx.model.config) if qc is not None else "the declared quantization"
     return f"twin: {getattr(twin, '__name__', 'twin')} ({what}), exact bookkeeping"

@@ -46,13 +46,14 @@ from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator,
                                      tensors_of)
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import fail_raised
+from kvconform.memo import MEMO
 
 _RECOMPILE = "Detected recompile"
 _GUARD = re.compile(r"^\s*-\s*(?:\d+/\d+:\s*)?(?P<guard>.+?)\s*(?:#\s*(?P<src>.*))?$")
 
 
 # ------------------------------------------------------------------------------------------------ applicability
-_CLAIMS: dict = {}
+_CLAIMS: dict = MEMO.table("compile.claims")
 
 
 def declared_compileable(subject, model_info) -> bool | None:

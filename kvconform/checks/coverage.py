@@ -112,7 +112,7 @@ def check_cache_implementation(ctx):
     sl = slice(first, first + n)
     oracle = ctx.oracle.logits(seq[:, :-1], encoder_ids=enc)[:, sl]
     uncached = ctx.oracle.uncached(seq[:, :-1], encoder_ids=enc)[:, sl]
-    if lossy:  # target: the twin's step logits; noise floor: the oracle's (float noise of the exact path)
+    if twin is not None:  # target: the twin's step logits; noise floor: the oracle's (float noise of the exact path)
         cmp = compare_logits(logits, ref_logits, ref_logits + (uncached - oracle), ctx.tolerance()) if same \
             else None
     else:

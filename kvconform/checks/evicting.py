@@ -2,7 +2,7 @@
 (family ``contract``; see README, "Evicting caches").
 
 An evicting cache drops tokens (attention sinks + window, KV presses). Below ``tokens_max`` held tokens it is exact,
-so the exact families' cases that stay below apply to it unchanged (``session.evicting_skip_reason`` skips the
+so the exact families' cases that stay below apply to it unchanged (``Kind.not_judged`` skips the
 others). Past ``tokens_max`` its logits are judged by quality and its memory bound (family ``quality``); what holds
 exactly whatever it evicted is checked here:
 

@@ -31,6 +31,7 @@ from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge
 from kvconform.checks._diagnosis import describe_exception
+from kvconform.outcomes import KVConformError
 from kvconform.subjects import kind_of
 
 MAX_BATCH = 8
@@ -39,7 +40,7 @@ NEEDS = {"crop": "crop", "fork": "deepcopy", "reorder": "reorder", "repeat": "ba
          "select": "batch_select", "reset": "reset"}
 
 
-class ProgramFailed(Exception):
+class ProgramFailed(KVConformError):
     """A program on which the subject fails and the reference does not. ``lines``: the message body."""
 
     def __init__(self, program, lines, metrics):

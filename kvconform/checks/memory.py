@@ -62,6 +62,7 @@ from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, stor
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import FORWARD_OPS, run_observed
+from kvconform.memo import MEMO
 from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
@@ -454,7 +455,7 @@ def _mib(n) -> str:
     return f"{n:,} B" if abs(n) < 1 << 20 else f"{n / (1 << 20):.2f} MiB"
 
 
-_SHAPES: dict = {}
+_SHAPES: dict = MEMO.table("memory.shapes")
 """Reference shapes per (model, dtype, case): the same for every subject of a run, so measured once."""
 
 

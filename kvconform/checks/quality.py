@@ -31,6 +31,7 @@ from kvconform.checks import ALL_KINDS, OpRule, Param, register
 from kvconform.checks._drive import (SubjectRaised, cache_layers, held_bytes, held_tensor_items, largest_holdings,
                                      storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
+from kvconform.memo import MEMO
 from kvconform.subjects import kind_of
 
 DEFAULT_SLACK_BYTES = 256
@@ -174,16 +175,15 @@ def check_quality_budget(ctx):
         f"{_per_op(ctx, steps, oracle_by_step)}",
         f"ops: {ctx.case.ops_label()} ({steps[-1].seq.shape[1]} tokens)",
     ]
-    kind = _kind(ctx.subject)
     if tq is not None:
         inherent = tq["kl_mean"] > kl_max or tq["top1"] < top1_min
         lines.append(f"fake-quant twin on the same case: KL {tq['kl_mean']:.2e}, top-1 {tq['top1']:.3f}")
         cause = ("the declared quantization itself loses this much on this model: the budget is too tight for it"
                  if inherent else "the subject loses more than its declared quantization does: the fault is in the "
                  "subject (its twin meets the budget)")
-    elif kind == "evicting":
+    elif ctx.kind.evicts:
         cause = ("the tokens the cache keeps (budget.tokens_max = "
-                 f"{ctx.subject.budget.tokens_max}) do not carry the context this model needs, or the kept tokens "
+                 f"{ctx.kind.tokens_max}) do not carry the context this model needs, or the kept tokens "
                  "are attended at the wrong positions: compare the mean KL per op before and after eviction starts")
     else:
         cause = ("the cache loses more than its declared budget allows (coarser quantization than declared, or a "
@@ -271,7 +271,7 @@ def _formula(layers) -> str:
     return " + ".join(parts)
 
 
-_REFERENCE: dict = {}
+_REFERENCE: dict = MEMO.table("quality.reference")
 """``exact_layer_bytes`` per (model, dtype, case, batch, reference): the same for every subject of a run."""
 
 

@@ -21,13 +21,20 @@ A check that does not name a kind in ``judges`` does not apply to its subjects, 
 (``Kind.not_judged``); the default (``DEFAULT_JUDGES``) is every kind but ``evicting``, which is then judged only on
 the cases that never make it hold more than ``tokens_max`` tokens.
 
-Adding a kind: a ``Kind`` subclass here (its ``name``, ``target``, ``not_judged`` reason), its case in ``kind_of``,
-its declaration in ``subjects.declared_kind`` / ``validate_kind``, and ``judges=`` on the checks that judge it.
+Adding a kind: here, a ``Kind`` subclass (its ``name``, ``target``, ``not_judged`` reason), its name in
+``KIND_NAMES``, its declared name in ``DECLARED_KINDS`` (which gives the ``kvconform_<kind>`` attribute) and its case
+in ``kind_of``; the budget rules of its declaration in ``declare.validate_kind``; ``judges=`` on the checks that
+judge it.
 """
 
 from __future__ import annotations
 
 from typing import Callable
+
+DECLARED_KINDS = ("exact", "lossy", "evicting", "press")
+"""What a subject may declare as its ``CacheSpec.kind`` (``kind="..."``, or a ``kvconform_<kind> = {budget}``
+attribute on a Cache subclass or factory for every kind but exact); ``kind_of`` maps a declaration (with its twin,
+if any) to a ``Kind``."""
 
 EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING, PRESS = "exact", "lossy_twin", "lossy_fresh", "evicting", "press"
 KIND_NAMES = (EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING, PRESS)
@@ -73,11 +80,6 @@ class Kind:
     def has_twin(self) -> bool:
         """Whether the subject has a fake-quant twin (``CacheSpec.twin``)."""
         return getattr(self.subject, "twin", None) is not None
-
-    @property
-    def lossy(self) -> bool:
-        """Whether it compresses what it holds: declared lossy, or has a fake-quant twin."""
-        return self.declared == "lossy" or self.has_twin
 
     @property
     def declared_lossy(self) -> bool:
@@ -139,10 +141,6 @@ class Kind:
         fake-quant twin"`` for a subject judged against its twin, else ``""`` (the oracle is implied)."""
         return " vs its fake-quant twin" if self.target == TWIN else ""
 
-    def describe(self) -> str:
-        """One phrase for messages: what the subject is and what judges it."""
-        return "exact: judged against the float64 oracle"
-
     # ------------------------------------------------------------------------------------------------ applicability
     def not_judged(self, check, case, held: Callable[[], int]) -> str | None:
         """Why an item of ``check`` (a ``CheckInfo``) on ``case`` does not apply to this kind, or None. Consulted
@@ -168,9 +166,6 @@ class LossyWithTwin(Kind):
     name = LOSSY_TWIN
     target = TWIN
 
-    def describe(self) -> str:
-        return "lossy: judged against its fake-quant twin and by its quality budget"
-
     def not_judged(self, check, case, held) -> str | None:
         name = self.subject.name
         if check.family == "generate":
@@ -192,9 +187,6 @@ class SelfConsistent(Kind):
 
     name = LOSSY_FRESH
     target = FRESH
-
-    def describe(self) -> str:
-        return "lossy: judged by self-consistency (a fresh instance of its class) and by its quality budget"
 
     def not_judged(self, check, case, held) -> str | None:
         name = self.subject.name
@@ -218,10 +210,6 @@ class Evicting(Kind):
     def target(self) -> str:  # type: ignore[override]
         return TWIN if self.has_twin else ORACLE
 
-    def describe(self) -> str:
-        return (f"evicting past {self.tokens_max} tokens: exact below, judged by its quality budget and memory bound "
-                f"above")
-
     def not_judged(self, check, case, held) -> str | None:
         limit = self.tokens_max
         if getattr(self.subject, "budget", None) is not None and limit is not None:
@@ -241,10 +229,6 @@ class Press(SelfConsistent):
     ``checks/press.py``."""
 
     name = PRESS
-
-    def describe(self) -> str:
-        return ("press: keeps a subset of each prefill exactly; judged by self-consistency, its quality budget, real "
-                "compression and the press contract")
 
     def not_judged(self, check, case, held) -> str | None:
         return super().not_judged(check, case, held).replace("is lossy", "is a press (it compresses the prefill)")

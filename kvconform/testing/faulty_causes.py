@@ -14,10 +14,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticCache
 
 from kvconform.compat import crop_tokens_to_remove, layer_types_and_kwargs
+from kvconform.families import FAMILIES
 from kvconform.testing import FaultyCache
 
-_ALL_FAMILIES = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contract", "fuzz", "memory",
-                 "speed", "compile", "quality")
+_ALL_FAMILIES = FAMILIES
 
 
 # ------------------------------------------------------------------------------------------ layer count

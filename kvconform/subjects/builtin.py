@@ -1,0 +1,144 @@
+"""The built-in subjects with their budgets: ReferenceCache, DynamicCache, StaticCache, the QuantizedCache
+subjects (each with its fake-quant twin) and the offloaded caches (``builtin_subjects``)."""
+
+from __future__ import annotations
+
+from kvconform.subjects.spec import CAPABILITIES, Budget, CacheSpec
+
+# ---------------------------------------------------------------------------------------------------- built-ins
+def _reference(**kwargs):
+    from kvconform.reference import ReferenceCache
+
+    return ReferenceCache(**kwargs)
+
+
+def _dynamic(config):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def _static(config, max_cache_len):
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=max_cache_len)
+
+
+def static_crop_note() -> dict:
+    """``CacheSpec.notes`` for static subjects: ``{"crop": reason}`` where the installed static layers cannot crop
+    (``compat.static_layers_crop``), else ``{}``."""
+    from kvconform import compat
+
+    if compat.static_layers_crop():
+        return {}
+    return {"crop": f"StaticLayer has no crop() on transformers {compat.transformers_version()} (added in 5.24)"}
+
+
+# ---------------------------------------------------------------------------------------------------- lossy, offloaded
+def full_attention_only(model) -> str | None:
+    """``CacheSpec.applies_to`` of QuantizedCache subjects: decoder-only, every layer full attention."""
+    if model.is_encoder_decoder:
+        return ("QuantizedCache supports decoder-only full-attention models only (transformers' generate refuses "
+                "it for encoder-decoder models)")
+    other = sorted(set(model.layer_types) - {"full_attention"})
+    if other:
+        return f"QuantizedCache supports full-attention models only ({model.name} has {', '.join(other)} layers)"
+    return None
+
+
+_REQUIRES = {
+    "quanto": {"optimum.quanto": "pip install kvconform[quanto]"},
+    "hqq": {"hqq": "pip install kvconform[hqq]"},
+    "fp8": {"transformers.cache_utils:Fp8QuantizedLayer":
+            "the fp8 backend of QuantizedCache is not in the installed transformers"},
+}
+
+
+QUANTIZED_BUDGETS = {
+    "QuantizedCache_quanto4": Budget(kl_max=5e-3, top1_min=0.75, bytes_ratio_max=0.25),
+    "QuantizedCache_quanto2": Budget(kl_max=0.15, top1_min=0.4, bytes_ratio_max=0.16),
+    "QuantizedCache_hqq4": Budget(kl_max=1.5e-2, top1_min=0.7, bytes_ratio_max=0.25),
+    "QuantizedCache_hqq2": Budget(kl_max=0.4, top1_min=0.2, bytes_ratio_max=0.16),
+    "QuantizedCache_fp8": Budget(kl_max=1e-3, top1_min=0.85, bytes_ratio_max=0.3),
+}
+"""Budgets of the built-in quantized subjects, by subject name, calibrated on the quality family's long cases
+(``quality_long`` / ``compression_long``: 240 tokens, fp32, batch 2) on llama / gpt2 / phi3 with transformers 5.24,
+optimum-quanto 0.2.7 and hqq 0.2.8 (the fake-quant twins measure the same, bit for bit). Measured, then budget:
+
+* quanto 4-bit: KL 1.0e-3 / 1.4e-4 / 9.5e-4, top-1 0.930 / 0.984 / 0.859 → KL 5e-3, top-1 0.75;
+* HQQ 4-bit: KL 2.9e-3 / 2.8e-4 / 2.2e-3, top-1 0.875 / 0.992 / 0.891 → KL 1.5e-2, top-1 0.70;
+* quanto 2-bit: KL 3.3e-2 / 3.1e-3 / 3.0e-2, top-1 0.688 / 0.914 / 0.578 → KL 0.15, top-1 0.40;
+* HQQ 2-bit: KL 6.0e-2 / 9.2e-3 / 5.7e-2, top-1 0.523 / 0.820 / 0.547 → KL 0.4, top-1 0.20 (a 272-token variant of
+  the case measured up to KL 0.12, top-1 0.36);
+* fp8: KL 2.7e-4 / 1.0e-5 / 2.7e-4, top-1 0.953 / 1.000 / 0.938 → KL 1e-3, top-1 0.85;
+* bytes held / an exact cache's: 4-bit 0.1875 (llama, phi3: group 32) / 0.156 (gpt2: group 64), i.e. 4 bits plus a
+  float32 scale and shift per group, for quanto and HQQ alike; 2-bit 0.125 / 0.094; fp8 0.250 (8 of 32 bits and one
+  frozen scale per layer) → 0.25, 0.16 and 0.30.
+
+Margins: about 4× on KL, 0.1–0.15 on top-1 (a tiny random model's margins are small: at 2 bits a third of the tokens
+flip at a KL of 0.05, so KL is the sharp bound), and byte ratios that storage at the next larger width would exceed
+(4-bit stored as 8-bit: 0.31 > 0.25; 2-bit stored as 4-bit: 0.19 > 0.16). The byte ratios are of float32 keys and
+values. A subject declaring quanto 4-bit that stores its keys at 2 bits is over its budget (tests/test_quantized.py).
+"""
+
+
+def quantized_subjects() -> list:
+    """The built-in ``QuantizedCache`` subjects (quanto 4/2-bit, HQQ 4/2-bit, fp8), each with its twin.
+
+    Capabilities: forward, generate, reorder, reset, batch_repeat, batch_select (the Cache API offers them; on 5.24
+    they are broken for quantized layers, a known fault); deepcopy except quanto (``copy.deepcopy`` of quanto's
+    wrapper tensors raises). No crop (``is_croppable`` is False), no compile.
+    """
+    from kvconform.quant import QUANTIZED, quantized_factory, twin_factory
+
+    out = []
+    for name, qc in QUANTIZED:
+        caps = {"forward", "generate", "reorder", "reset", "batch_repeat", "batch_select"}
+        caps |= {"deepcopy"} if qc.backend != "quanto" else set()
+        out.append(CacheSpec(name, quantized_factory(qc), capabilities=frozenset(caps), twin=twin_factory(qc),
+                             kind="lossy", budget=QUANTIZED_BUDGETS[name],
+                             applies_to=full_attention_only, requires=_REQUIRES[qc.backend],
+                             tier="full" if qc.nbits == 2 else "default"))
+    return out
+
+
+def _offloaded_dynamic(config):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config, offloading=True)
+
+
+def _offloaded_static(config, max_cache_len):
+    from transformers import StaticCache
+
+    return StaticCache(config=config, max_cache_len=max_cache_len, offloading=True)
+
+
+OFFLOAD_REASON = "offloading needs CUDA"
+
+
+def offloaded_subjects() -> list:
+    """``DynamicCache(offloading=True)`` and ``StaticCache(offloading=True)``: CUDA only (skipped elsewhere), each
+    declaring the non-offloaded subject it must equal (``same_as``)."""
+    notes = static_crop_note()
+    return [
+        CacheSpec("DynamicCache_offloaded", _offloaded_dynamic, needs_cuda=OFFLOAD_REASON, same_as="DynamicCache"),
+        CacheSpec("StaticCache_offloaded", _offloaded_static, needs_cuda=OFFLOAD_REASON, same_as="StaticCache",
+                  capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"} - set(notes), notes=notes),
+    ]
+
+
+def builtin_subjects() -> list[CacheSpec]:
+    """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…), the QuantizedCache
+    subjects and the offloaded caches (``quantized_subjects``, ``offloaded_subjects``)."""
+    notes = static_crop_note()
+    return [
+        CacheSpec("ReferenceCache", _reference),
+        CacheSpec("DynamicCache", _dynamic),
+        # StaticCache inherits Cache.batch_repeat_interleave / batch_select_indices, so it claims them; its layers
+        # lack them on transformers 5.24 (known_faults.toml), which the contract and batch families report. It
+        # does not claim crop where its layers have none at all (before 5.24).
+        CacheSpec("StaticCache", _static, capabilities=frozenset(CAPABILITIES) - set(notes), notes=notes),
+        *quantized_subjects(),
+        *offloaded_subjects(),
+    ]

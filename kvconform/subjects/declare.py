@@ -1,0 +1,151 @@
+"""Declaration validation: what a Cache subclass or factory declares in ``kvconform_*`` attributes
+(``declared_capabilities``, ``declared_kind``, ``declared_page_size``) and the one check of a ``CacheSpec``, whichever
+way it came in (``validate_spec``: name, capabilities, kind and budget — validated here, once —, page size,
+expected failures)."""
+
+from __future__ import annotations
+
+from kvconform.subjects.spec import ALLOCATIONS, CAPABILITIES, KINDS, Budget, CacheSpec, SpecError, _check_names
+
+def declared_capabilities(obj, where: str) -> frozenset:
+    """The ``kvconform_capabilities`` a Cache subclass or a factory function declares (default: all of
+    ``CAPABILITIES``).
+
+    Raises:
+        SpecError: a name outside ``CAPABILITIES`` (with the closest known name), or not an iterable of names.
+    """
+    declared = getattr(obj, "kvconform_capabilities", None)
+    if declared is None:
+        return frozenset(CAPABILITIES)
+    if isinstance(declared, str) or not all(isinstance(c, str) for c in declared):
+        raise SpecError(f"{where}: kvconform_capabilities must be a set of names from {', '.join(CAPABILITIES)}; "
+                        f"got {declared!r}")
+    caps = frozenset(declared)
+    _check_names(where, "capabilities", caps, CAPABILITIES)
+    return caps
+
+
+def validate_kind(kind, budget, where: str) -> None:
+    """Check a subject's ``kind`` and ``budget`` (see ``KINDS`` and ``Budget``).
+
+    Raises:
+        SpecError: an unknown kind (closest known named), a lossy/evicting subject without a budget, an exact one
+            with a budget, a budget that is not valid (``Budget.from_mapping``), ``tokens_max`` missing for an
+            evicting subject or given for a lossy one.
+    """
+    if not isinstance(kind, str):
+        raise SpecError(f"{where}: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    _check_names(where, "kind", {kind}, KINDS)
+    if kind == "exact":
+        if budget is not None:
+            raise SpecError(f"{where}: a budget is only for a lossy or evicting subject; declare kind='lossy' or "
+                            f"kind='evicting', or drop the budget")
+        return
+    if budget is None:
+        raise SpecError(f"{where}: a {kind} subject needs a budget, e.g. budget={{'kl_max': 0.05, 'top1_min': 0.8"
+                        f"{', ' + repr('tokens_max') + ': 68' if kind == 'evicting' else ''}}} (mean KL(oracle ‖ "
+                        f"subject) in nats, top-1 agreement{', most tokens held' if kind == 'evicting' else ''})")
+    budget = Budget.from_mapping(budget, where)
+    if kind == "evicting" and budget.tokens_max is None:
+        raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
+                        f"and attention layer, e.g. sinks + window)")
+    if kind in ("lossy", "press") and budget.tokens_max is not None:
+        raise SpecError(f"{where}: tokens_max is for evicting subjects; a {kind} subject has no token bound "
+                        f"(declare kind='evicting' if it never holds more than tokens_max tokens)")
+
+
+def declared_kind(obj, where: str) -> tuple:
+    """``(kind, budget)`` a Cache subclass or factory declares with ``kvconform_lossy = {budget}`` or
+    ``kvconform_evicting = {budget}`` (``Budget`` fields, as given: ``CacheSpec`` turns a valid dict into a
+    ``Budget``, ``validate_spec`` checks it — once, for every way a subject comes in); ``("exact", None)`` when it
+    declares neither.
+
+    Raises:
+        SpecError: more than one ``kvconform_<kind>`` attribute.
+    """
+    declared = [(kind, value) for kind in KINDS if kind != "exact"
+                if (value := getattr(obj, f"kvconform_{kind}", None)) is not None]
+    if len(declared) > 1:
+        raise SpecError(f"{where}: declares both {' and '.join(f'kvconform_{k}' for k, _ in declared)}; a subject "
+                        f"has one kind (an evicting cache that also quantizes declares kvconform_evicting; a press "
+                        f"that also quantizes kvconform_press)")
+    return declared[0] if declared else ("exact", None)
+
+
+def _declared(obj, where: str) -> dict:
+    """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
+    kind, budget = declared_kind(obj, where)
+    return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
+                page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where))
+
+
+def declared_allocation(obj, where: str) -> str | None:
+    """The ``kvconform_allocation`` a Cache subclass or factory declares (one of ``ALLOCATIONS``), or None.
+
+    Raises:
+        SpecError: a value not in ``ALLOCATIONS`` (closest named).
+    """
+    declared = getattr(obj, "kvconform_allocation", None)
+    if declared is None:
+        return None
+    if not isinstance(declared, str):
+        raise SpecError(f"{where}: kvconform_allocation must be one of {', '.join(ALLOCATIONS)}; got {declared!r}")
+    _check_names(where, "kvconform_allocation", {declared}, ALLOCATIONS)
+    return declared
+
+
+def declared_page_size(obj, where: str) -> int | None:
+    """The ``kvconform_page_size`` a Cache subclass or a factory function declares: its allocation granularity in
+    tokens (a paged cache allocating K/V in pages of N tokens), or None when it declares none.
+
+    Raises:
+        SpecError: a value that is not a positive int (``bool`` is refused too), naming the attribute and the fix.
+    """
+    declared = getattr(obj, "kvconform_page_size", None)
+    if declared is None:
+        return None
+    if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        raise SpecError(f"{where}: kvconform_page_size must be a positive int (tokens per page), got {declared!r}; "
+                        f"e.g. kvconform_page_size = 16")
+    return declared
+
+
+NAME_PATTERN = r"[A-Za-z0-9_.]+"
+
+
+def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()) -> None:
+    """Check what a ``CacheSpec`` declares, whichever way it came in (``--kvconform-cache``, the
+    ``pytest_kvconform_caches`` hook, ``check_cache``, ``parametrize_with_checks``).
+
+    Args:
+        where: how the user handed it over, for the message (e.g. ``"pytest_kvconform_caches"``).
+        known_checks / known_cases: names that ``expected_failures`` keys (``check`` or ``check:case``) may use.
+
+    Raises:
+        SpecError: a name that is not ``[A-Za-z0-9_.]+`` (it would break ``-k`` selection and ids), unknown
+            capabilities, ``expected_failures`` naming an unknown check or case (with the closest known name), or
+            a ``page_size`` that is not a positive int.
+    """
+    import re
+
+    if not isinstance(spec.name, str) or not re.fullmatch(NAME_PATTERN, spec.name):
+        fixed = re.sub(r"[^A-Za-z0-9_.]+", "_", str(spec.name)).strip("_") or "MyCache"
+        raise SpecError(f"{where}: the name {spec.name!r} may use only letters, digits, '_' and '.' (it is "
+                        f"part of every item id and -k expression); e.g. name={fixed!r}")
+    _check_names(where, "capabilities", spec.capabilities, CAPABILITIES)
+    attr = f"kvconform_{spec.kind}"
+    declared = isinstance(spec.kind, str) and getattr(spec.factory, attr, None) is not None
+    validate_kind(spec.kind, spec.budget, f"{where}: {spec.name}" + (f" ({attr})" if declared else ""))
+    page = spec.page_size
+    if page is not None and (isinstance(page, bool) or not isinstance(page, int) or page < 1):
+        raise SpecError(f"{where}: {spec.name}: page_size must be a positive int (tokens per page) or None, got "
+                        f"{page!r}")
+    if spec.allocation is not None:
+        _check_names(f"{where}: {spec.name}", "allocation", {spec.allocation}, ALLOCATIONS)
+    if known_checks:
+        keys = list(spec.expected_failures)
+        _check_names(f"{where}: expected_failures", "checks",
+                     {k.split(":", 1)[0] for k in keys}, known_checks)
+        if known_cases:
+            _check_names(f"{where}: expected_failures", "cases",
+                         {k.split(":", 1)[1] for k in keys if ":" in k}, known_cases)

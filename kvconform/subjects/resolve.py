@@ -1,0 +1,146 @@
+"""Spec resolution: ``--kvconform-cache SPEC`` strings (``module:attr``, ``path/file.py:attr``) and Python
+objects (Cache subclasses, factories) into ``CacheSpec`` (``resolve_cache_spec``, ``as_cache_spec``), and the build
+check of a user factory before the run (``check_factory_builds_cache``)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+
+from kvconform.outcomes import with_article
+from kvconform.subjects.construction import (CONSTRUCTION_KWARGS, FactoryResultError, SubjectBuildError,
+                                             required_unknown_arguments)
+from kvconform.subjects.declare import _declared
+from kvconform.subjects.spec import CacheSpec, SpecError
+
+# ---------------------------------------------------------------------------------------------------- user specs
+def _import_file(path: str):
+    """Import ``path`` as a module, the way pytest imports a conftest.py (its "prepend" import mode): the file's
+    folder goes first on ``sys.path``, so that the file can import its sibling modules (``from paged_layer import
+    PagedLayer``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    mod_name = "kvconform_user_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _import_module(target: str):
+    """``importlib.import_module(target)``; when its top-level package is not importable but sits in the current
+    folder (``pytest`` does not put the folder it is started from on ``sys.path``), import it from there, as
+    ``python -m`` would."""
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        top = target.split(".")[0]
+        here = os.getcwd()
+        local = os.path.isfile(os.path.join(here, top + ".py")) or os.path.isdir(os.path.join(here, top))
+        if exc.name != top or not local or here in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(target)
+
+
+def resolve_cache_spec(spec: str) -> CacheSpec:
+    """``"pkg.mod:Attr"`` or ``"path/file.py:Attr"`` → ``CacheSpec``.
+
+    ``Attr`` may also be a ``CacheSpec`` instance (returned as is). Capabilities of a class may be declared in a
+    ``kvconform_capabilities`` attribute (iterable of names); default: all. Its allocation granularity may be
+    declared in a ``kvconform_page_size`` attribute (tokens per page, ``declared_page_size``); default: none.
+
+    Raises:
+        SpecError: malformed spec, module/file that does not import (with the exception), missing attribute,
+            or an attribute that is neither a Cache subclass, a CacheSpec nor a callable.
+    """
+    if not isinstance(spec, str) or spec.count(":") < 1:
+        raise SpecError(f"{spec!r}: expected 'module:attr' or 'path/to/file.py:attr'")
+    target, attr = spec.rsplit(":", 1)
+    if not target or not attr.isidentifier():
+        raise SpecError(f"{spec!r}: expected 'module:attr' or 'path/to/file.py:attr' (attr must be an identifier)")
+    try:
+        if target.endswith(".py") or os.sep in target:
+            if not os.path.isfile(target):
+                raise SpecError(f"{spec!r}: file {target!r} does not exist")
+            module = _import_file(target)
+        else:
+            module = _import_module(target)
+    except SpecError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any import failure is the user's spec problem
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError):
+            hint = ("; give the file instead ('path/to/file.py:Attr' — its folder is put on sys.path, so it can "
+                    "import its sibling modules) or make the module importable (pip install -e your package, "
+                    "or PYTHONPATH)")
+        raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}{hint}") from None
+    if not hasattr(module, attr):
+        raise SpecError(f"{spec!r}: module {target!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if isinstance(obj, CacheSpec):
+        return obj
+    from transformers import Cache
+
+    if inspect.isclass(obj):
+        if not issubclass(obj, Cache):
+            raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass")
+        return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
+    if callable(obj):
+        return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
+    raise SpecError(f"{spec!r}: {attr} is {with_article(type(obj).__name__)}, not a Cache subclass or a factory")
+
+
+def check_factory_builds_cache(spec: CacheSpec, config) -> None:
+    """Build ``spec`` once for ``config`` (``CacheSpec.plan_build``: a factory naming ``model`` gets a weightless
+    meta-device model) and make sure the result is a ``transformers.Cache`` or a ``(Cache, context manager)`` pair
+    (``unpack_factory_result``). A factory that cannot be built this way (it computes with the model's weights) has
+    its result checked when its items build it (a wrong one fails them).
+
+    Raises:
+        SpecError: the factory requires an argument kvconform never passes (``required_unknown_arguments``), or
+            returned something else.
+    (An exception raised by the factory itself is left to the items: it fails them, not the session.)
+    """
+    missing = required_unknown_arguments(spec.factory)
+    if missing:
+        raise SpecError(
+            f"{spec.source if spec.source != 'python' else spec.name!r}: {spec.name} requires "
+            f"{', '.join(repr(m) for m in missing)}, which kvconform cannot pass (it passes only those of "
+            f"{', '.join(CONSTRUCTION_KWARGS)} that the signature accepts); hand kvconform a factory instead, e.g. "
+            f"def make_{spec.name.lower()}(config): return {spec.name}(config=config, {missing[0]}=...)")
+    try:
+        spec.plan_build(config)
+    except SubjectBuildError as exc:
+        if isinstance(exc.cause, FactoryResultError):
+            raise SpecError(f"{spec.source!r}: {exc.cause}") from None
+    except Exception:  # noqa: BLE001 - reported per item
+        return
+
+
+def as_cache_spec(obj, source: str = "python") -> CacheSpec:
+    """Turn what a user hands over into a ``CacheSpec``: a ``CacheSpec`` (as is), a ``"module:attr"`` string, a
+    ``transformers.Cache`` subclass or a factory (named after ``__name__``).
+
+    Raises:
+        SpecError: anything else, or a string that does not resolve (see ``resolve_cache_spec``).
+    """
+    if isinstance(obj, CacheSpec):
+        return obj
+    if isinstance(obj, str):
+        return resolve_cache_spec(obj)
+    from transformers import Cache
+
+    name = getattr(obj, "__name__", None)
+    if inspect.isclass(obj) and not issubclass(obj, Cache):
+        raise SpecError(f"{name}: a class but not a transformers.Cache subclass")
+    if not callable(obj) or not name or not name.isidentifier():
+        raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
+    return CacheSpec(name, obj, source=source, **_declared(obj, name))

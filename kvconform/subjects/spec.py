@@ -1,0 +1,233 @@
+"""The data model of a subject: ``CacheSpec`` (a factory plus what it declares), ``Budget`` (what a lossy or
+evicting subject promises), the vocabularies ``CAPABILITIES`` and ``KINDS``, and ``SpecError``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from kvconform.outcomes import UsageError
+from kvconform.subjects.kinds import DECLARED_KINDS
+
+from kvconform.subjects.construction import (MODEL_KWARG, FactoryResultError, SubjectBuildError, accepted_kwargs,
+                                             meta_model, names_model, unpack_factory_result)
+from kvconform.subjects.context import CallContext, _attach, call_context
+
+CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_repeat", "batch_select", "reset",
+                "compile")
+"""Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
+
+ALLOCATIONS = ("preallocated", "doubling")
+"""Allocation policies a subject may declare besides token by token and pages (``CacheSpec.allocation``):
+``preallocated`` — each bounded layer (``get_max_length() > 0``: a sliding window, a capacity) holds its whole
+capacity from the first token on (a ring of ``sliding_window`` slots, a fixed buffer); ``doubling`` — amortised
+doubling buffers, holding at most twice the tokens fed (and shrunk again by ``crop`` / ``reset``)."""
+
+KINDS = DECLARED_KINDS
+"""What a subject promises (``CacheSpec.kind``; ``kinds.DECLARED_KINDS``) about the logits it gives:
+
+* ``exact``: the logits of the uncached model, within float noise (the default);
+* ``lossy``: it compresses what it holds (quantization, low rank, ...): judged by quality against the float64 oracle
+  within its ``Budget``, by self-consistency (every cache operation gives what a fresh instance of the same class
+  fed the equivalent history gives), and by holding fewer bytes than an exact cache;
+* ``evicting``: it drops tokens past a bound (attention sinks + window): exact until it holds ``Budget.tokens_max``
+  tokens, then judged by quality and by its memory bound;
+* ``press``: it compresses the prefill by keeping a subset of its tokens exactly, at any length, with no token bound
+  (KV presses: StreamingLLM, Knorm, SnapKV, ExpectedAttention ratios): judged like ``lossy`` (self-consistency,
+  quality, real compression) plus the press contract (``checks/press.py``).
+"""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a lossy or evicting subject promises, in place of exactness.
+
+    Attributes:
+        kl_max: mean KL(oracle ‖ subject) in nats per position, over every position that read the cache in the
+            long-context quality cases (next-token distributions of the float64 oracle vs the subject's).
+        top1_min: fraction of those positions whose top-1 token equals the oracle's, in [0, 1].
+        bytes_ratio_max: lossy and press, optional: the subject's held bytes after the long context divided by an exact
+            cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the ratio must be < 1
+            (compression must be real).
+        tokens_max: evicting only, required: the most tokens the cache holds per row and attention layer (e.g.
+            sinks + window); the held bytes are bounded by this many tokens' keys and values.
+
+    Declared as ``CacheSpec(..., kind="lossy", budget=Budget(...))`` (or a dict with these keys), or on a Cache
+    subclass / factory as ``kvconform_lossy = {"kl_max": ..., "top1_min": ...}`` / ``kvconform_evicting = {...}``.
+    """
+
+    kl_max: float
+    top1_min: float
+    bytes_ratio_max: float | None = None
+    tokens_max: int | None = None
+
+    @classmethod
+    def from_mapping(cls, value, where: str) -> "Budget":
+        """A ``Budget`` from a ``Budget`` or a dict of its fields.
+
+        Raises:
+            SpecError: not a dict/Budget, unknown keys (with the closest known), missing ``kl_max``/``top1_min``, or
+                a value of the wrong type or range.
+        """
+        import dataclasses
+
+        if isinstance(value, Budget):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(BUDGET_KEYS)}; got {value!r}")
+        _check_names(where, "budget keys", set(value), BUDGET_KEYS)
+        missing = [k for k in ("kl_max", "top1_min") if k not in value]
+        if missing:
+            raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "
+                            f"'top1_min': 0.8}}: mean KL(oracle ‖ subject) in nats and top-1 agreement)")
+        ranges = {"kl_max": (float, 0, None), "top1_min": (float, 0, 1), "bytes_ratio_max": (float, 0, None),
+                  "tokens_max": (int, 1, None)}
+        for key, v in value.items():
+            kind, lo, hi = ranges[key]
+            if v is None and key in ("bytes_ratio_max", "tokens_max"):
+                continue
+            ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, (int, float)))
+            if not ok or v < lo or (hi is not None and v > hi):
+                want = "an int" if kind is int else "a number"
+                bounds = f" in [{lo}, {hi}]" if hi is not None else f" ≥ {lo}"
+                raise SpecError(f"{where}: budget {key} must be {want}{bounds}; got {v!r}")
+        return cls(**{k: value[k] for k in value})
+
+
+BUDGET_KEYS = ("kl_max", "top1_min", "bytes_ratio_max", "tokens_max")
+
+
+class SpecError(ValueError, UsageError):
+    """A ``--kvconform-cache`` spec cannot be resolved. ``str(err)`` names the spec and the cause."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A subject: how to build the cache and what it claims.
+
+    Attributes:
+        name: name in ids and reports (the attr name for user subjects); ``[A-Za-z0-9_.]+``.
+        factory: a ``Cache`` subclass or a callable returning a ``Cache`` or a pair ``(Cache, context manager)``;
+            called with the keyword arguments of ``CONSTRUCTION_KWARGS`` that its signature accepts (``model``, the
+            ``PreTrainedModel`` of the item, only where it names it). The context manager is entered around every
+            forward and ``generate`` call made with the cache (module docstring: model-aware subjects).
+        capabilities: subset of ``CAPABILITIES``.
+        expected_failures: ``{check name or "check:case": reason}`` — these items become xfail.
+        tolerance_factor: multiplies the case tolerance factor ``k`` (lossy subjects declare > 1).
+        applies_to: optional ``fn(model_info) -> reason or None`` excluding models the subject cannot serve.
+        source: ``"builtin"`` or the spec string it was resolved from.
+        tier: ``"default"``, or ``"full"`` for subjects that only run under ``--kvconform-full`` (keeps the default
+            run within its time budget; e.g. the 2-bit quantized variants).
+        twin: for a lossy (quantized) subject, the factory of its fake-quant reference (``kvconform.quant``,
+            built with the same construction kwargs): the exact families compare the subject with the twin run on
+            the same ops instead of the oracle, and the quality family holds it to a budget against the oracle.
+        requires: ``{"module" or "module:attr": install hint}`` — items skip with "requires X (hint)" where one is
+            not importable (optional backends such as hqq).
+        needs_cuda: the skip reason when the run's device is not CUDA (e.g. "offloading needs CUDA"); None: any.
+        same_as: name of the subject whose logits this one must equal exactly (offloaded → non-offloaded).
+        notes: ``{capability: why it is not declared}`` — appended to the skip reason of items needing it (e.g. a
+            method the installed transformers does not implement for this cache).
+        kind: one of ``KINDS`` (``"exact"``, ``"lossy"``, ``"evicting"``, ``"press"``).
+        budget: a ``Budget`` (or a dict of its fields), required for a lossy or evicting subject, None for an exact
+            one.
+        page_size: the cache's allocation granularity in tokens (a paged / block cache that allocates K/V in pages
+            of ``page_size`` tokens), or None (undeclared: the memory family infers it from the steps in which the
+            held bytes grow). The memory budget of an exact, non-preallocated layer then allows at most one page per
+            row of slack above the formula (``page_size · B · H_kv · (D_k + D_v) · b`` bytes per layer). A Cache
+            subclass or factory declares it with a ``kvconform_page_size = N`` attribute (``declared_page_size``).
+        allocation: how the cache allocates K/V when not token by token (``ALLOCATIONS``): ``"preallocated"`` (every
+            bounded layer holds its capacity from the first token on: a fixed ring of a sliding layer's window, a
+            capacity buffer), ``"doubling"`` (amortised doubling buffers: at most twice the tokens held), or None
+            (undeclared: the memory family infers it from the held bytes). Declared with ``kvconform_allocation``.
+    """
+
+    name: str
+    factory: Callable
+    capabilities: frozenset = frozenset(CAPABILITIES)
+    expected_failures: Mapping[str, str] = field(default_factory=dict)
+    tolerance_factor: float = 1.0
+    applies_to: Callable | None = None
+    source: str = "builtin"
+    tier: str = "default"
+    kind: str = "exact"
+    budget: Budget | None = None
+    twin: Callable | None = None
+    requires: Mapping[str, str] = field(default_factory=dict)
+    needs_cuda: str | None = None
+    same_as: str | None = None
+    notes: Mapping[str, str] = field(default_factory=dict)
+    page_size: int | None = None
+    allocation: str | None = None
+
+    def __post_init__(self):
+        budget = self.budget
+        if isinstance(budget, Mapping) and set(budget) <= set(BUDGET_KEYS) and {"kl_max", "top1_min"} <= set(budget):
+            # a dict is accepted for convenience: converted here, validated in validate_spec (once, with where it
+            # came from); a dict that is not even shaped like a Budget is kept as given for validate_spec to report
+            object.__setattr__(self, "budget", Budget(**budget))
+
+    def build_one(self, **available):
+        """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``; ``model``
+        only where the factory names it) and return the cache. A ``(cache, context)`` result is unpacked: the
+        context is attached to the cache (``call_context``), to be entered around each call on ``available["model"]``.
+
+        Raises:
+            SubjectBuildError: the factory raised, or returned something that is neither a ``Cache`` nor a
+                ``(Cache, context manager)`` pair (then ``cause`` is a ``FactoryResultError`` naming what it
+                returned); the item fails with that cause, the session goes on.
+        """
+        kwargs = accepted_kwargs(self.factory, available)
+        try:
+            built = self.factory(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - any error of the user's constructor is reported on its items
+            raise SubjectBuildError(self.name, sorted(kwargs), exc) from exc
+        try:
+            cache, context = unpack_factory_result(self.name, built)
+            if context is not None:
+                _attach(cache, CallContext(self.name, context, available.get(MODEL_KWARG)))
+        except FactoryResultError as exc:
+            raise SubjectBuildError(self.name, sorted(kwargs), exc) from None
+        return cache
+
+    def plan_build(self, config):
+        """The cache built for ``config`` without running anything (``max_cache_len=64``, ``batch_size=2``, CPU,
+        ``dtype=None``), to read what it declares (``is_compileable``) or check what the factory returns. A factory
+        naming ``model`` gets a weightless model of ``config`` on the meta device (``meta_model``); its context, if
+        any, is never entered.
+
+        Raises:
+            SubjectBuildError: as ``build_one``.
+        """
+        extra = {MODEL_KWARG: meta_model(config)} if names_model(self.factory) else {}
+        return self.build_one(config=config, max_cache_len=64, batch_size=2, device="cpu", dtype=None, **extra)
+
+    def build(self, model, max_cache_len: int, batch_size: int, encoder_len: int = 0):
+        """A fresh cache for ``model`` (a ``ZooModel``); wrapped in ``EncoderDecoderCache`` for encoder-decoders.
+
+        The factory gets ``model.model`` (the ``PreTrainedModel``) as ``model`` where it names it. For
+        encoder-decoders the wrapper carries the self-attention call's context (else the cross-attention call's).
+        """
+        device = next(model.model.parameters()).device
+        common = dict(config=model.config, batch_size=batch_size, device=device, dtype=model.dtype,
+                      model=model.model)
+        if not model.is_encoder_decoder:
+            return self.build_one(max_cache_len=max_cache_len, **common)
+        from transformers import EncoderDecoderCache
+
+        self_attention = self.build_one(max_cache_len=max_cache_len, **common)
+        cross_attention = self.build_one(max_cache_len=max(encoder_len, 1), **common)
+        wrapper = EncoderDecoderCache(self_attention, cross_attention)
+        context = call_context(self_attention) or call_context(cross_attention)
+        if context is not None:
+            _attach(wrapper, context)
+        return wrapper
+
+
+def _check_names(where: str, what: str, names, known) -> None:
+    import difflib
+
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        hints = [f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, known, 1)) else repr(u)
+                 for u in unknown]
+        raise SpecError(f"{where}: unknown {what} {', '.join(hints)}; known: {', '.join(sorted(known))}")

@@ -1,0 +1,92 @@
+"""A subject's kind is an object (``kvconform.subjects.kinds``): what judges it, why an item does not apply to it;
+checks declare the kinds they judge at registration. Direct API calls only (no run, no model)."""
+
+import ast
+import pathlib
+
+import pytest
+
+from kvconform.subjects import Budget, CacheSpec, kind_of
+from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH, LOSSY_FRESH, LOSSY_TWIN,
+                                      ORACLE, TWIN)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _factory(**_):
+    raise AssertionError("never built here")
+
+
+def _twin(**_):
+    raise AssertionError("never built here")
+
+
+LOSSY = Budget(kl_max=0.1, top1_min=0.5)
+EVICT = Budget(kl_max=0.1, top1_min=0.5, tokens_max=8)
+
+
+@pytest.mark.parametrize("spec, name, target", [
+    (CacheSpec("Plain", _factory), EXACT, ORACLE),
+    (CacheSpec("Quant", _factory, kind="lossy", budget=LOSSY, twin=_twin), LOSSY_TWIN, TWIN),
+    (CacheSpec("ExactWithTwin", _factory, twin=_twin), LOSSY_TWIN, TWIN),
+    (CacheSpec("Int8", _factory, kind="lossy", budget=LOSSY), LOSSY_FRESH, FRESH),
+    (CacheSpec("Window", _factory, kind="evicting", budget=EVICT), EVICTING, ORACLE),
+    (CacheSpec("WindowWithTwin", _factory, kind="evicting", budget=EVICT, twin=_twin), EVICTING, TWIN),
+], ids=lambda v: v.name if isinstance(v, CacheSpec) else None)
+def test_each_declaration_maps_to_one_kind_and_its_target(spec, name, target):
+    kind = kind_of(spec)
+    assert (kind.name, kind.target) == (name, target)
+    twin = kind.twin_spec()
+    assert (twin is not None) == (target == TWIN)
+    if twin is not None:
+        assert twin.name == f"{spec.name}.twin" and twin.factory is _twin and kind_of(twin).target != TWIN
+    assert kind.versus == (" vs its fake-quant twin" if target == TWIN else "")
+
+
+def test_the_twin_of_a_lossy_subject_is_judged_by_self_consistency_like_its_declaration():
+    spec = CacheSpec("Quant", _factory, kind="lossy", budget=LOSSY, twin=_twin)
+    assert kind_of(kind_of(spec).twin_spec()).target == FRESH
+
+
+def test_register_refuses_unknown_kinds_and_defaults_to_every_kind_but_evicting():
+    from kvconform.checks import register
+
+    with pytest.raises(TypeError, match="unknown kind.*'lossy'.*known: exact, lossy_twin, lossy_fresh, evicting"):
+        register("logits", judges=("exact", "lossy"))
+    with pytest.raises(TypeError, match="collection of kind names"):
+        register("logits", judges="exact")
+    assert DEFAULT_JUDGES == ALL_KINDS - {EVICTING}
+
+
+def test_checks_declare_the_kinds_they_judge():
+    from kvconform.checks import load_checks
+
+    registry = load_checks()
+    judges = {name: info.judges for name, info in registry.items()}
+    assert {n for n, j in judges.items() if j == {EXACT}} == {
+        "check_generate_greedy", "check_beam_search", "check_prefix_generate", "check_multi_turn"}
+    assert {n for n, j in judges.items() if j == {EXACT, LOSSY_TWIN}} == {
+        "check_memory_bytes", "check_memory_cuda_allocated"}
+    assert {n for n, j in judges.items() if j == ALL_KINDS} == {
+        n for n, info in registry.items() if info.family in ("quality", "speed") or n.startswith("check_evicting_")
+        or n in ("check_press_contract", "check_identity_ops", "check_padded_row_alone")}
+    assert not any(hasattr(info.fn, "evicting_judged") for info in registry.values())
+
+
+def test_no_module_outside_the_subjects_package_reads_a_subjects_kind_or_twin():
+    """``getattr(x, "kind" / "twin", ...)`` and ``x.twin`` / ``subject.kind`` / ``spec.kind`` belong to
+    ``kvconform/subjects/``; everything else asks the ``Kind`` object."""
+    found = []
+    for path in sorted((ROOT / "kvconform").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("kvconform/subjects/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in ("kind", "twin")):
+                found.append(f"{rel}:{node.lineno} getattr(..., {node.args[1].value!r})")
+            elif isinstance(node, ast.Attribute) and node.attr in ("kind", "twin"):
+                owner = node.value
+                if (owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)) in ("subject", "spec"):
+                    found.append(f"{rel}:{node.lineno} .{node.attr}")
+    assert not found, found
