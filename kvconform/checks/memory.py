@@ -573,6 +573,8 @@ def _policy_cause(policy: Allocation, label: str, checkpoints) -> str | None:
         return None
     if policy.policy != "doubling":
         return None
+    if any("window=" in e.formula for cp in checkpoints for name, _, e in cp.layers if name == label):
+        return None  # a bounded (sliding) layer: doubling does not apply to it, the general reading does
     series = [(cp, held, e) for cp in checkpoints for name, held, e in cp.layers if name == label]
     cropped = [i for i, (cp, _, _) in enumerate(series) if cp.op.startswith("crop") or cp.after_reset]
     over = [held > e.high for _, held, e in series]

@@ -39,6 +39,16 @@ class HonestSlidingLayer(DynamicSlidingWindowLayer):
     def is_croppable(self) -> bool:
         return self.record_past or self.cumulative_length < self.sliding_window
 
+    def update(self, key_states, value_states, *args, **kwargs):
+        """As ``DynamicSlidingWindowLayer.update``, but the kept window is a copy: 5.24's layer keeps a slice of the
+        whole prefill, which pins its buffer (the known fault ``dynamic-sliding-view-pins-buffer``)."""
+        out = super().update(key_states, value_states, *args, **kwargs)
+        keys, values = self.keys, self.values
+        if not self.record_past and keys is not None and keys.dim() == 4 and \
+                keys.untyped_storage().nbytes() > keys.numel() * keys.element_size():
+            self.keys, self.values = keys.clone(), values.clone()
+        return out
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (the installed release's sign contract).
 
