@@ -59,7 +59,7 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
         kvconform.subjects.SpecError / ValueError: bad input (spec, model, check or case name).
         kvconform.checks.ConformanceError: when ``raise_on_failure`` and an item failed.
     """
-    from kvconform.checks import ConformanceError, KnownFaultShown, Unexcused
+    from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown, Unexcused
 
     session = _session(_as_list(cache), models, checks, cases, strict, device, full)
     results = []
@@ -78,6 +78,8 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
             metrics, outcome, message = exc.metrics, "xfailed", str(exc)
         except Unexcused as exc:  # never an xfail: the cache was not built, or its failure is not the known fault
             metrics, outcome, message = exc.metrics, "failed", str(exc)
+        except CheckSkipped as exc:  # the check cannot measure here (as under pytest: a skip with its reason)
+            metrics, outcome, message = {}, "skipped", str(exc)
         except Exception as exc:  # noqa: BLE001 - reported as the item's error
             metrics, outcome, message = {}, "error", f"{type(exc).__name__}: {exc}"
         results.append(CheckResult(item.id, **base, outcome=outcome, message=message, metrics=dict(metrics)))

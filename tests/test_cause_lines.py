@@ -149,3 +149,13 @@ def test_a_paged_cache_forks_past_the_window_with_its_count():
     than the faulty RecountOnCopyCache: kvconform's PagedCache, whose copy keeps the tokens it has seen."""
     results = _run("kvconform.testing.paged:PagedCache", "mistral", "check_prefix_fork", "prefix_fork_past_window")
     assert [r.outcome for r in results] == ["passed"], [r.message for r in results]
+
+
+def test_fuzz_program_failing_at_its_first_op_is_not_called_an_interaction():
+    """A cache that rounds what it stores fails every program at its prefill: the fuzz line says so (the first op on
+    its own), not "an interaction between these ops"."""
+    [result] = _run("kvconform.testing.faulty_causes:HalfStoreCache", "llama", "check_op_sequences", "fuzz_quick")
+    assert result.outcome == "failed", result.message
+    line = _cause_line(result.message)
+    assert "fails at its first op, prefill(" in line and "no interaction" in line, line
+    assert "an interaction between these ops" not in line, line

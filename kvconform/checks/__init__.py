@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from kvconform.families import FAMILIES  # noqa: F401 - the one family list (matrix order), re-exported
 from kvconform.outcomes import CheckSkipped, KVConformError  # noqa: F401 - re-exported: the suite catches it here
@@ -384,7 +384,7 @@ class CheckContext:
         return reproduce_line(self.subject, model, f"{name} and {self.case.id} and {self.subject.name}",
                               self.reproduce_args)
 
-    def fail(self, lines, metrics=None):
+    def fail(self, lines, metrics=None) -> NoReturn:
         """Raise ``ConformanceError`` with the headline, ``lines`` (indented) and the reproduce line."""
         self.metrics.update(metrics or {})
         lines = list(lines)

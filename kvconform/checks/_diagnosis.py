@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 
 from kvconform import compat
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, prefill_refusal
 from kvconform.checks._judge import Verdict, run_and_judge
 from kvconform.ops import op_names
 
@@ -123,15 +123,42 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
     context that left the model changed has its own (``subjects.ModelLeftChanged.likely_cause``)."""
     from kvconform.subjects import ModelLeftChanged
 
+    reason = prefill_refusal(ctx, exc)
+    if reason:
+        from kvconform.outcomes import CheckSkipped
+
+        raise CheckSkipped(reason)
     if isinstance(exc.cause, ModelLeftChanged):
         cause = ModelLeftChanged.likely_cause
     else:
         cause = measured_cause(exc) or cause
+        cause = _press_on_sliding(ctx, cause)
     ctx.fail([
         f"the subject raised {describe_raise(exc)}",
         f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",
         "likely cause: " + cause,
     ], {"raised": type(exc.cause).__name__, "failed_at": exc.where})
+
+
+def _press_on_sliding(ctx, cause: str) -> str:
+    """A press whose ``update()`` returned fewer keys than a *sliding-window* layer should hold compressed that
+    layer: name it (kvpress compresses every attention layer, qwen2's sliding one included)."""
+    import re
+
+    m = re.search(r"update\(layer_idx=(\d+)\) returned keys of length (\d+) for a cache that should hold (\d+)", cause)
+    if not m or not ctx.kind.presses:
+        return cause
+    types, _ = compat.layer_types_and_kwargs(ctx.model.config)
+    sliding = [j for j, t in enumerate(types) if t in ("sliding_attention", "chunked_attention")]
+    if not sliding:
+        return cause
+    # a press holds fewer keys than tokens seen in its full-attention layers by design; on a model with sliding
+    # layers the size error comes from a sliding layer it compressed too, whose mask is sized for the window
+    return (f"the press compresses the sliding-window layer{'s' if len(sliding) > 1 else ''} "
+            f"{', '.join(map(str, sliding))} too: a sliding layer's mask is sized for the tokens its window must "
+            f"hold, so attention cannot line up the fewer keys it keeps — leave sliding layers to their window (the "
+            f"model bounds them already), or announce the kept tokens in get_mask_sizes() (measured at the raise: "
+            f"update(layer_idx={m.group(1)}) returned {m.group(2)} keys after {m.group(3)} tokens)")
 
 
 def _size_error(cause: BaseException) -> bool:

@@ -37,6 +37,36 @@ class SubjectRaised(KVConformError):
         self.facts = dict(facts or {})
 
 
+_RAW = (IndexError, KeyError, AttributeError, ZeroDivisionError, RuntimeError, TypeError)
+PAD_REFUSAL_WORDS = ("pad", "attention mask", "attention_mask")
+SHORT_PROMPT_WORDS = ("token", "prompt", "length", "window", "sink", "short", "at least", "greater than")
+
+
+def prefill_refusal(ctx, exc: "SubjectRaised") -> str | None:
+    """The skip reason when the subject refused the first prefill of an empty cache clearly, else None: not a raw
+    tensor error (``IndexError``, ``RuntimeError``...) but one naming the problem, for
+
+    * a left-padded batch (the case pads its rows, ``params.padding``): a press cannot compress padded rows alike
+      (``kvconform.testing.press``), so refusing them is its contract;
+    * a press (``kind="press"``) and a prompt too short to compress (kvpress: ``AssertionError: Input should
+      contain more tokens than n_sink=4``); ``check_press_contract`` judges short prompts.
+
+    The contract allows such a refusal, so the case says nothing more about the subject.
+    """
+    if not str(exc.where).startswith("prefill") or isinstance(exc.cause, _RAW):
+        return None
+    text = str(exc.cause).lower()
+    what = f"{type(exc.cause).__name__}: {str(exc.cause).strip().splitlines()[0][:160] if str(exc.cause).strip() else ''}"
+    pads = (getattr(ctx.case, "params", None) or {}).get("padding") or ()
+    if any(pads) and any(w in text for w in PAD_REFUSAL_WORDS):
+        return (f"{ctx.subject.name} refuses a left-padded prefill with a clear error ({what}): padded rows are not "
+                f"checked on this subject")
+    if ctx.kind.presses and any(w in text for w in SHORT_PROMPT_WORDS):
+        return (f"{ctx.subject.name} refuses a prompt this short with a clear error at {exc.where} ({what}): a press "
+                f"may refuse a prompt it cannot compress (check_press_contract judges short prompts)")
+    return None
+
+
 def case_generator(case, model_name: str, salt: str = ""):
     """A ``torch.Generator`` seeded from the case id, the model name, ``case.seed`` and ``salt`` (stable across
     runs)."""
@@ -595,3 +625,14 @@ def quant_params(layer) -> tuple | None:
     if isinstance(nbits, int):
         return (nbits, getattr(layer, "q_group_size", None), int(getattr(layer, "residual_length", 0) or 0))
     return None
+
+
+def narrow_stored(cache, dtype) -> list:
+    """``[(path, dtype)]`` of the floating tensors ``cache`` holds with fewer bits than ``dtype`` (the model's), e.g.
+    keys kept as bfloat16 for a float32 model; empty when every floating tensor is at least as wide. Integer tensors
+    (indices, packed codes) are not counted: they are a quantized cache's compressed form, not a narrowed copy."""
+    import torch
+
+    want = torch.finfo(dtype).bits if dtype.is_floating_point else 0
+    return [(path, t.dtype) for path, t in held_tensor_items(cache)
+            if t.is_floating_point() and t.numel() > 1 and torch.finfo(t.dtype).bits < want]

@@ -41,10 +41,10 @@ from kvconform import compat
 from kvconform.outcomes import breadcrumb
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
                                      forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
-                                     shared_layers,
-                                     random_tokens, seq_length, tensors_of, unmasked_slots)
+                                     prefill_refusal, random_tokens, seq_length, shared_layers, tensors_of,
+                                     unmasked_slots)
 from kvconform.ops import OPS
-from kvconform.outcomes import KVConformError
+from kvconform.outcomes import CheckSkipped, KVConformError
 
 if TYPE_CHECKING:  # tensor types without importing torch at module import
     from torch import Tensor
@@ -225,7 +225,11 @@ class Runner:
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
-            raise SubjectRaised(where, exc, op_index=self.op_index) from exc
+            err = SubjectRaised(where, exc, op_index=self.op_index)
+            reason = prefill_refusal(self.ctx, err) if self.length == 0 else None
+            if reason:  # a clear refusal the contract allows (a padded batch; a press's too-short prompt)
+                raise CheckSkipped(reason) from exc
+            raise err from exc
 
     def _new_tokens(self, n):
         import torch

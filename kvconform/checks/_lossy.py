@@ -128,6 +128,13 @@ def fail_twin(ctx, failed, cause):
 def fail_subject_raised(ctx, exc: SubjectRaised, cause: str):
     from kvconform.subjects import ModelLeftChanged
 
+    from kvconform.checks._drive import prefill_refusal
+
+    reason = prefill_refusal(ctx, exc)
+    if reason:
+        from kvconform.outcomes import CheckSkipped
+
+        raise CheckSkipped(reason)
     if isinstance(exc.cause, ModelLeftChanged):
         cause = ModelLeftChanged.likely_cause
     ctx.fail([f"the subject raised {describe_raise(exc)}",

@@ -39,6 +39,7 @@ class CropRecord:
         self.label, self.k, self.held, self.flag, self.positive = label, k, held, flag, positive
         self.refused: BaseException | None = None
         self.reported_after = None
+        self.reported_before = None
 
 
 def _flag(cache):
@@ -67,6 +68,7 @@ def run_crop_case(ctx, cache, records=None):
         positive = bool(params["positive"])
         label = f"crop({op.n})" if positive or op.n == 0 else op.label
         rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
+        rec.reported_before = seq_length(runner.cache)
         records.append(rec)
         before = snapshot(runner.cache)
         try:
@@ -82,11 +84,7 @@ def run_crop_case(ctx, cache, records=None):
             return
         keep = rec.held - op.n if not positive or positive_crop_contract() == "raise" else op.n
         if positive and positive_crop_contract() == "raise":
-            ctx.fail([f"crop({op.n}) with a positive argument was accepted on a {rec.held}-token cache, but should "
-                      f"raise a clear error: on transformers ≥ 5.20 crop takes a negative count of tokens to remove",
-                      f"ops: {' → '.join(runner.trail)}",
-                      "likely cause: crop() treats the sign loosely (abs(n)) instead of rejecting positive values"],
-                     {"flag": rec.flag, "accepted": True})
+            keep = _accepted_positive_crop(ctx, runner, rec, op.n)
         keep = max(min(keep, rec.held), 0)
         runner.seq = runner.seq[:, :keep]
         runner.mask = None if runner.mask is None or keep == 0 else runner.mask[:, :keep]
@@ -95,15 +93,68 @@ def run_crop_case(ctx, cache, records=None):
             ctx.fail([f"after {label} on a {rec.held}-token cache get_seq_length() = {rec.reported_after}, but should "
                       f"be {keep}" + (" (never negative)" if rec.reported_after < 0 else ""),
                       f"ops: {' → '.join(runner.trail)}",
-                      "likely cause: " + ("crop() subtracts k from the length without clamping at 0: removing more "
-                                          "tokens than are cached must empty the cache or raise a clear error"
-                                          if rec.reported_after < 0 else
-                                          "crop() removed a different number of tokens than asked")],
+                      "likely cause: " + _length_cause(rec, runner)],
                      {"flag": rec.flag, "reported_length": rec.reported_after, "expected_length": keep})
 
     runner.handlers["crop"] = crop
     runner.run()
     return runner, records
+
+
+def _length_cause(rec, runner) -> str:
+    """Why the length after a crop is wrong: a length already wrong before the crop (the cache reported the tokens
+    it holds, not the tokens seen: an eviction or a press compressing the prefill), a negative length, or the crop
+    itself."""
+    before, after = rec.reported_before, rec.reported_after
+    if before is not None and before != rec.held:
+        removed = before - after
+        return (f"get_seq_length() was already {before} for the {rec.held} tokens fed before crop() ran (at "
+                f"{' → '.join(runner.trail[:-1]) or 'the start'}): the cache reports the tokens it holds, not the "
+                f"tokens seen (an eviction, or a press compressing the prefill); crop() then removed {removed} as "
+                f"asked — the length counter is the fault, not the crop")
+    if after < 0:
+        return ("crop() subtracts k from the length without clamping at 0: removing more tokens than are cached must "
+                "empty the cache or raise a clear error")
+    return "crop() removed a different number of tokens than asked"
+
+
+class PositiveCropNote(UserWarning):
+    """A positive ``crop(+n)`` was accepted where the installed transformers refuses it (≥ 5.20). No caller of such
+    a release passes a positive count, so this is reported (a warning and the item's ``note`` metric), not failed;
+    the continuation after it is still judged."""
+
+
+POSITIVE_MEANINGS = {
+    "abs": "crop() treats the sign loosely (abs(n)): crop(+{n}) removed {n} tokens",
+    "keep": "crop() implements the pre-5.20 meaning of a positive count (keep the first {n} tokens)",
+    "ignored": "crop() ignored the positive count: nothing was removed",
+}
+
+
+def _accepted_positive_crop(ctx, runner, rec, n: int) -> int:
+    """What an accepted ``crop(+n)`` did, read from ``get_seq_length()`` after it: ``abs(n)`` (n removed), the
+    pre-5.20 "keep n", or nothing. One of those is reported (``PositiveCropNote``, metric ``note``) and the run goes
+    on from the length the cache now has; any other length fails the item (the crop did something unexplained).
+    Returns the number of tokens kept."""
+    import warnings
+
+    after = seq_length(runner.cache)
+    meanings = {"abs": max(rec.held - n, 0), "keep": min(n, rec.held), "ignored": rec.held}
+    meaning = next((m for m, kept in meanings.items() if kept == after), None)
+    if meaning is None:
+        ctx.fail([f"crop({n}) with a positive argument was accepted on a {rec.held}-token cache and left "
+                  f"get_seq_length() = {after}: neither {meanings['abs']} (n removed), {meanings['keep']} (keep n, "
+                  f"the pre-5.20 meaning) nor {rec.held} (ignored)",
+                  f"ops: {' → '.join(runner.trail)}",
+                  "likely cause: crop() misreads a positive count; on transformers ≥ 5.20 it should raise a clear "
+                  "error (crop takes a negative count of tokens to remove)"],
+                 {"flag": rec.flag, "accepted": True, "reported_length": after})
+    assert meaning is not None  # ctx.fail raised above
+    note = (f"crop({n}) accepted on a {rec.held}-token cache: {POSITIVE_MEANINGS[meaning].format(n=n)}; transformers "
+            f"≥ 5.20 raises there, but none of its callers passes a positive count — reported, not failed")
+    ctx.metrics.update(note=note, positive_crop=meaning)
+    warnings.warn(PositiveCropNote(f"{ctx.subject.name} on {ctx.model.name}: {note}"), stacklevel=2)
+    return meanings[meaning]
 
 
 def _judge_refusal(ctx, runner, rec, before):

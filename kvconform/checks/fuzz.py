@@ -26,7 +26,7 @@ import copy
 import os
 
 from kvconform.ops import OP_CAPABILITY, OPS as OP_SPECS, OPS_WITH_COUNT, Op
-from kvconform.checks import IGNORES_OPS, OP_PARAMS, Param, register
+from kvconform.checks import IGNORES_OPS, OP_PARAMS, CheckSkipped, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge
@@ -104,6 +104,8 @@ def _outcome(ctx, spec, program):
     info = {}
     try:
         steps = run_program(sctx, sctx.new_cache(), program, info)
+    except CheckSkipped:
+        return None  # a clear refusal of the program's prefill the contract allows (a press's too-short prompt)
     except SubjectRaised as exc:
         return ([f"the subject raised {describe_exception(exc.cause)} at {exc.where}"],
                 {"raised": type(exc.cause).__name__, "failed_at": exc.where}, info)
@@ -123,6 +125,19 @@ def _outcome(ctx, spec, program):
              f"diverged from the fresh instance: {verdict.cause}" if verdict.cause else ""],
             {"max_abs": cmp.max_abs, "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label},
             info)
+
+
+def _program_cause(exc) -> str:
+    """The likely cause of a failing program: a failure at its first op (the prefill, before any other op ran) is
+    that op's own fault, not an interaction; otherwise the interaction of its ops."""
+    failed_at = str(exc.metrics.get("failed_at") or "")
+    first = exc.program[0] if exc.program else None
+    if first is not None and (failed_at.startswith("prefill") or failed_at == f"{first[0]}({first[1]})"):
+        return (f"the program fails at its first op, {failed_at}, before any other op ran: no interaction — the "
+                f"cache fails a plain prefill of {first[1]} tokens on its own (a case with ops = "
+                f"[\"prefill {first[1]}\", \"decode 1\"] reproduces it; see the logits family)")
+    return ("an interaction between these ops that no single-op case covers (replay the program as a case to "
+            "bisect it)")
 
 
 def _strategy(ctx, ops, max_ops):
@@ -260,8 +275,7 @@ def check_op_sequences(ctx):
                   if reference.name == ctx.subject.name else
                   f"oracle: {reference.name} on the same program conforms → the fault is in the subject",
                   f"as a case: ops = {program_case_syntax(exc.program)}",
-                  "likely cause: an interaction between these ops that no single-op case covers (replay the "
-                  "program as a case to bisect it)"],
+                  "likely cause: " + _program_cause(exc)],
                  {**exc.metrics, "program": program_case_syntax(exc.program), "ops_drawn_from": ops,
                   "left_out": left_out, **stats})
     ctx.metrics.update(ops_drawn_from=ops, left_out=left_out, examples=examples, **stats)

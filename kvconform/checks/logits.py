@@ -45,6 +45,22 @@ def _twin_cause(ctx, step) -> str:
             "are kept exact")
 
 
+def _narrow_cause(ctx, cache) -> str | None:
+    """The likely cause when the cache stores floating tensors narrower than the model's dtype (measured)."""
+    if cache is None:
+        return None
+    from kvconform.checks._drive import narrow_stored
+
+    narrow = narrow_stored(cache, ctx.model.dtype)
+    if not narrow:
+        return None
+    kinds = sorted({str(d).removeprefix("torch.") for _, d in narrow})
+    paths = ", ".join(p for p, _ in narrow[:2]) + (", ..." if len(narrow) > 2 else "")
+    return (f"the cache stores keys/values as {'/'.join(kinds)} ({paths}), narrower than the model's "
+            f"{str(ctx.model.dtype).removeprefix('torch.')}: every read gives them back rounded — store them in the "
+            f"dtype update() receives, or declare the cache lossy (kvconform_lossy) if the rounding is the design")
+
+
 def _decode_cause(ctx, steps, cache=None):
     def cause(step, cmp):
         note = _length_note(steps, step)
@@ -52,6 +68,9 @@ def _decode_cause(ctx, steps, cache=None):
             return note
         if ctx.kind.has_twin:
             return _twin_cause(ctx, step)
+        narrow = _narrow_cause(ctx, cache)
+        if narrow:
+            return narrow
         if step.label in ("decode 1",) or step.label.startswith("chunk") and step.index == 1:
             return "the prefill's keys/values (or states) were not stored intact: a dropped, shifted or stale token"
         if step.label.startswith("prefill"):

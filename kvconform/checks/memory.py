@@ -128,11 +128,15 @@ class Expectation:
         self.full_precision = self.full_precision or self.exact
 
 
-def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int = 1) -> Expectation:
+def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int = 1,
+                   policy: str = "") -> Expectation:
     """Expected bytes of subject ``layer`` holding ``tokens`` tokens (see the module docstring).
 
     ``page``: the layer's allocation granularity in tokens (``Granularity.tokens``); when > 1, an exact layer that
-    does not preallocate may hold one page per row (``page · token_bytes``) above the formula."""
+    does not preallocate may hold one page per row (``page · token_bytes``) above the formula. ``policy``
+    (``Allocation.policy``): ``"preallocated"`` — a bounded layer (capacity > 0: a sliding window) holds its whole
+    capacity from the first token on (a ring of the window); ``"doubling"`` — an exact layer may hold up to twice
+    the tokens fed (amortised doubling buffers)."""
     state = shape.state_bytes
     if not shape.token_bytes:
         return Expectation(state, state + slack, f"conv+recurrent states {state} B (independent of S)", state)
@@ -146,7 +150,9 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
         # transformers 5.24: LinearAttentionAndStaticFullAttentionLayer (StaticCache on FalconH1) preallocates
         # max_cache_len but its get_max_length() resolves to the linear mixin's -1
         capacity, note = declared_len, "; get_max_length() says -1"
-    preallocates = bool(getattr(layer, "is_compileable", False)) and capacity > 0
+    preallocates = (bool(getattr(layer, "is_compileable", False)) or policy == "preallocated") and capacity > 0
+    if preallocates and policy == "preallocated" and not getattr(layer, "is_compileable", False):
+        note += "; a ring / buffer of its whole capacity, allocation preallocated"
     if capacity < 0:
         held, rule = tokens, f"S={tokens}"
     elif preallocates:
@@ -161,6 +167,9 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
         spare = page * shape.token_bytes if page > 1 and not preallocates else 0
         if spare:
             text += f" + one page per row ({page} tokens: {spare} B)"
+        if policy == "doubling" and not preallocates and kv > spare:
+            spare = kv
+            text += f" + as much again (doubling buffers: ≤ 2× the {held} tokens held)"
         return Expectation(kv + state, kv + state + spare + slack, text, kv + state)
     nbits, group, residual = q
     ratio = quant_ratio(nbits, group, b)
@@ -350,6 +359,68 @@ def granularities(subject, rows: list, shapes: dict) -> dict:
     return {label: g if g is not None else (shared or TOKEN_BY_TOKEN) for label, g in seen.items()}
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """How a layer allocates besides pages: ``policy`` ``""`` (token by token / pages), ``"preallocated"`` (its
+    whole capacity from the first token: a ring of a sliding window) or ``"doubling"`` (amortised doubling
+    buffers); ``source`` ``"declared"`` / ``"inferred"``; ``evidence`` for an inferred one."""
+
+    policy: str = ""
+    source: str = ""
+    evidence: str = ""
+
+    def describe(self) -> str:
+        if not self.policy:
+            return ""
+        what = {"preallocated": "its capacity preallocated (a ring of the window)",
+                "doubling": "amortised doubling buffers (≤ 2× the tokens held)"}[self.policy]
+        return what + (", declared (kvconform_allocation)" if self.source == "declared" else
+                       f", inferred from {self.evidence}")
+
+
+NO_POLICY = Allocation()
+
+
+def infer_allocation(series: list, rows: list, label: str, token_bytes: int, slack: int) -> Allocation:
+    """The allocation policy of layer ``label`` from its held bytes: ``series`` ``[(tokens, held, layer)]`` after
+    each op, ``rows`` the ``GrowthProbe`` forwards. ``preallocated`` when a bounded layer (``get_max_length() = C >
+    0``) holds C tokens' bytes (± ``slack``) after every op that left tokens in it, fewer than C tokens included;
+    ``doubling`` when every growth of a non-empty layer doubles its bytes and some decode steps grow nothing.
+    Else ``NO_POLICY``."""
+    if token_bytes <= 0 or not series:
+        return NO_POLICY
+    try:
+        capacity = compat.max_length(series[0][2])
+    except Exception:  # noqa: BLE001 - an incomplete layer
+        capacity = -1
+    held = [(t, h) for t, h, _ in series if t > 0]
+    if capacity > 0 and held and any(t < capacity - 1 for t, _ in held) and \
+            all(abs(h - capacity * token_bytes) <= slack for _, h in held):
+        return Allocation("preallocated", "inferred", f"{capacity} tokens' bytes held after every op (S = "
+                                                      f"{', '.join(str(t) for t, _ in held[:4])}...)")
+    deltas = [(row, row.held[label]) for row in rows if label in row.held]
+    grew = [(row, b, a) for row, (b, a) in deltas if a > b > 0]
+    flat = [row for row, (b, a) in deltas if a == b and row.n == 1 and row.start > 0]
+    if grew and flat and all(abs(a - 2 * b) <= slack for _, b, a in grew):
+        at = ", ".join(f"S={row.start + row.n} ({b} → {a} B)" for row, b, a in grew[:3])
+        return Allocation("doubling", "inferred", f"the held bytes doubling at {at}, flat between")
+    return NO_POLICY
+
+
+def allocations(subject, raw: list, rows: list, shapes: dict, slack: int) -> dict:
+    """``{layer label: Allocation}``: the subject's declared ``allocation`` for every layer, else each layer's
+    ``infer_allocation`` from ``raw`` (``[(Checkpoint, [(label, held, layer, tokens)])]``)."""
+    declared = getattr(subject, "allocation", None)
+    if declared:
+        return {label: Allocation(declared, "declared") for label in shapes}
+    series: dict = {}
+    for cp, layers in raw:
+        for name, held, layer, tokens in layers:
+            series.setdefault(name, []).append((tokens, held, layer))
+    return {label: infer_allocation(series.get(label, []), rows, label, shape.token_bytes, slack)
+            for label, shape in shapes.items()}
+
+
 def _granularity_summary(by_layer: dict) -> str:
     """One line for the metrics: the granularity of the token-holding layers (per layer when they differ)."""
     paged = {label: g for label, g in by_layer.items() if g.tokens > 1}
@@ -429,6 +500,7 @@ def check_memory_bytes(ctx):
     if not raw:
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
     grains = granularities(ctx.subject, probe.rows, shapes)
+    policies = allocations(ctx.subject, raw, probe.rows, shapes, slack)
     checkpoints: list[Checkpoint] = []
     for cp, layers in raw:
         for name, held, layer, tokens in layers:
@@ -437,7 +509,8 @@ def check_memory_bytes(ctx):
                 cp.layers.append((name, held, Expectation(0, slack, "no such layer", 0)))
                 continue
             enc = ctx.case.encoder_len if name.startswith("cross") else tokens
-            cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens)))
+            cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
+                                                         policies[name].policy)))
         checkpoints.append(cp)
     page_tokens = sorted({g.tokens for g in grains.values() if g.tokens > 1})
     last = checkpoints[-1]
@@ -445,6 +518,7 @@ def check_memory_bytes(ctx):
     ctx.metrics.update(_checkpoint_metrics(last), peak_bytes=peak.held, layers=len(last.layers),
                        per_op=[[c.op, c.tokens, c.held, c.formula] for c in checkpoints],
                        granularity=_granularity_summary(grains),
+                       allocation=sorted({p.describe() for p in policies.values() if p.policy}) or None,
                        page_tokens=page_tokens[0] if len(page_tokens) == 1 else (page_tokens or 1))
     failing = [(cp, cp.worst()) for cp in checkpoints if cp.worst() is not None]
     if not failing:
@@ -459,17 +533,45 @@ def check_memory_bytes(ctx):
     per_op = ", ".join(f"{c.op} {h / e.exact:.2f}×" for c in checkpoints for name, h, e in c.layers
                        if name == label and e.exact)
     grain = grains.get(label, TOKEN_BY_TOKEN)
+    policy = policies.get(label, NO_POLICY)
     ctx.fail([
         observed + f" ({ratio:.2f}× the formula)",
         f"formula: {exp.formula}" + ("" if exp.lossy else f" (+ slack {slack} B)"),
-        f"granularity of {label}: {grain.describe()}",
+        f"granularity of {label}: {grain.describe()}" + (f"; allocation: {policy.describe()}" if policy.policy
+                                                         else ""),
         f"whole cache: {_mib(cp.held)} held vs {_mib(cp.formula)} by the formula after S={cp.tokens} tokens",
         f"{label} held/formula after each op: {per_op}",
         f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
-        "likely cause: " + _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows),
+        "likely cause: " + (_policy_cause(policy, label, checkpoints) or
+                            _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows)),
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
         "layer_granularity": grain.describe()})
+
+
+def _policy_cause(policy: Allocation, label: str, checkpoints) -> str | None:
+    """The likely cause of a layer over its bound under a declared or inferred allocation policy, or None."""
+    if policy.policy == "preallocated":
+        over = [(cp, held, e) for cp in checkpoints for name, held, e in cp.layers if name == label and held > e.high]
+        cap = [e for _, _, e in over if "preallocated" in e.formula]
+        if cap:
+            cp, held, e = over[0]
+            return (f"the preallocated buffer is larger than the layer's capacity ({e.formula.split('max_cache_len=')[1].split(' ')[0]} "
+                    f"tokens, get_max_length()): it holds {held / max(e.exact, 1):.1f}× what a ring of its window "
+                    f"needs (slots allocated beyond what the layer ever reads)")
+        return None
+    if policy.policy != "doubling":
+        return None
+    if any("window=" in e.formula for cp in checkpoints for name, _, e in cp.layers if name == label):
+        return None  # a bounded (sliding) layer: doubling does not apply to it, the general reading does
+    series = [(cp, held, e) for cp in checkpoints for name, held, e in cp.layers if name == label]
+    cropped = [i for i, (cp, _, _) in enumerate(series) if cp.op.startswith("crop") or cp.after_reset]
+    over = [held > e.high for _, held, e in series]
+    if cropped and any(over[cropped[0]:]) and not any(over[:cropped[0]]):
+        return ("the doubling buffer is not shrunk by crop()/reset(): after them it holds more than twice the "
+                "tokens left (halve the buffer when it is less than half full, free it on reset)")
+    return ("the buffer grows by more than doubling (or allocates ahead of need): a doubling buffer holds at most "
+            "twice the tokens fed")
 
 
 def _checkpoint_metrics(c) -> dict:

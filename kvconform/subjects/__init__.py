@@ -50,28 +50,28 @@ public name is importable from ``kvconform.subjects``.
 from __future__ import annotations
 
 from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH, KIND_NAMES, LOSSY_FRESH,
-                                      LOSSY_TWIN, ORACLE, TWIN, Kind, kind_of)
+                                      LOSSY_TWIN, ORACLE, PRESS, TWIN, Kind, kind_of)
 from kvconform.subjects.construction import (CONSTRUCTION_KWARGS, MODEL_KWARG, FactoryResultError, SubjectBuildError,
                                              accepted_kwargs, accepted_names, meta_model, names_model,
                                              required_unknown_arguments, unpack_factory_result)
 from kvconform.subjects.context import CALL_CONTEXT_ATTR, CallContext, ModelLeftChanged, call_context
-from kvconform.subjects.spec import BUDGET_KEYS, CAPABILITIES, KINDS, Budget, CacheSpec, SpecError
+from kvconform.subjects.spec import ALLOCATIONS, BUDGET_KEYS, CAPABILITIES, KINDS, Budget, CacheSpec, SpecError
 from kvconform.subjects.builtin import (OFFLOAD_REASON, QUANTIZED_BUDGETS, _dynamic, _reference, _static,
                                         builtin_subjects, full_attention_only, offloaded_subjects, quantized_subjects,
                                         static_crop_note)
-from kvconform.subjects.declare import (NAME_PATTERN, declared_capabilities, declared_kind, declared_page_size,
-                                        validate_kind, validate_spec)
+from kvconform.subjects.declare import (NAME_PATTERN, declared_allocation, declared_capabilities, declared_kind,
+                                        declared_page_size, validate_kind, validate_spec)
 from kvconform.subjects.resolve import as_cache_spec, check_factory_builds_cache, resolve_cache_spec
 
 __all__ = [
     "ALL_KINDS", "DEFAULT_JUDGES", "EVICTING", "EXACT", "FRESH", "KIND_NAMES", "LOSSY_FRESH", "LOSSY_TWIN", "ORACLE",
-    "TWIN", "Kind", "kind_of",
+    "PRESS", "TWIN", "Kind", "kind_of",
     "CONSTRUCTION_KWARGS", "MODEL_KWARG", "FactoryResultError", "SubjectBuildError", "accepted_kwargs",
     "accepted_names", "meta_model", "names_model", "required_unknown_arguments", "unpack_factory_result",
     "CALL_CONTEXT_ATTR", "CallContext", "ModelLeftChanged", "call_context",
-    "BUDGET_KEYS", "CAPABILITIES", "KINDS", "Budget", "CacheSpec", "SpecError",
+    "ALLOCATIONS", "BUDGET_KEYS", "CAPABILITIES", "KINDS", "Budget", "CacheSpec", "SpecError",
     "OFFLOAD_REASON", "QUANTIZED_BUDGETS", "builtin_subjects", "full_attention_only", "offloaded_subjects",
     "quantized_subjects", "static_crop_note",
-    "NAME_PATTERN", "declared_capabilities", "declared_kind", "declared_page_size", "validate_kind", "validate_spec",
+    "NAME_PATTERN", "declared_allocation", "declared_capabilities", "declared_kind", "declared_page_size", "validate_kind", "validate_spec",
     "as_cache_spec", "check_factory_builds_cache", "resolve_cache_spec",
 ]

@@ -5,7 +5,7 @@ expected failures)."""
 
 from __future__ import annotations
 
-from kvconform.subjects.spec import CAPABILITIES, KINDS, Budget, CacheSpec, SpecError, _check_names
+from kvconform.subjects.spec import ALLOCATIONS, CAPABILITIES, KINDS, Budget, CacheSpec, SpecError, _check_names
 
 def declared_capabilities(obj, where: str) -> frozenset:
     """The ``kvconform_capabilities`` a Cache subclass or a factory function declares (default: all of
@@ -49,9 +49,9 @@ def validate_kind(kind, budget, where: str) -> None:
     if kind == "evicting" and budget.tokens_max is None:
         raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
                         f"and attention layer, e.g. sinks + window)")
-    if kind == "lossy" and budget.tokens_max is not None:
-        raise SpecError(f"{where}: tokens_max is for evicting subjects; a lossy subject keeps every token "
-                        f"(declare kind='evicting' if it drops tokens)")
+    if kind in ("lossy", "press") and budget.tokens_max is not None:
+        raise SpecError(f"{where}: tokens_max is for evicting subjects; a {kind} subject has no token bound "
+                        f"(declare kind='evicting' if it never holds more than tokens_max tokens)")
 
 
 def declared_kind(obj, where: str) -> tuple:
@@ -67,7 +67,8 @@ def declared_kind(obj, where: str) -> tuple:
                 if (value := getattr(obj, f"kvconform_{kind}", None)) is not None]
     if len(declared) > 1:
         raise SpecError(f"{where}: declares both {' and '.join(f'kvconform_{k}' for k, _ in declared)}; a subject "
-                        f"has one kind (an evicting cache that also quantizes declares kvconform_evicting)")
+                        f"has one kind (an evicting cache that also quantizes declares kvconform_evicting; a press "
+                        f"that also quantizes kvconform_press)")
     return declared[0] if declared else ("exact", None)
 
 
@@ -75,7 +76,24 @@ def _declared(obj, where: str) -> dict:
     """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
     kind, budget = declared_kind(obj, where)
     return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
-                page_size=declared_page_size(obj, where))
+                page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where))
+
+
+def declared_allocation(obj, where: str) -> str | None:
+    """The ``kvconform_allocation`` a Cache subclass or factory declares (one of ``ALLOCATIONS``), or None.
+
+    Raises:
+        SpecError: a value not in ``ALLOCATIONS`` (closest named).
+    """
+    declared = getattr(obj, "kvconform_allocation", None)
+    if declared is None:
+        return None
+    if not isinstance(declared, str):
+        raise SpecError(f"{where}: kvconform_allocation must be one of {', '.join(ALLOCATIONS)}; got {declared!r}")
+    _check_names(where, "kvconform_allocation", {declared}, ALLOCATIONS)
+    return declared
+
+
 def declared_page_size(obj, where: str) -> int | None:
     """The ``kvconform_page_size`` a Cache subclass or a factory function declares: its allocation granularity in
     tokens (a paged cache allocating K/V in pages of N tokens), or None when it declares none.
@@ -122,6 +140,8 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
     if page is not None and (isinstance(page, bool) or not isinstance(page, int) or page < 1):
         raise SpecError(f"{where}: {spec.name}: page_size must be a positive int (tokens per page) or None, got "
                         f"{page!r}")
+    if spec.allocation is not None:
+        _check_names(f"{where}: {spec.name}", "allocation", {spec.allocation}, ALLOCATIONS)
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",

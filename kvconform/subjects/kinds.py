@@ -2,7 +2,7 @@
 item does not apply to it, and how messages describe it. The one place that reads a subject's declared ``kind``
 and ``twin``; every other module asks the ``Kind`` object (``kind_of(subject)``, ``CheckContext.kind``).
 
-Four kinds (``Kind.name``; a check names those it judges with ``@register(..., judges=...)``):
+Five kinds (``Kind.name``; a check names those it judges with ``@register(..., judges=...)``):
 
 * ``exact`` (``Exact``): the logits of the uncached model within float noise; compared with the float64 oracle.
 * ``lossy_twin`` (``LossyWithTwin``): a lossy (quantized) subject with a fake-quant ``twin``
@@ -12,6 +12,10 @@ Four kinds (``Kind.name``; a check names those it judges with ``@register(..., j
   compared with a fresh instance of its own class fed the equivalent history (``checks/_consistency.py``).
 * ``evicting`` (``Evicting``): drops tokens past ``Budget.tokens_max``: exact (against the oracle, or its twin when
   it has one) while it holds at most ``tokens_max`` tokens; past that judged by quality and its memory bound.
+* ``press`` (``Press``): compresses the prefill by keeping a subset of its tokens exactly, at any length, with no
+  token bound (KV presses; ``kind="press"``, ``kvconform_press``): compared like ``lossy_fresh`` with a fresh
+  instance fed the equivalent history, held to its quality budget and real compression, plus the press contract
+  (the press section of ``checks/contract.py``).
 
 A check that does not name a kind in ``judges`` does not apply to its subjects, with the reason the kind gives
 (``Kind.not_judged``); the default (``DEFAULT_JUDGES``) is every kind but ``evicting``, which is then judged only on
@@ -27,19 +31,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-DECLARED_KINDS = ("exact", "lossy", "evicting")
+DECLARED_KINDS = ("exact", "lossy", "evicting", "press")
 """What a subject may declare as its ``CacheSpec.kind`` (``kind="..."``, or a ``kvconform_<kind> = {budget}``
 attribute on a Cache subclass or factory for every kind but exact); ``kind_of`` maps a declaration (with its twin,
 if any) to a ``Kind``."""
 
-EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING = "exact", "lossy_twin", "lossy_fresh", "evicting"
-KIND_NAMES = (EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING)
+EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING, PRESS = "exact", "lossy_twin", "lossy_fresh", "evicting", "press"
+KIND_NAMES = (EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING, PRESS)
 """The names a check may give in ``@register(..., judges=...)``."""
 
 ALL_KINDS = frozenset(KIND_NAMES)
 """``judges=ALL_KINDS``: the check judges every kind as such, at any length (quality, speed, the evicting contract)."""
 
-DEFAULT_JUDGES = frozenset({EXACT, LOSSY_TWIN, LOSSY_FRESH})
+DEFAULT_JUDGES = frozenset({EXACT, LOSSY_TWIN, LOSSY_FRESH, PRESS})
 """What a check judges unless it declares ``judges``: every kind but ``evicting`` (an evicting subject then gets the
 check's cases that never make it hold more than ``tokens_max`` tokens, where it must be exact)."""
 
@@ -69,7 +73,7 @@ class Kind:
     # ------------------------------------------------------------------------------------------------ what it is
     @property
     def declared(self) -> str:
-        """The declared kind (``CacheSpec.kind``): ``"exact"``, ``"lossy"`` or ``"evicting"``."""
+        """The declared kind (``CacheSpec.kind``): ``"exact"``, ``"lossy"``, ``"evicting"`` or ``"press"``."""
         return getattr(self.subject, "kind", "exact")
 
     @property
@@ -84,18 +88,30 @@ class Kind:
 
     @property
     def budgeted(self) -> bool:
-        """Whether it declares a quality budget in place of exactness (lossy or evicting)."""
-        return self.declared in ("lossy", "evicting")
+        """Whether it declares a quality budget in place of exactness (lossy, evicting or press)."""
+        return self.declared in ("lossy", "evicting", "press")
 
     @property
     def compresses(self) -> bool:
-        """Whether its held bytes must be fewer than an exact cache's (declared lossy, or exact with a twin)."""
-        return self.declared == "lossy" or (self.declared == "exact" and self.has_twin)
+        """Whether its held bytes must be fewer than an exact cache's (declared lossy or press, or exact with a
+        twin)."""
+        return self.declared in ("lossy", "press") or (self.declared == "exact" and self.has_twin)
 
     @property
     def evicts(self) -> bool:
         """Whether it declares ``kind="evicting"``."""
         return self.declared == "evicting"
+
+    @property
+    def presses(self) -> bool:
+        """Whether it declares ``kind="press"`` (it keeps a subset of each prefill's tokens exactly)."""
+        return self.declared == "press"
+
+    @property
+    def exact(self) -> bool:
+        """Whether it promises the exact logits (kind ``exact`` without a twin): the identity-op and padded-row
+        exactness checks (the exactness section of ``checks/batch.py``) are for every other kind."""
+        return self.declared == "exact" and not self.has_twin
 
     @property
     def tokens_max(self) -> int | None:
@@ -206,13 +222,29 @@ class Evicting(Kind):
         return None
 
 
+class Press(SelfConsistent):
+    """A KV press: compresses each prefill by keeping a subset of its tokens exactly (no token bound, no eviction
+    while decoding). Compared like ``SelfConsistent`` with a fresh instance fed the equivalent history (the press
+    keeps the same tokens of the same chunks); its own contract (length = tokens seen, short prompts) is
+    the press section of ``checks/contract.py``."""
+
+    name = PRESS
+
+    def not_judged(self, check, case, held) -> str | None:
+        reason = super().not_judged(check, case, held)
+        return None if reason is None else reason.replace("is lossy", "is a press (it compresses the prefill)")
+
+
 def kind_of(subject) -> Kind:
     """The ``Kind`` of ``subject`` (a ``CacheSpec``, or any object with its ``kind`` / ``twin`` / ``budget``
     fields; missing ones mean exact, no twin, no budget): ``Evicting`` when it declares ``kind="evicting"``,
+    ``Press`` when it declares ``kind="press"``,
     ``LossyWithTwin`` when it has a twin, ``SelfConsistent`` when it declares ``kind="lossy"``, else ``Exact``."""
     declared = getattr(subject, "kind", "exact")
     if declared == "evicting":
         return Evicting(subject)
+    if declared == "press":
+        return Press(subject)
     if getattr(subject, "twin", None) is not None:
         return LossyWithTwin(subject)
     if declared == "lossy":

@@ -17,6 +17,12 @@ CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_rep
                 "compile")
 """Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
 
+ALLOCATIONS = ("preallocated", "doubling")
+"""Allocation policies a subject may declare besides token by token and pages (``CacheSpec.allocation``):
+``preallocated`` — each bounded layer (``get_max_length() > 0``: a sliding window, a capacity) holds its whole
+capacity from the first token on (a ring of ``sliding_window`` slots, a fixed buffer); ``doubling`` — amortised
+doubling buffers, holding at most twice the tokens fed (and shrunk again by ``crop`` / ``reset``)."""
+
 KINDS = DECLARED_KINDS
 """What a subject promises (``CacheSpec.kind``; ``kinds.DECLARED_KINDS``) about the logits it gives:
 
@@ -24,8 +30,11 @@ KINDS = DECLARED_KINDS
 * ``lossy``: it compresses what it holds (quantization, low rank, ...): judged by quality against the float64 oracle
   within its ``Budget``, by self-consistency (every cache operation gives what a fresh instance of the same class
   fed the equivalent history gives), and by holding fewer bytes than an exact cache;
-* ``evicting``: it drops tokens (attention sinks + window, KV presses): exact until it holds ``Budget.tokens_max``
-  tokens, then judged by quality and by its memory bound.
+* ``evicting``: it drops tokens past a bound (attention sinks + window): exact until it holds ``Budget.tokens_max``
+  tokens, then judged by quality and by its memory bound;
+* ``press``: it compresses the prefill by keeping a subset of its tokens exactly, at any length, with no token bound
+  (KV presses: StreamingLLM, Knorm, SnapKV, ExpectedAttention ratios): judged like ``lossy`` (self-consistency,
+  quality, real compression) plus the press contract (the press section of ``checks/contract.py``).
 """
 
 
@@ -37,7 +46,7 @@ class Budget:
         kl_max: mean KL(oracle ‖ subject) in nats per position, over every position that read the cache in the
             long-context quality cases (next-token distributions of the float64 oracle vs the subject's).
         top1_min: fraction of those positions whose top-1 token equals the oracle's, in [0, 1].
-        bytes_ratio_max: lossy only, optional: the subject's held bytes after the long context divided by an exact
+        bytes_ratio_max: lossy and press, optional: the subject's held bytes after the long context divided by an exact
             cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the ratio must be < 1
             (compression must be real).
         tokens_max: evicting only, required: the most tokens the cache holds per row and attention layer (e.g.
@@ -118,7 +127,7 @@ class CacheSpec:
         same_as: name of the subject whose logits this one must equal exactly (offloaded → non-offloaded).
         notes: ``{capability: why it is not declared}`` — appended to the skip reason of items needing it (e.g. a
             method the installed transformers does not implement for this cache).
-        kind: one of ``KINDS`` (``"exact"``, ``"lossy"``, ``"evicting"``).
+        kind: one of ``KINDS`` (``"exact"``, ``"lossy"``, ``"evicting"``, ``"press"``).
         budget: a ``Budget`` (or a dict of its fields), required for a lossy or evicting subject, None for an exact
             one.
         page_size: the cache's allocation granularity in tokens (a paged / block cache that allocates K/V in pages
@@ -126,6 +135,10 @@ class CacheSpec:
             held bytes grow). The memory budget of an exact, non-preallocated layer then allows at most one page per
             row of slack above the formula (``page_size · B · H_kv · (D_k + D_v) · b`` bytes per layer). A Cache
             subclass or factory declares it with a ``kvconform_page_size = N`` attribute (``declared_page_size``).
+        allocation: how the cache allocates K/V when not token by token (``ALLOCATIONS``): ``"preallocated"`` (every
+            bounded layer holds its capacity from the first token on: a fixed ring of a sliding layer's window, a
+            capacity buffer), ``"doubling"`` (amortised doubling buffers: at most twice the tokens held), or None
+            (undeclared: the memory family infers it from the held bytes). Declared with ``kvconform_allocation``.
     """
 
     name: str
@@ -144,6 +157,7 @@ class CacheSpec:
     same_as: str | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
     page_size: int | None = None
+    allocation: str | None = None
 
     def __post_init__(self):
         budget = self.budget

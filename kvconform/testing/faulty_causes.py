@@ -10,6 +10,7 @@ catch each one, on which model, the message lines it must print and its likely-c
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticCache
 
 from kvconform.compat import crop_tokens_to_remove, layer_types_and_kwargs
@@ -137,6 +138,26 @@ class ValuesAsKeysCache(Cache):
         super().__init__(layers=[_ValuesAsKeysLayer() for _ in types])
 
 
+# ------------------------------------------------------------------------------------------ narrow stored dtype
+class _HalfStoreLayer(DynamicLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        # BUG: "halve the memory": keys/values stored as bfloat16 whatever the model computes in, read back widened
+        keys, values = super().update(key_states.to(torch.bfloat16), value_states.to(torch.bfloat16), *args, **kwargs)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+
+class HalfStoreCache(Cache):
+    """Stores keys/values as bfloat16 to halve its memory and widens them again on the way out: a float32 model then
+    attends keys rounded to ~3 significant digits from the prefill on. Nothing is lost or shifted, so the cause is
+    the stored dtype, not a length or an eviction."""
+
+    kvconform_capabilities = ("forward",)  # what its pinned item needs; every family would fail it
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_HalfStoreLayer() for _ in types])
+
+
 FAULTY = [
     FaultyCache(
         name="shared_layer", attr="SharedLayerCache", module=__name__, family="logits",
@@ -195,6 +216,14 @@ FAULTY = [
                  "→ the fault is in the subject"),
         cause=r"slots for 13 tokens but says is_compileable = False, so the model drops the attention mask of "
               r"single-token steps and the \d+ empty slots are attended",
+        also_caught_by=_ALL_FAMILIES,
+    ),
+    FaultyCache(
+        name="half_store", attr="HalfStoreCache", module=__name__, family="logits",
+        check="check_prefill_then_decode", model="llama", case="decode_explicit_positions",
+        message=("check_prefill_then_decode failed: HalfStoreCache on llama", "[failed at prefill(12)]"),
+        cause=r"the cache stores keys/values as bfloat16 \(layers\[0\]\.keys.*\), narrower than the model's "
+              r"float32",
         also_caught_by=_ALL_FAMILIES,
     ),
 ]

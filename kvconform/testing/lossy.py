@@ -403,6 +403,40 @@ class Int8ResetKeepsQuantized(Int8ResidualCache):
     layer_class = _ResetKeepsQuantizedLayer
 
 
+class _RequantOnBatchOpLayer(Int8ResidualLayer):
+    def _map_batch(self, fn) -> None:
+        if self.tail_k is not None and self.tail_k.shape[-2]:
+            # BUG: "one code path for every layout change": the store is rebuilt from its decoded view, so the
+            # exact tail comes back quantized (turboquant-kv 1.0.0 decodes and re-quantizes on every batch op)
+            self.tail_k = dequantize(*quantize(self.tail_k), self.dtype)
+            self.tail_v = dequantize(*quantize(self.tail_v), self.dtype)
+        super()._map_batch(fn)
+
+
+class Int8RequantOnBatchOp(Int8ResidualCache):
+    """FAULTY: every batch op (reorder, select, repeat) rebuilds the store from its decoded view, quantizing the
+    exact tail: an identity reorder or ``repeat(1)`` moves the next logits by the int8 error of the recent tokens."""
+
+    layer_class = _RequantOnBatchOpLayer
+
+
+class _WideCodesLayer(Int8ResidualLayer):
+    def _append_quantized(self, qk, sk, qv, sv) -> None:
+        # BUG: codes kept as int64 "indices" (what torch.bucketize / argmin return), never narrowed to int8
+        super()._append_quantized(qk.to(torch.int64), sk, qv.to(torch.int64), sv)
+
+    def _init_attention(self, key_states, value_states) -> None:
+        super()._init_attention(key_states, value_states)
+        self.qk, self.qv = self.qk.to(torch.int64), self.qv.to(torch.int64)
+
+
+class Int8WideCodes(Int8ResidualCache):
+    """FAULTY: quantizes to 255 levels but stores the codes as int64: 8 bytes a value where the float32 original took
+    4, so the "compressed" cache holds more than an exact one."""
+
+    layer_class = _WideCodesLayer
+
+
 _M = "kvconform.testing.lossy"
 FAULTY = [
     FaultyCache("int8_reorder_residual_only", "Int8ReorderResidualOnly", _M, "batch", "check_reorder_then_decode",
@@ -421,5 +455,14 @@ FAULTY = [
                 "llama", ("vs a fresh Int8ResetKeepsQuantized fed the equivalent history",
                           "likely cause: reset() did not clear every part of the cache"), case="reset_reuse",
                 cause=r"reset\(\) did not clear every part of the cache"),
+    FaultyCache("int8_requant_on_batch_op", "Int8RequantOnBatchOp", _M, "batch", "check_identity_ops", "llama",
+                ("check_identity_ops failed: Int8RequantOnBatchOp on llama", "vs the same cache without it"),
+                also_caught_by=("batch", "fuzz", "prefix", "lifecycle", "contract"), case="identity_ops",
+                cause=r"reorder_cache\(\) rebuilds the store instead of permuting it"),
+    FaultyCache("int8_wide_codes", "Int8WideCodes", _M, "quality", "check_compression_real", "llama",
+                ("check_compression_real failed: Int8WideCodes on llama",),
+                case="compression_long",
+                cause=r"the compressed codes are stored in wide dtypes — layers\[0\]\.qk int64 holding \d+ levels "
+                      r"\(8 bits needed, 64 stored\)"),
 ]
 """The faulty variants of ``Int8ResidualCache`` (collected by ``kvconform.testing.faulty_caches``)."""
