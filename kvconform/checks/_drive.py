@@ -228,7 +228,8 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
         attention_mask = torch.ones_like(input_ids)
     cache = next((v for v in cache_kwargs.values() if call_context(v) is not None), None)
     with torch.no_grad(), subject_call(cache, m):
-        out = m.generate(input_ids.to(device),  # type: ignore[operator]  # nn.Module.__getattr__ hides it attention_mask=attention_mask.to(device),
+        # (type: nn.Module.__getattr__ hides generate from mypy)
+        out = m.generate(input_ids.to(device), attention_mask=attention_mask.to(device),  # type: ignore[operator]
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                          return_dict_in_generate=True, output_logits=True, **cache_kwargs, **extra)
     logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)
