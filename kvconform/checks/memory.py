@@ -93,7 +93,8 @@ def reference_shapes(ref_cache) -> dict[str, LayerShape]:
     """``{label: LayerShape}`` from a ``ReferenceCache`` (or ``EncoderDecoderCache`` of them) after a run."""
     out = {}
     for label, layer in cache_layers(ref_cache):
-        token_bytes, dims, kv_bytes = 0, tuple[int, ...](), 0
+        dims: tuple[int, ...] = ()
+        token_bytes, kv_bytes = 0, 0
         chunks = getattr(layer, "key_chunks", None)
         if chunks:
             k, v = chunks[0], layer.value_chunks[0]
