@@ -39,6 +39,7 @@ class KVSession:
     _built: dict = field(default_factory=dict)
     shard: str | None = None
     """``--kvconform-shard I/N`` (set by the plugin): this process runs share I of N of the items (``merge.py``)."""
+    _fault_memo: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     architectures: list = field(default_factory=list)
     """``(spec, records)`` per ``transformers:PATTERN`` model spec: every architecture tried, built or not and
@@ -183,10 +184,14 @@ class KVSession:
 
     def fault_entry(self, subject: str, model: str, check: str, family: str, case: str):
         """The first ``known_faults.KnownFault`` matching this item (names) on the installed transformers, or None."""
-        from kvconform import known_faults
-        from kvconform.compat import transformers_version
+        key = (subject, model, check, family, case)
+        if key not in self._fault_memo:  # looked up per item and per zoo model of its kind: memoised
+            from kvconform import known_faults
+            from kvconform.compat import transformers_version
 
-        return known_faults.find(self.faults, transformers_version(), subject, model, check, case, family)
+            self._fault_memo[key] = known_faults.find(self.faults, transformers_version(), subject, model, check,
+                                                      case, family)
+        return self._fault_memo[key]
 
     def stale_faults(self) -> list:
         """Known-fault entries that apply to the installed transformers and to the run's models but match no item
