@@ -29,6 +29,7 @@ Runtime skips (never passes): benchmarking disabled (``--benchmark-disable``). U
 pytest-benchmark disables itself, so the plugin passes no fixture and the rounds run in a plain loop; the
 confirmation keeps the other worker's load from flipping a verdict. Decoder-only models (cases
 ``requires = ["decoder_only"]``).
+"""
 
 from __future__ import annotations
 
