@@ -186,3 +186,44 @@ def test_speed_is_measured_under_xdist_and_skips_with_benchmark_disable(run_kvco
     out = result.stdout.str()
     assert result.ret == 0, out
     assert "benchmarking is disabled" in out and " passed" not in out
+
+
+# --------------------------------------------------------------------------------------------- confirmation
+def _long_context_stall(name, stalled_updates):
+    """A DynamicCache whose decode updates past 512 held tokens sleep 50 ms — only the first ``stalled_updates`` of
+    them (all of them when None): a load spike that hits the first measurement only, or a cache that is slow
+    for good. Counted per class, over every cache the item builds."""
+    from transformers import DynamicCache
+
+    state = {"stalls": 0}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if key_states.shape[-2] == 1 and self.get_seq_length(layer_idx) > 512 and (
+                stalled_updates is None or state["stalls"] < stalled_updates):
+            state["stalls"] += 1
+            time.sleep(0.05)
+        return DynamicCache.update(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    return type(name, (DynamicCache,), {"update": update})
+
+
+def test_a_speed_budget_fails_only_when_a_confirmation_measurement_exceeds_it_too():
+    """speed_flat_decode (llama: warm-up 1 + 5 rounds of 4 decode steps over 2 layers = 48 long-context updates in
+    the first measurement): a stall in the first measurement only passes on the confirmation (recorded in the
+    metrics); a stall in every round fails, and the message gives both measurements."""
+    import kvconform
+
+    spike = _long_context_stall("SpikeCache", stalled_updates=48)
+    slow = _long_context_stall("AlwaysSlowCache", stalled_updates=None)
+    results = {r.subject: r for r in kvconform.check_cache([spike, slow], models=["llama"],
+                                                            checks=["check_speed_flat_decode"])}
+    passed, failed = results["SpikeCache"], results["AlwaysSlowCache"]
+    assert passed.outcome == "passed", passed.message
+    assert passed.metrics["growth"] > passed.metrics["max_growth"]  # the first measurement exceeded the budget
+    assert passed.metrics["confirmation_exceeded"] is False
+    assert passed.metrics["confirmation"] <= passed.metrics["max_growth"]
+    assert failed.outcome == "failed", failed.message
+    assert "confirmed by a second measurement: grew" in failed.message
+    assert "first: AlwaysSlowCache" in failed.message and "confirmation: AlwaysSlowCache" in failed.message
+    assert "confirmation: best of 10 interleaved rounds" in failed.message
+    assert failed.metrics["confirmation_exceeded"] is True

@@ -25,8 +25,9 @@ item fails only when the budget is exceeded in both, and its message reports bot
 measurement passes on the second (``metrics["confirmation"]`` records it). A cache that really does O(context) work
 per step is slow in every round, so it fails both.
 
-Runtime skips (never passes): benchmarking disabled (``--benchmark-disable``); under xdist the plugin skips speed
-items before they run (parallel workers share the CPU, so timings would be meaningless). Decoder-only models (cases
+Runtime skips (never passes): benchmarking disabled (``--benchmark-disable``). Under xdist (kvconform's default)
+pytest-benchmark disables itself, so the plugin passes no fixture and the rounds run in a plain loop; the
+confirmation keeps the other worker's load from flipping a verdict. Decoder-only models (cases
 ``requires = ["decoder_only"]``).
 """
 
