@@ -27,7 +27,6 @@ class CopyingStaticCache(StaticCache):
     """A ``StaticCache`` whose ``update()`` returns ``.clone()`` of its buffers: right logits eagerly, but a CUDA
     graph captured on the copies replays stale keys, and the in-place contract torch.compile relies on is gone."""
 
-    kvconform_capabilities = ("forward",)  # what its pinned item needs
 
     def __init__(self, config, max_cache_len=64, **kwargs):
         super().__init__(config=config, max_cache_len=max_cache_len)
@@ -40,7 +39,6 @@ class OversizedStaticCache(StaticCache):
     """A ``StaticCache`` that allocates twice ``max_cache_len`` slots per layer ("room to grow"): right logits,
     twice the memory, and a mask over slots nobody asked for."""
 
-    kvconform_capabilities = ("forward",)  # what its pinned item needs
 
     def __init__(self, config, max_cache_len=64, **kwargs):
         # BUG: the buffers are sized from a doubled length, not the max_cache_len asked for
