@@ -86,6 +86,9 @@ FAULTY = [
                  "returned keys/values that are not the cache's own buffers"),
         cause=r"update\(\) returns copies \(.clone\(\), torch.cat, a sliced-and-copied tensor\) instead of the "
               r"buffers it wrote into",
+        # transformers' StaticLayer faults it keeps (calls super().update, inherits crop): known faults
+        # 'static-capacity-indexerror' (lifecycle) and 'static-crop-unclamped' (crop)
+        also_caught_by=("lifecycle", "crop"),
     ),
     FaultyCache(
         name="static_oversized", attr="OversizedStaticCache", module=__name__, family="compile",
