@@ -31,7 +31,6 @@ class RecountOnCopyCache(Cache):
     """Sliding-window layers whose ``deepcopy`` sets the token count to the stored window; full-attention layers
     are plain ``DynamicLayer``s."""
 
-    kvconform_capabilities = ("forward", "deepcopy")  # what its pinned item needs
 
     def __init__(self, config=None, **kwargs):
         types, _ = layer_types_and_kwargs(config)

@@ -27,7 +27,6 @@ class PooledCache(Cache):
     """Exact and within the byte formula while alive; every request leaves one 64-token staging buffer per layer
     in a module-level pool that is never emptied."""
 
-    kvconform_capabilities = ("forward",)  # what its pinned item needs
 
     def __init__(self, config=None, **kwargs):
         types, _ = layer_types_and_kwargs(config)

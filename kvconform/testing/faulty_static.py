@@ -27,7 +27,6 @@ class CopyingStaticCache(StaticCache):
     """A ``StaticCache`` whose ``update()`` returns ``.clone()`` of its buffers: right logits eagerly, but a CUDA
     graph captured on the copies replays stale keys, and the in-place contract torch.compile relies on is gone."""
 
-    kvconform_capabilities = ("forward",)  # what its pinned item needs
 
     def __init__(self, config, max_cache_len=64, **kwargs):
         super().__init__(config=config, max_cache_len=max_cache_len)
@@ -40,7 +39,6 @@ class OversizedStaticCache(StaticCache):
     """A ``StaticCache`` that allocates twice ``max_cache_len`` slots per layer ("room to grow"): right logits,
     twice the memory, and a mask over slots nobody asked for."""
 
-    kvconform_capabilities = ("forward",)  # what its pinned item needs
 
     def __init__(self, config, max_cache_len=64, **kwargs):
         # BUG: the buffers are sized from a doubled length, not the max_cache_len asked for
@@ -88,6 +86,9 @@ FAULTY = [
                  "returned keys/values that are not the cache's own buffers"),
         cause=r"update\(\) returns copies \(.clone\(\), torch.cat, a sliced-and-copied tensor\) instead of the "
               r"buffers it wrote into",
+        # transformers' StaticLayer faults it keeps (calls super().update, inherits crop): known faults
+        # 'static-capacity-indexerror' (lifecycle) and 'static-crop-unclamped' (crop)
+        also_caught_by=("lifecycle", "crop"),
     ),
     FaultyCache(
         name="static_oversized", attr="OversizedStaticCache", module=__name__, family="compile",
@@ -95,6 +96,7 @@ FAULTY = [
         message=("check_static_addresses failed: OversizedStaticCache on llama",
                  "layer 0 allocated 128 slots for its keys, but the cache was built with max_cache_len=64"),
         cause=r"the cache allocates its fixed-size buffers from another length than max_cache_len",
-        also_caught_by=("memory",),
+        # crop: it inherits StaticLayer.crop, whose upstream fault (known fault 'static-crop-unclamped') shows too
+        also_caught_by=("memory", "crop"),
     ),
 ]
