@@ -67,9 +67,9 @@ def test_batch_cause_follows_the_raising_op():
 
     ctx = SimpleNamespace(case=SimpleNamespace(ops=[Op("prefill", 8), Op("decode", 2), Op("reorder"),
                                                    Op("decode", 3)]))
-    before = _raised_cause(ctx, SubjectRaised("prefill(8)", ValueError("x"), op_index=0), "reorder", "reorder_cache")
-    at = _raised_cause(ctx, SubjectRaised("reorder", AttributeError("x"), op_index=2), "reorder", "reorder_cache")
-    after = _raised_cause(ctx, SubjectRaised("decode 1", ValueError("x"), op_index=3), "reorder", "reorder_cache")
+    before = _raised_cause(ctx, SubjectRaised("prefill(8)", ValueError("x"), op_index=0), 2, "reorder_cache")
+    at = _raised_cause(ctx, SubjectRaised("reorder", AttributeError("x"), op_index=2), 2, "reorder_cache")
+    after = _raised_cause(ctx, SubjectRaised("decode 1", ValueError("x"), op_index=3), 2, "reorder_cache")
     assert before.startswith("the cache fails before reorder_cache() is called, at prefill(8)"), before
     assert at == "the cache (or one of its layers) has no working reorder_cache()", at
     assert after.startswith("after reorder_cache() the next forward fails"), after

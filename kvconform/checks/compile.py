@@ -519,17 +519,6 @@ def check_static_addresses(ctx):
     first_label, first = probe.rows[0]
     ctx.metrics.update(steps=len(probe.rows), buffers=len(first))
     _check_allocation(ctx, cache, first_label)
-    if returns.copies:
-        label, layer_idx = returns.copies[0]
-        ctx.fail([
-            f"is_compileable is True, but at {label} update(layer_idx={layer_idx}) returned keys/values that are "
-            f"not the cache's own buffers (their storage is none of the tensors the cache holds): "
-            f"{len(returns.copies)} such call(s)",
-            f"ops: {ctx.case.ops_label()}   [first at {label}]",
-            "likely cause: update() returns copies (.clone(), torch.cat, a sliced-and-copied tensor) instead of "
-            "the buffers it wrote into: a CUDA graph captured on those copies replays stale keys, and "
-            "torch.compile's in-place contract for static caches is broken",
-        ], {"returned_copies": len(returns.copies), "failed_at": label})
     for label, addresses in probe.rows[1:]:
         moved = sorted(k for k in first if k in addresses and addresses[k] != first[k])
         appeared = sorted(set(addresses) - set(first))
@@ -543,3 +532,16 @@ def check_static_addresses(ctx):
                 "tensor per step) instead of into the buffers it allocated (x.index_copy_(...), x[..., i] = ...); "
                 "CUDA graphs and torch.compile captured the first addresses",
             ], {"moved": moved, "appeared": appeared, "failed_at": label})
+    # buffers that stay put but are not what update() hands attention (checked after the addresses: a buffer that
+    # moves makes what update() returned stale too, and the move is the cause)
+    if returns.copies:
+        label, layer_idx = returns.copies[0]
+        ctx.fail([
+            f"is_compileable is True, but at {label} update(layer_idx={layer_idx}) returned keys/values that are "
+            f"not the cache's own buffers (their storage is none of the tensors the cache holds): "
+            f"{len(returns.copies)} such call(s)",
+            f"ops: {ctx.case.ops_label()}   [first at {label}]",
+            "likely cause: update() returns copies (.clone(), torch.cat, a sliced-and-copied tensor) instead of "
+            "the buffers it wrote into: a CUDA graph captured on those copies replays stale keys, and "
+            "torch.compile's in-place contract for static caches is broken",
+        ], {"returned_copies": len(returns.copies), "failed_at": label})
