@@ -16,7 +16,8 @@ class CheckResult:
         id: the item id (``subject-model-check-case``), as in pytest.
         subject, model, check, family, case: the item's coordinates.
         outcome: ``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed`` or ``error``.
-        message: the failure message (ARCHITECTURE.md, "Failure messages"), the skip / xfail reason, or the exception for ``error``.
+        message: the failure message (ARCHITECTURE.md, "Failure messages"), the skip / xfail reason, or the exception
+            for ``error``.
         metrics: JSON-serialisable numbers (``max_abs``, ``tolerance``, ``noise_floor``, ...).
     """
 

@@ -239,7 +239,8 @@ def _validate_held(path, case, known_checks):
                     f"({', '.join(declaring)} take it)" if declaring else "")
             if case.check not in declaring and declaring:
                 edge = f"; cropping past the start is the edge case of {', '.join(declaring)}, not of {case.check}"
-            _fail(path, case.id, "ops", f"op {i + 1} 'crop {op.n}' removes {op.n} token{'s' * (op.n != 1)} from a cache holding {held} "
+            _fail(path, case.id, "ops", f"op {i + 1} 'crop {op.n}' removes {op.n} token{'s' * (op.n != 1)} "
+                  f"from a cache holding {held} "
                   f"(ops {_ops_text(case.ops)}): {fix}{edge}")
 
 

@@ -116,7 +116,8 @@ class KnownFault:
 
     def within(self, metrics: dict) -> bool:
         """Whether a failure's ``metrics`` (``ConformanceError.metrics``) lie inside the envelope (a list-valued
-        metric: each element must match a string bound): the failure reports at least one of the envelope's metrics (a failure of another kind — an exception where the fault
+        metric: each element must match a string bound): the failure reports at least one of the envelope's metrics
+        (a failure of another kind — an exception where the fault
         gives a Δ, a Δ where it raises — shares none) and every one it reports is within its bound. True without
         an envelope."""
         if not self.envelope:
@@ -148,7 +149,8 @@ class KnownFault:
         for name, bound in self.envelope:
             value = metric(metrics, name)
             shown = "not reported" if value is None else (f"{value:.3g}" if isinstance(value, float) else repr(value))
-            parts.append(f"{name} {shown} (envelope: {'~ ' + repr(bound) if isinstance(bound, str) else '≤ ' + format(bound, 'g')})")
+            parts.append(f"{name} {shown} "
+                         f"(envelope: {'~ ' + repr(bound) if isinstance(bound, str) else '≤ ' + format(bound, 'g')})")
         return "; ".join(parts)
 
     def inherited_by(self, cache) -> str | None:
@@ -159,7 +161,8 @@ class KnownFault:
         from transformers import cache_utils
 
         objects = [cache]
-        for part in (cache, getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)):
+        for part in (cache, getattr(cache, "self_attention_cache", None),
+                     getattr(cache, "cross_attention_cache", None)):
             objects += list(getattr(part, "layers", None) or ()) if part is not None else []
         for name in self.inherits:
             cls_name, _, method = name.partition(".")
@@ -283,7 +286,8 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
                 isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)
                 for v in envelope.values()):
             _fail(path, fault_id, "envelope", f"expected a table of metric = number (upper bound) or string (regular "
-                                              f"expression), e.g. {{ max_abs = 5.0, raised = 'IndexError' }}; got {envelope!r}")
+                                              f"expression), e.g. {{ max_abs = 5.0, raised = 'IndexError' }}; "
+                                              f"got {envelope!r}")
         for name, bound in envelope.items():
             if isinstance(bound, str):
                 try:
@@ -296,7 +300,8 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
                 _fail(path, fault_id, "inherits", f"{name!r}: expected 'Class.method' (a class of "
                                                   f"transformers.cache_utils), e.g. 'QuantizedLayer.crop'")
         if inherits and not envelope and evidence is None:
-            _fail(path, fault_id, "inherits", "needs an 'envelope' (or 'evidence'): an inherited fault is recognised by "
+            _fail(path, fault_id, "inherits", "needs an 'envelope' (or 'evidence'): an inherited fault is "
+                                              "recognised by "
                                               "what it does, never by the method alone")
         _check_names(path, fault_id, "check", patterns.get("check", ()), checks, "registered check")
         _check_names(path, fault_id, "family", patterns.get("family", ()), families, "check family")

@@ -133,7 +133,8 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     _check_complete(shards, len(reports))
     environment = {k: v for k, v in first.get("environment", {}).items() if k != "shard"}
     environment.update(subjects=subjects, models=models,
-                       merged_from=[{"path": p, "shard": (d.get("environment") or {}).get("shard")} for p, d in reports])
+                       merged_from=[{"path": p, "shard": (d.get("environment") or {}).get("shard")}
+                                    for p, d in reports])
     return {"schema": 1, "environment": environment,
             "results": sorted(results.values(), key=lambda r: r["nodeid"])}
 

@@ -1,4 +1,5 @@
-"""The oracle: uncached float64 logits, the noise floor, and the tolerance rule (ARCHITECTURE.md, "Oracle and tolerance").
+"""The oracle: uncached float64 logits, the noise floor, and the tolerance rule (ARCHITECTURE.md, "Oracle and
+tolerance").
 
 * oracle logits: ``use_cache=False`` forward of the same weights on the same full token sequence, in float64 on
   CPU. By causality the logits at position ``t`` depend only on tokens ``≤ t``, so one oracle forward of a

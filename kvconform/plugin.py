@@ -22,7 +22,8 @@ SUITE_FILE = SUITE_DIR / "test_conformance.py"
 PROPERTY = "kvconform"
 
 OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
-OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = "kvconform_json", "kvconform_strict", "kvconform_cases", "kvconform_device"
+OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = ("kvconform_json", "kvconform_strict", "kvconform_cases",
+                                              "kvconform_device")
 OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
 OPT_FAULTS, OPT_SUBJECT, OPT_SEED = "kvconform_known_faults", "kvconform_subject", "kvconform_fuzz_seed"
 OPT_TRUST, OPT_SHARD = "kvconform_trust_remote_code", "kvconform_shard"
@@ -124,7 +125,8 @@ def is_active(config) -> bool:
     return bool(_opt(config, OPT_ACTIVE))
 
 
-_FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OPT_MODEL: "--kvconform-model", OPT_CASES: "--kvconform-cases",
+_FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OPT_MODEL: "--kvconform-model",
+          OPT_CASES: "--kvconform-cases",
           OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
           OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device",
           OPT_SEED: "--kvconform-fuzz-seed", OPT_TRUST: "--kvconform-trust-remote-code",

@@ -410,7 +410,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
     session.architectures = surveyed
     for info in infos:
-        if zoo.is_checkpoint_spec(info.spec):  # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
+        # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
+        if zoo.is_checkpoint_spec(info.spec):
             _refuse_unusable_checkpoint(session, info)
             if info.trust_remote_code:
                 _add_repository_subjects(session, info, set(registry), {c.id for c in cases})

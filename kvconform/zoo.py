@@ -6,7 +6,8 @@ field and still pass: bart's decoder is deeper than its encoder (3 vs 2 layers) 
 decoder (3 vs 2), t5's key/value size (``d_kv`` 8) and gemma3's ``head_dim`` (32) differ from hidden / heads (16),
 and the GQA families have fewer key/value heads than query heads. All of them are initialised with
 ``torch.manual_seed(seed)`` and ``initializer_range=0.1``: with the transformers default of 0.02 the top-1 margins
-of a tiny model are ~1e-3, so token-level comparisons flip on float noise (measured on the zoo). Families with a sliding window use a window of 8 tokens, and
+of a tiny model are ~1e-3, so token-level comparisons flip on float noise (measured on the zoo). Families with a
+sliding window use a window of 8 tokens, and
 the cases feed prompts longer than that, so the window is really exercised.
 
 Nothing is downloaded: configs come from ``AutoConfig.for_model`` and weights from the seeded initialiser.

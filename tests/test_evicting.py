@@ -16,7 +16,8 @@ def _records(pytester, name="r.json"):
 
 def test_sink_window_cache_conforms_on_three_models(run_kvconform, pytester):
     result = run_kvconform("--kvconform-cache", SINK, "--kvconform-subject", "SinkWindowCache",
-                           "--kvconform-model", "llama", "--kvconform-model", "gemma3", "--kvconform-model", "falcon_h1",
+                           "--kvconform-model", "llama", "--kvconform-model", "gemma3",
+                           "--kvconform-model", "falcon_h1",
                            "-m", "kvconform and not kvconform_speed", "--kvconform-json", "r.json")
     assert result.ret == 0, result.stdout.str()[-3000:]
     records = _records(pytester)
@@ -31,7 +32,8 @@ def test_sink_window_cache_conforms_on_three_models(run_kvconform, pytester):
 
 
 FAULTY = {  # attr: (check, cause line)
-    "HeldLengthSinkCache": ("check_evicting_bounds", "get_seq_length() reports the tokens held (64), not the tokens seen"),
+    "HeldLengthSinkCache": ("check_evicting_bounds",
+                            "get_seq_length() reports the tokens held (64), not the tokens seen"),
     "NeverEvictsSinkCache": ("check_evicting_bounds", "but tokens_max is 64"),
     "EvictsOwnChunkCache": ("check_evicting_bounds", "the cache evicts inside the forward that brings the tokens"),
     "CropsEvictedSinkCache": ("check_evicting_crop", "accepts a crop back past tokens it has already evicted"),

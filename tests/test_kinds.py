@@ -87,6 +87,7 @@ def test_no_module_outside_the_subjects_package_reads_a_subjects_kind_or_twin():
                 found.append(f"{rel}:{node.lineno} getattr(..., {node.args[1].value!r})")
             elif isinstance(node, ast.Attribute) and node.attr in ("kind", "twin"):
                 owner = node.value
-                if (owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)) in ("subject", "spec"):
+                if (owner.attr if isinstance(owner, ast.Attribute)
+                        else getattr(owner, "id", None)) in ("subject", "spec"):
                     found.append(f"{rel}:{node.lineno} .{node.attr}")
     assert not found, found

@@ -170,7 +170,8 @@ def test_families_comparing_with_the_exact_model_skip_a_lossy_subject_with_their
 
 
 @pytest.mark.parametrize("attr, check, case, cause", [
-    ("Int8ReorderResidualOnly", "check_reorder_then_decode", "reorder_padded", "reorder_cache() did not move every part"),
+    ("Int8ReorderResidualOnly", "check_reorder_then_decode", "reorder_padded",
+     "reorder_cache() did not move every part"),
     ("Int8ReorderQuantizedOnly", "check_reorder_after_flush", "flush_then_reorder",
      "reorder_cache() did not move every part"),
     ("Int8CropIgnoresResidual", "check_crop_then_continue", "crop_short", "crop() did not cut every part"),

@@ -62,7 +62,8 @@ def test_page_size_is_declared_by_attribute_or_field_and_validated(tmp_path):
             as_cache_spec(factory)
     (tmp_path / "bad_pages.py").write_text("from kvconform.testing.paged import PagedCache\n\n"
                                            "class BadPages(PagedCache):\n    kvconform_page_size = 0\n")
-    with pytest.raises(SpecError, match=r"bad_pages.py:BadPages.*kvconform_page_size must be a positive int \(tokens per page\), got 0"):
+    with pytest.raises(SpecError, match=r"bad_pages.py:BadPages.*kvconform_page_size must be a positive int "
+                                        r"\(tokens per page\), got 0"):
         resolve_cache_spec(f"{tmp_path / 'bad_pages.py'}:BadPages")
     validate_spec(CacheSpec("Paged", PagedCache, page_size=8), "test")
     with pytest.raises(SpecError, match="Paged: page_size must be a positive int"):

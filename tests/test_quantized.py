@@ -179,7 +179,8 @@ def test_two_bit_subject_within_budget_in_the_full_tier():
 def test_faulty_quantized_caches_are_caught():
     """Each faulty cache of kvconform.testing.faulty_quant fails its target check with the pinned message; the
     2-bit-keys cache is also over its quanto 4-bit quality budget on the long case (KL 1.1e-2, ten times its twin's),
-    while the one-late flush stays within it (only the twin sees it). Run in-process through ``kvconform.check_cache`` (the plugin runs the same items)."""
+    while the one-late flush stays within it (only the twin sees it). Run in-process through
+    ``kvconform.check_cache`` (the plugin runs the same items)."""
     from kvconform import check_cache
 
     faulty = faulty_quant.FAULTY

@@ -58,7 +58,8 @@ def test_readme_matrix_block_has_the_current_families_subjects_models_and_cell_g
 
 
 @pytest.mark.xfail(strict=True, reason="README's counts sentence is not yet regenerated from a real default run (no "
-                                       "quiet machine in this session): run `ci/readme_examples.py report.json --wall S "
+                                       "quiet machine in this session): run "
+                                       "`ci/readme_examples.py report.json --wall S "
                                        "--write` on one, then remove this mark (strict: it fails once it passes)")
 def test_readme_counts_sentence_is_the_generators_and_adds_up():
     text = readme_examples().blocks((ROOT / "README.md").read_text())["counts"]

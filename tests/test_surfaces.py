@@ -77,8 +77,8 @@ def test_conftest_hook_adds_subjects(run_kvconform, pytester):
         from kvconform import CacheSpec, ReferenceCache
 
         def pytest_kvconform_caches(config):
-            return [CacheSpec("MyReference", ReferenceCache, expected_failures={}), "kvconform.reference:ReferenceCache"]
-    """)
+            return [CacheSpec("MyReference", ReferenceCache, expected_failures={}), """
+                          '"kvconform.reference:ReferenceCache"]\n    ')
     result = run_kvconform("--kvconform-model", "gpt2", "-k", "decode_explicit", "--collect-only", "-q")
     assert result.ret == pytest.ExitCode.USAGE_ERROR  # the string names a subject that already exists
     assert "a built-in subject is already named 'ReferenceCache'" in result.stderr.str()
@@ -89,7 +89,8 @@ def test_conftest_hook_adds_subjects(run_kvconform, pytester):
             return [CacheSpec("MyReference", ReferenceCache,
                               expected_failures={"check_generate_greedy": "not ready yet"})]
     """)
-    result = run_kvconform("--kvconform-model", "gpt2", "-k", "MyReference and (prefill_then_decode or generate_greedy)",
+    result = run_kvconform("--kvconform-model", "gpt2", "-k",
+                           "MyReference and (prefill_then_decode or generate_greedy)",
                            "-rxX")
     result.assert_outcomes(passed=3, xpassed=1)  # prefill_then_decode: explicit, implicit positions, recording
     assert "not ready yet" in result.stdout.str()
@@ -135,7 +136,8 @@ def test_local_checkpoint_folder(run_kvconform, pytester):
     from kvconform.zoo import build_zoo_model
 
     build_zoo_model("qwen2").model.save_pretrained(pytester.path / "my-qwen")
-    result = run_kvconform("--kvconform-model", "my-qwen", "-k", "prefill_then_decode or generate_greedy", "--kvconform-json", "r.json")
+    result = run_kvconform("--kvconform-model", "my-qwen", "-k", "prefill_then_decode or generate_greedy",
+                           "--kvconform-json", "r.json")
     assert result.ret == 0, result.stdout.str()
     records = json.loads((pytester.path / "r.json").read_text())["results"]
     assert {r["model"] for r in records} == {"my_qwen"} and any(r["outcome"] == "passed" for r in records)

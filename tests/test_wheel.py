@@ -3,7 +3,8 @@ folder and finds its case files (package data mapped from the repository's top-l
 
 The fresh environment reaches this environment's packages (torch, transformers, pytest...) through a ``.pth``
 file — ``--system-site-packages`` does not chain through virtual environments — so nothing is downloaded; the
-wheel is installed with ``--no-index --no-deps`` and every dependency it declares must then be importable in range. ``.ci/run`` repeats the check in a truly fresh environment holding only the README's dependencies.
+wheel is installed with ``--no-index --no-deps`` and every dependency it declares must then be importable in range.
+``.ci/run`` repeats the check in a truly fresh environment holding only the README's dependencies.
 
 Marked ``wheel`` (under 2 minutes on 2 cores; deselect with ``-m "not wheel"``); it fails, never skips, when the
 wheel cannot be built or installed.

@@ -24,7 +24,8 @@ from kvconform.ops import FORWARD_OPS, OPS_WITH_COUNT
 
 
 class ConformanceError(AssertionError, KVConformError):
-    """A subject does not conform. ``str(err)`` is the failure message (format: ARCHITECTURE.md, "Failure messages"); ``metrics`` is JSON-serialisable
+    """A subject does not conform. ``str(err)`` is the failure message (format: ARCHITECTURE.md, "Failure
+    messages"); ``metrics`` is JSON-serialisable
     (``max_abs`` logits units, ``tolerance``, ``noise_floor``, ...)."""
 
     def __init__(self, message: str, metrics: dict | None = None):

@@ -82,7 +82,8 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
     own = verdict.own_error.get(step.index)
     ctx.fail([
         f"max|Δlogit| = {observed}{versus}, but should be ≤ {cmp.tol:.1e} ({tol_text})",
-        "" if own is None else f"the fresh instance's own distance to the oracle there (its compression error, for scale): "
+        "" if own is None else f"the fresh instance's own distance to the oracle there "
+                               f"(its compression error, for scale): "
                                f"{own:.1e}",
         f"worst at batch={b} step={step.index} position={position}",
         f"ops: {ops_text or ctx.case.ops_label()}   [failed at {step.label}]"
@@ -94,7 +95,8 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
                             if getattr(step, "unmasked", None)
                             else f"{step.kv_mismatch} — {verdict.cause or cause_fn(step, cmp)}"
                             if getattr(step, "kv_mismatch", None) else verdict.cause or cause_fn(step, cmp)),
-    ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol, "noise_floor": cmp.floor, "failed_at": step.label,
+    ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol,
+        "noise_floor": cmp.floor, "failed_at": step.label,
         "position": position, "model_at_fault": model_at_fault,
         **({"compared_with": verdict.target, "distance_to_oracle": own} if verdict.target else {})})
 

@@ -56,7 +56,8 @@ def prefill_refusal(ctx, exc: "SubjectRaised") -> str | None:
     if not str(exc.where).startswith("prefill") or isinstance(exc.cause, _RAW):
         return None
     text = str(exc.cause).lower()
-    what = f"{type(exc.cause).__name__}: {str(exc.cause).strip().splitlines()[0][:160] if str(exc.cause).strip() else ''}"
+    what = (f"{type(exc.cause).__name__}: "
+            f"{str(exc.cause).strip().splitlines()[0][:160] if str(exc.cause).strip() else ''}")
     pads = (getattr(ctx.case, "params", None) or {}).get("padding") or ()
     if any(pads) and any(w in text for w in PAD_REFUSAL_WORDS):
         return (f"{ctx.subject.name} refuses a left-padded prefill with a clear error ({what}): padded rows are not "
@@ -146,7 +147,8 @@ def forward_kwargs(m, cache, new_tokens, start: int, encoder_ids=None, positions
     import torch
 
     device = next(m.parameters()).device
-    kwargs: dict[str, Any] = {"use_cache": False} if cache is None else {compat.cache_kwarg(m): cache, "use_cache": True}
+    kwargs: dict[str, Any] = ({"use_cache": False} if cache is None
+                              else {compat.cache_kwarg(m): cache, "use_cache": True})
     if encoder_ids is not None:
         kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=new_tokens.to(device))
     else:

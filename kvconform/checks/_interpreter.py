@@ -521,7 +521,8 @@ class Runner:
                 step = self.feed(1, f"{label}: decode")
                 if partner is not None:
                     plabel, partner.cache, pstate = partner.parked[k]
-                    partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks, partner.same_shapes = pstate
+                    (partner.seq, partner.mask, partner.encoder_ids, partner.batch, partner.chunks,
+                     partner.same_shapes) = pstate
                     partner.feed(1, f"{plabel}: decode", tokens=step.seq[:, -1:])
             self.cache, (self.seq, self.mask, self.encoder_ids, self.batch, self.chunks,
                          self.same_shapes) = current[0], current[1]

@@ -1,7 +1,8 @@
 """Twin targets: the judge's target for a lossy subject, its fake-quant twin run on the same ops.
 
 The bottom of the checks package's private modules: it imports nothing from ``kvconform.checks``. The op runner
-that replays a case on the twin is passed in (``driver``) by the caller — ``_judge.judge`` passes ``_interpreter.run_ops`` —
+that replays a case on the twin is passed in (``driver``) by the caller — ``_judge.judge`` passes
+``_interpreter.run_ops`` —
 so that this module stays below the engine (see ARCHITECTURE.md and the import contract in pyproject.toml).
 """
 

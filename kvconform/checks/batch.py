@@ -219,7 +219,8 @@ def check_reorder_after_flush(ctx):
     try:
         steps = drive(ctx, ctx.new_cache())
     except SubjectRaised as exc:
-        fail_subject_raised(ctx, exc, "reorder_cache() does not handle this state (e.g. an emptied residual after a flush)"
+        fail_subject_raised(ctx, exc, "reorder_cache() does not handle this state "
+                "(e.g. an emptied residual after a flush)"
                 + _reorder_history())
     if ctx.kind.target == FRESH:
         verdict = judge(ctx, steps)

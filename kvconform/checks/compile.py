@@ -27,7 +27,8 @@ graphs (``mode="reduce-overhead"``) then record a new graph for every new value,
 transformers' own sliding-window ``StaticCache`` on 5.24 (``StaticSlidingWindowLayer.cumulative_length_int``):
 kvconform reports it as a fault, listed in ``known_faults.toml`` (xfail unless ``--kvconform-strict``).
 
-Applicability (decided at collection, ``@register(..., applies=...)``): the subject's cache is built for the model (cheap,
+Applicability (decided at collection, ``@register(..., applies=...)``): the subject's cache is built for the model
+(cheap,
 no tensors) and its ``is_compileable`` read; ``params.device = "cuda"`` cases skip off CUDA. Compile state is
 process-global: every item starts and ends with ``torch.compiler.reset()``.
 
@@ -352,7 +353,8 @@ def check_compile_static_decode(ctx):
                        graph_breaks=int(run.graph_break is not None), guard=run.recompiles[0].guard
                        if run.recompiles else None, mode=ctx.case.params.get("mode"))
     mode = ctx.case.params.get("mode")
-    compile_line = f"torch.compile(model.forward, fullgraph=True, dynamic=False{', mode=' + repr(mode) if mode else ''})"
+    compile_line = (f"torch.compile(model.forward, fullgraph=True, dynamic=False"
+                    f"{', mode=' + repr(mode) if mode else ''})")
     if run.graph_break or run.error:
         ctx.fail([
             (f"graph break under torch.compile(fullgraph=True): {run.graph_break}" if run.graph_break else

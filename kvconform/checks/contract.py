@@ -916,7 +916,8 @@ def _not_a_subset(held, fed) -> tuple | None:
 
 
 @register("contract", needs=("forward",), judges=ALL_KINDS, applies=press_only, params={
-    "prompts": Param(list, default=[1, 2, 3, 12], items=int, min=1, doc="prompt lengths prefilled (short ones included)"),
+    "prompts": Param(list, default=[1, 2, 3, 12], items=int, min=1,
+                     doc="prompt lengths prefilled (short ones included)"),
     "decode": Param(int, default=3, min=1, doc="decode steps after each prefill"),
     "chunk": Param(int, default=4, min=1, doc="tokens of the chunk fed after the decode steps"),
 }, ops=IGNORES_OPS)

@@ -151,7 +151,8 @@ def _capacity_case(case):
 
 
 @register("lifecycle", needs=("forward",),
-          params={**OP_PARAMS, "max_cache_len": Param(int, default=12, min=1, doc="capacity the subject is built with")},
+          params={**OP_PARAMS,
+                  "max_cache_len": Param(int, default=12, min=1, doc="capacity the subject is built with")},
           ops=OpRule(first="prefill"), validate=_capacity_case)
 def check_capacity(ctx):
     """Past the ``max_cache_len`` it was built with, a cache either keeps working exactly or raises a clear error

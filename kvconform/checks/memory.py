@@ -557,7 +557,8 @@ def _policy_cause(policy: Allocation, label: str, checkpoints) -> str | None:
         cap = [e for _, _, e in over if "preallocated" in e.formula]
         if cap:
             cp, held, e = over[0]
-            return (f"the preallocated buffer is larger than the layer's capacity ({e.formula.split('max_cache_len=')[1].split(' ')[0]} "
+            return (f"the preallocated buffer is larger than the layer's capacity "
+                    f"({e.formula.split('max_cache_len=')[1].split(' ')[0]} "
                     f"tokens, get_max_length()): it holds {held / max(e.exact, 1):.1f}× what a ring of its window "
                     f"needs (slots allocated beyond what the layer ever reads)")
         return None

@@ -388,7 +388,8 @@ def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
         return ("the cache keeps every token at full precision besides its compressed data" + where + ": a "
                 "dequantized view kept as an attribute after update() returned it")
     if wide and not full:
-        shown = "; ".join(f"{path} {str(dt).removeprefix('torch.')} holding {what} ({need} bit{'s' if need > 1 else ''} "
+        shown = "; ".join(f"{path} {str(dt).removeprefix('torch.')} holding {what} "
+                          f"({need} bit{'s' if need > 1 else ''} "
                           f"needed, {have} stored)" for path, dt, what, need, have in wide[:3])
         return (f"the compressed codes are stored in wide dtypes — {shown}{'; ...' if len(wide) > 3 else ''}: the "
                 f"quantization is real but its indices and sign bits are not packed, so they cost more than the "

@@ -237,7 +237,8 @@ def check_speed_vs_uncached(ctx):
     timings, timer, speedup, _ = first
     cached, uncached = timings[subject], timings["uncached"]
     ctx.metrics.update(speedup=round(speedup, 2), min_speedup=floor, context=context, quantized=quantized,
-                       ms_per_token=round(cached.median * 1e3, 3), uncached_ms_per_token=round(uncached.median * 1e3, 3))
+                       ms_per_token=round(cached.median * 1e3, 3),
+                       uncached_ms_per_token=round(uncached.median * 1e3, 3))
     if second is not None and second[3]:
         timings2, timer2, speedup2, _ = second
         ctx.fail([

@@ -72,6 +72,7 @@ __all__ = [
     "ALLOCATIONS", "BUDGET_KEYS", "CAPABILITIES", "KINDS", "Budget", "CacheSpec", "SpecError",
     "OFFLOAD_REASON", "QUANTIZED_BUDGETS", "builtin_subjects", "full_attention_only", "offloaded_subjects",
     "quantized_subjects", "static_crop_note",
-    "NAME_PATTERN", "declared_allocation", "declared_capabilities", "declared_kind", "declared_page_size", "validate_kind", "validate_spec",
+    "NAME_PATTERN", "declared_allocation", "declared_capabilities", "declared_kind", "declared_page_size",
+    "validate_kind", "validate_spec",
     "as_cache_spec", "check_factory_builds_cache", "resolve_cache_spec",
 ]

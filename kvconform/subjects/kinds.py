@@ -192,7 +192,8 @@ class SelfConsistent(Kind):
         name = self.subject.name
         if check.family == "generate":
             return (f"{name} is lossy: its greedy generate() is not compared token for token with the exact "
-                    f"model (a near-tie would flip a greedy token); its cache operations are judged by self-consistency "
+                    f"model (a near-tie would flip a greedy token); its cache operations are judged by "
+                    f"self-consistency "
                     f"(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family "
                     f"(check_quality_budget against the float64 oracle)")
         if check.family in LOSSY_NOT_EXACT:

@@ -111,7 +111,8 @@ FAULTY = [
         message=("check_evicting_bounds failed: HeldLengthSinkCache on llama",
                  "get_seq_length() = 64 after prefill(69), but should be 69 (tokens seen)",
                  "likely cause: get_seq_length() reports the tokens held (64), not the tokens seen"),
-        also_caught_by=("quality",), case="evicting_bounds", cause=r"reports the tokens held \(64\), not the tokens seen",
+        also_caught_by=("quality",), case="evicting_bounds",
+        cause=r"reports the tokens held \(64\), not the tokens seen",
     ),
     FaultyCache(
         name="evicting_never", attr="NeverEvictsSinkCache", module=__name__, family="contract",

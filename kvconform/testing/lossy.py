@@ -293,7 +293,10 @@ class Int8ResidualCache(ReferenceCache):
 
         self.residual, self.rollback = residual, rollback
         cls = type(self).layer_class
-        make = (lambda **kw: cls(residual=residual, rollback=rollback, **kw))
+
+        def make(**kw):
+            return cls(residual=residual, rollback=rollback, **kw)
+
         if config is None:
             Cache.__init__(self, layer_class_to_replicate=make)
             return
