@@ -8,7 +8,6 @@ import importlib.util
 import re
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CELL = re.compile(r"^(\d+/\d+( x\d+)?( F\d+)?|skip \d+|n/a|\.\.\.)$")
@@ -57,10 +56,6 @@ def test_readme_matrix_block_has_the_current_families_subjects_models_and_cell_g
         assert all(CELL.match(c) for c in row[1:]), row
 
 
-@pytest.mark.xfail(strict=True, reason="README's counts sentence is not yet regenerated from a real default run (no "
-                                       "quiet machine in this session): run "
-                                       "`ci/readme_examples.py report.json --wall S "
-                                       "--write` on one, then remove this mark (strict: it fails once it passes)")
 def test_readme_counts_sentence_is_the_generators_and_adds_up():
     text = readme_examples().blocks((ROOT / "README.md").read_text())["counts"]
     m = re.fullmatch(r"about (\d+) s wall on 2 CPU cores for ([\d,]+) items: ([\d,]+) pass, ([\d,]+) known upstream "
