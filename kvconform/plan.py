@@ -232,10 +232,10 @@ def most_tokens_held(case, check) -> int:
     and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
     if check.family == "fuzz":
         return 10 + 5 * int(case.params["max_ops"]) + 1
-    most = max(tokens_held(case.ops), default=0)
-    held = tokens_held(case.ops)[-1] if case.ops else 0
     if not case.ops:
         return case.prompt + case.max_new_tokens
+    counts = tokens_held(case.ops)
+    most, held = max(counts), counts[-1]
     if check.name in ("check_prefix_generate", "check_multi_turn"):
         extra = case.params.get("suffix") or case.params["user"]
         most = max(most, held + int(extra) + case.max_new_tokens)
