@@ -657,6 +657,58 @@ def _distribute_by_default(config) -> None:
     config._kvconform_distributed = True
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist: under the default distribution (``_distribute_by_default``) the items of one model go to one
+    worker, a model at a time (``ModelScheduling``), so that each model and its oracle are built in one process
+    instead of in every worker. A distribution the user chose (``-n``, ``--dist``) is left to pytest-xdist."""
+    if not getattr(config, "_kvconform_distributed", False):
+        return None
+    return _model_scheduling(config, log)
+
+
+def _model_scheduling(config, log):
+    """A ``ModelScheduling`` (defined here: pytest-xdist is imported only when it distributes)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModelScheduling(LoadScopeScheduling):
+        """pytest-xdist's load-scope scheduling with one scope per model (``subject-model-check-case`` node ids;
+        a node id of another test is a scope of its own). Scopes go to workers largest first as they free up
+        (xdist's ``--loadscope-reorder``). A crashed worker's item is not run again by another worker: it is
+        reported once, by ``pytest_handlecrashitem``."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            session = config.stash[SESSION_KEY]
+            self._subjects = sorted((s.name for s in session.subjects), key=len, reverse=True)
+            self._models = sorted((m.name for m in session.models), key=len, reverse=True)
+
+        def _split_scope(self, nodeid: str) -> str:
+            param = nodeid.partition("[")[2].removesuffix("]")
+            for subject in self._subjects:
+                if param.startswith(subject + "-"):
+                    rest = param[len(subject) + 1:]
+                    model = next((m for m in self._models if rest.startswith(m + "-")), None)
+                    if model is not None:
+                        return "model " + model
+            return nodeid
+
+        def remove_node(self, node):
+            workload = self.assigned_work.pop(node)
+            pending = [(scope, nodeid) for scope, unit in workload.items()
+                       for nodeid, done in unit.items() if not done]
+            if not pending:
+                return None
+            scope, crashitem = pending[0]
+            workload[scope][crashitem] = True  # reported as crashed; the rest of its scope runs elsewhere
+            self.workqueue.update({s: unit for s, unit in workload.items() if not all(unit.values())})
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashitem
+
+    return ModelScheduling(config, log)
+
+
 def _crash_setup(config) -> None:
     """Controller: a folder for the workers' breadcrumbs and the crashed subjects. Worker: its breadcrumb file."""
     worker = getattr(config, "workerinput", None)
