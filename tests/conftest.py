@@ -48,6 +48,11 @@ def run_kvconform(pytester):
 def pytest_configure(config):
     # Subprocess runs inherit this interpreter; make sure they find the same kvconform.
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    # `pytest tests -n auto`: tests that share one kvconform run (an ``xdist_group``, e.g. the faulty caches of
+    # tests/test_faulty_caches.py) go to one worker, which runs it once; every other test is distributed as by
+    # ``--dist load``. A distribution chosen on the command line (``--dist ...``) is kept.
+    if getattr(config.option, "dist", "no") == "load" and "--dist" not in " ".join(config.invocation_params.args):
+        config.option.dist = "loadgroup"
 
 
 

@@ -1,29 +1,19 @@
-"""Every "likely cause:" line of kvconform's bundled faulty caches is pinned, and the diagnosis reads where the
-exception was raised and what was measured, not which family ran.
+"""The diagnosis reads where the exception was raised and what was measured, not which family ran.
 
-* For EVERY faulty cache of ``kvconform/testing`` (the registry ``faulty_caches()``, new ones included) its single
-  catching item (``FaultyCache.check`` / ``case`` on ``model``) runs through ``kvconform.check_cache`` and the
-  ``likely cause:`` line of its failure must match ``FaultyCache.cause``: a cause line that points the wrong way
-  fails here. (``tests/test_faulty_caches.py`` runs each over every family through the plugin; this module is the
-  fast, targeted run: one item per faulty cache.)
-* The diagnosis kinds on their own: a raise before a batch op is not blamed on the op; a layer count below the
-  decoder depth is named with both numbers, and the same cache passes where the depths agree; NaN compares equal
-  to NaN when checking that an original did not change.
+(Every bundled faulty cache's own "likely cause:" line is pinned by ``tests/test_faulty_caches.py``, from the run it
+shares with the other faulty caches of its group.) Here, the diagnosis kinds on their own: a raise before a batch op
+is not blamed on the op; a layer count below the decoder depth is named with both numbers, and the same cache passes
+where the depths agree; NaN compares equal to NaN when checking that an original did not change; correct caches of
+other designs pass the checks that catch the faulty ones.
 """
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from kvconform.api import check_cache
-from kvconform.testing import faulty_caches
-
-FAULTY = faulty_caches()
-
 
 def _cause_line(message: str) -> str:
     lines = [line.strip() for line in message.splitlines() if line.strip().startswith("likely cause:")]
@@ -33,18 +23,6 @@ def _cause_line(message: str) -> str:
 
 def _run(spec, model, check, case):
     return check_cache(spec, models=[model], checks=[check], cases=[case])
-
-
-@pytest.mark.parametrize("faulty", FAULTY, ids=lambda f: f.name)
-def test_faulty_cache_cause_line_is_pinned(faulty):
-    assert faulty.cause, f"{faulty.name}: FaultyCache.cause (the regex its likely-cause line must match) is empty"
-    assert faulty.case, f"{faulty.name}: FaultyCache.case is empty; pin the one case that catches it"
-    results = _run(faulty.spec, faulty.model, faulty.check, faulty.case)
-    assert [r.case for r in results] == [faulty.case], results
-    result = results[0]
-    assert result.outcome == "failed", (faulty.name, result.outcome, result.message)
-    line = _cause_line(result.message)
-    assert re.search(faulty.cause, line), f"{faulty.name}: {line!r} does not match {faulty.cause!r}"
 
 
 def test_raise_at_prefill_is_not_blamed_on_the_batch_op():

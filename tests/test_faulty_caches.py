@@ -1,39 +1,100 @@
 """Every faulty cache is caught: kvconform's own (``kvconform/testing``) by exactly the family it targets, with
-its message pinned; the shared ones (``../shared/faulty_caches``) by the family their README names."""
+its message and its "likely cause:" line pinned; the shared ones (``../shared/faulty_caches``) by the family their
+README names.
+
+The faulty caches share their runs: one ``pytest --kvconform`` subprocess per group of caches (each cache on its own
+model, selected with ``-k``), and each test reads its cache's records from that run's JSON report. One start-up and
+one model and oracle build per group instead of per cache: 52 runs became 5. Under ``pytest tests -n auto`` each
+group is an ``xdist_group``, so a group's run happens once, in the worker that gets the group (tests/conftest.py
+turns ``--dist load`` into ``loadgroup``).
+"""
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvconform.testing import faulty_caches
 
+FAULTY = faulty_caches()
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "faulty_caches" / "faulty_caches.py"
 # family names of shared/faulty_caches → kvconform check families
 SHARED_FAMILY = {"logits": "logits", "api-contract": "contract", "crop": "crop", "prefix-reuse": "prefix",
                  "batch-reorder": "batch", "reset": "lifecycle", "compile": "compile", "memory": "memory",
                  "speed": "speed", "mamba-state": "logits", "sliding-window": "logits"}
 SHARED_MODEL = {"llama": "llama", "mistral_sw8": "mistral", "mamba": "mamba"}
+GROUPS = 4  # groups of bundled faulty caches that are not speed faults (the speed faults are a group of their own)
+_RUNS: dict[str, dict] = {}  # group → {(subject, model): [records]}, once per process
 
 
-def _records(pytester, name):
-    return json.loads((pytester.path / name).read_text())["results"]
+def _group(faulty) -> str:
+    if faulty.family == "speed":
+        return "faulty-speed"
+    return f"faulty-{FAULTY.index(faulty) % GROUPS}"
 
 
-@pytest.mark.parametrize("faulty", faulty_caches(), ids=lambda f: f.name)
-def test_bundled_faulty_cache_caught_by_its_family(faulty, run_kvconform, pytester):
+def _run_group(group: str, tmp_path_factory, specs, models, selection: str, marks: tuple[str, ...] = ()) -> dict:
+    """``pytest --kvconform`` in a subprocess over ``specs`` (cache specs) and ``models``, the items ``selection``
+    (a ``-k`` expression) names; returns the JSON report's records by ``(subject, model)``. A plain user run: in-process
+    (``KVCONFORM_WORKERS=0``), without this worker's xdist variables, in the suite's order."""
+    if group in _RUNS:
+        return _RUNS[group]
+    folder = tmp_path_factory.mktemp(group)
+    args = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
+            "--kvconform-json", "r.json", "-k", selection, *marks]
+    for spec in specs:
+        args += ["--kvconform-cache", spec]
+    for model in sorted(set(models)):
+        args += ["--kvconform-model", model]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(KVCONFORM_WORKERS="0", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
+    report = folder / "r.json"
+    assert report.is_file(), f"{group}: no JSON report (exit {proc.returncode})\n{proc.stdout[-4000:]}{proc.stderr}"
+    records: dict = {}
+    for r in json.loads(report.read_text())["results"]:
+        records.setdefault((r["subject"], r["model"]), []).append(r)
+    _RUNS[group] = records
+    return records
+
+
+def _bundled_records(faulty, tmp_path_factory):
+    group = _group(faulty)
+    members = [f for f in FAULTY if _group(f) == group]
+    selection = " or ".join(f"({f.attr} and {f.model})" for f in members)
     # every family but speed (its benchmarks are most of a row's time, and only the speed family's faulty caches
     # target it; tests/test_perf.py runs the speed family on correct caches)
-    families = () if faulty.family == "speed" else ("-m", "not kvconform_speed")
-    result = run_kvconform("--kvconform-cache", faulty.spec, "--kvconform-model", faulty.model,
-                           "-k", faulty.attr, *families, "--kvconform-json", "r.json")
-    assert result.ret == 1, result.stdout.str()
-    records = [r for r in _records(pytester, "r.json") if r["subject"] == faulty.attr]
+    marks = () if group == "faulty-speed" else ("-m", "not kvconform_speed")
+    return _run_group(group, tmp_path_factory, sorted({f.spec for f in members}), [f.model for f in members],
+                      selection, marks)
+
+
+def _cause_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip().startswith("likely cause:")]
+    assert len(lines) == 1, message
+    return lines[0]
+
+
+@pytest.mark.parametrize("faulty", [pytest.param(f, id=f.name, marks=pytest.mark.xdist_group(_group(f)))
+                                    for f in FAULTY])
+def test_bundled_faulty_cache_caught_by_its_family(faulty, tmp_path_factory):
+    """Caught by its check and case, with its message fragments, its likely-cause line (``FaultyCache.cause``), and
+    failing no family outside ``FaultyCache.family`` / ``also_caught_by``."""
+    assert faulty.cause, f"{faulty.name}: FaultyCache.cause (the regex its likely-cause line must match) is empty"
+    assert faulty.case, f"{faulty.name}: FaultyCache.case is empty; pin the one case that catches it"
+    records = _bundled_records(faulty, tmp_path_factory).get((faulty.attr, faulty.model), [])
+    assert records, f"{faulty.name}: no items of {faulty.attr} on {faulty.model} in its group's run"
     failed = [r for r in records if r["outcome"] == "failed"]
-    target = [r for r in failed if r["check"] == faulty.check and (not faulty.case or r["case"] == faulty.case)]
+    target = [r for r in failed if r["check"] == faulty.check and r["case"] == faulty.case]
     assert target, f"{faulty.name} not caught by {faulty.check}: {[(r['check'], r['outcome']) for r in records]}"
     for fragment in faulty.message:
         assert any(fragment in r["message"] for r in target), (fragment, target[0]["message"])
+    line = _cause_line(target[0]["message"])
+    assert re.search(faulty.cause, line), f"{faulty.name}: {line!r} does not match {faulty.cause!r}"
     families = {r["family"] for r in failed}
     assert families <= {faulty.family, *faulty.also_caught_by}, f"{faulty.name} also failed {families}"
     assert not any(r["outcome"] == "error" for r in records)
@@ -47,16 +108,18 @@ def _shared_entries():
     spec = importlib.util.spec_from_file_location("shared_faulty_caches", SHARED)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [pytest.param((cls.__name__, SHARED_FAMILY[fam], SHARED_MODEL[module.FAULTY_MODEL[name]]), id=name)
+    return [pytest.param((cls.__name__, SHARED_FAMILY[fam], SHARED_MODEL[module.FAULTY_MODEL[name]]), id=name,
+                         marks=pytest.mark.xdist_group("faulty-shared"))
             for name, (cls, fam) in sorted(module.FAULTY_CACHES.items())]
 
 
 @pytest.mark.parametrize("entry", _shared_entries())
-def test_shared_faulty_cache_caught(entry, run_kvconform, pytester):
+def test_shared_faulty_cache_caught(entry, tmp_path_factory):
     attr, family, model = entry
-    result = run_kvconform("--kvconform-cache", f"{SHARED}:{attr}", "--kvconform-model", model,
-                           "-k", attr, "-m", f"kvconform_{family}", "--kvconform-json", "r.json")
-    records = [r for r in _records(pytester, "r.json") if r["subject"] == attr]
+    entries = [e.values[0] for e in _shared_entries()]
+    # -k matches marker names too: each cache runs only its family's items on its model
+    selection = " or ".join(f"({a} and {m} and kvconform_{f})" for a, f, m in entries)
+    records = _run_group("faulty-shared", tmp_path_factory, [f"{SHARED}:{a}" for a, _, _ in entries],
+                         [m for _, _, m in entries], selection).get((attr, model), [])
     caught = [r for r in records if r["outcome"] == "failed" and r["family"] == family]
     assert caught, f"{attr} not caught by family {family}: {[(r['check'], r['outcome']) for r in records]}"
-    assert result.ret == 1

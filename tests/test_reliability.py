@@ -224,10 +224,10 @@ def test_reproduce_lines_carry_the_run_options_and_reproduce(run_kvconform, pyte
 
 
 def test_consecutive_runs_give_identical_outcomes_and_fuzz_programs(run_kvconform, pytester):
-    """Three runs of the same selection: the same item → outcome map (timing-based speed items aside); the fuzz
+    """Two runs of the same selection: the same item → outcome map (timing-based speed items aside); the fuzz
     family, long profile included, draws the same programs unless --kvconform-fuzz-seed asks for others."""
     maps = []
-    for i in range(3):
+    for i in range(2):
         result = run_kvconform("--kvconform-model", "llama", "--kvconform-model", "mamba2", "--kvconform-full",
                                "-m", "not kvconform_speed and not kvconform_compile",
                                "-k", "(DynamicCache and not offloaded and not fuzz_long) or (ReferenceCache and fuzz)",
@@ -236,7 +236,7 @@ def test_consecutive_runs_give_identical_outcomes_and_fuzz_programs(run_kvconfor
         records = json.loads((pytester.path / f"r{i}.json").read_text())["results"]
         maps.append({r["nodeid"]: (r["outcome"], r["metrics"].get("program"), r["metrics"].get("programs"))
                      for r in records})
-    assert maps[0] and maps[0] == maps[1] == maps[2]
+    assert maps[0] and maps[0] == maps[1]
     assert any(k.endswith("fuzz_long]") or "fuzz_long" in k for k in maps[0])
 
 

@@ -709,8 +709,9 @@ def _deeper(zm, layers: int):
 
 def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage reachable as a live Python ``torch.Tensor`` (``gc.get_objects()``,
-    after ``gc.collect()``; objects frozen by ``gc.freeze()`` are not walked), on any device: what a process keeps, wherever it is referenced from (a class-level or
-    module-level pool, a closure, a global list) — attribute traversal of the cache cannot see those."""
+    after ``gc.collect()``; objects frozen by ``gc.freeze()`` are not walked), on any device: what a process keeps,
+    wherever it is referenced from (a class-level or module-level pool, a closure, a global list) — attribute
+    traversal of the cache cannot see those."""
     import gc
 
     import torch

@@ -27,7 +27,7 @@ class FaultyCache:
         also_caught_by: other families that legitimately fail too (a fault visible everywhere), documented.
         case: optional case id to narrow the run (``-k``), default: all cases of the check.
         cause: a regular expression the failure's ``likely cause:`` line must match (``re.search``) — the diagnosis
-            the fault must get, pinned by ``tests/test_cause_lines.py``; every faulty cache has one.
+            the fault must get, pinned by ``tests/test_faulty_caches.py``; every faulty cache has one.
     """
 
     name: str
