@@ -261,7 +261,7 @@ def sliding_window_slots(ctx, cache, seq) -> str | None:
         return None
     total = seq.shape[1]
     for i, rows in held.items():
-        ref = full.layers[i].keys
+        ref = getattr(full.layers[i], "keys", None)
         if not isinstance(ref, torch.Tensor) or ref.dim() != 4 or ref.shape[-2] != total:
             continue
         ref = ref[0].detach().to(torch.float64).transpose(0, 1).reshape(total, -1)
@@ -297,15 +297,10 @@ def sliding_window_slots(ctx, cache, seq) -> str | None:
 
 def _ranges(positions) -> str:
     """``[3, 4, 5, 9]`` → ``"3-5, 9"``."""
-    out, start, prev = [], None, None
+    runs: list[list[int]] = []
     for p in positions:
-        if start is None:
-            start = prev = p
-        elif p == prev + 1:
-            prev = p
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
         else:
-            out.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = p
-    if start is not None:
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ", ".join(out) or "none"
+            runs.append([p, p])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
