@@ -6,9 +6,9 @@
 Each run starts ``--burners`` processes spinning ``while True: pass`` (each bounded by ``timeout --burn-seconds``),
 then ``pytest --kvconform -m kvconform_speed --kvconform-model llama --kvconform-model gpt2 --kvconform-json`` in an
 empty folder, then stops the burners. A *flip* is an item whose outcome is not the same in every run; a built-in
-subject must have none and never fail. With ``--faulty`` the slow faulty caches of ``kvconform/testing/faulty_perf.py``
-(and any ``--kvconform-cache`` given after ``--``) run too; they must fail in every run. Prints one line per run and a
-summary; exit 1 on a flip or on a faulty cache that passed. Uses the interpreter it is run with.
+subject must have none and never fail. With ``--faulty`` the slow faulty caches (``SLOW_FAULTY``: faulty_perf,
+faulty_prefill; and any ``--kvconform-cache`` given after ``--``) run too; they must fail in every run. Prints one
+line per run and a summary; exit 1 on a flip or on a faulty cache that passed. Uses the interpreter it is run with.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SLOW_FAULTY = ("kvconform.testing.faulty_perf:DefragmentEveryStepCache",)
+SLOW_FAULTY = ("kvconform.testing.faulty_perf:DefragmentEveryStepCache",
+               "kvconform.testing.faulty_prefill:TokenLoopPrefillCache")
 
 
 def main(argv=None) -> int:

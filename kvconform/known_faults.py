@@ -52,12 +52,33 @@ KEYS = {
     "evidence": "regular expression a failure message must contain for the entry to excuse it (default: any)",
     "envelope": "table {metric = bound}: what the fault does on the built-in subjects (a number bounds the failure's "
                 "metric from above — max_abs in logits units, bytes_ratio = layer bytes / formula bound —, a string "
-                "is a regular expression its value must contain — raised, failed_at); a failure outside it fails",
+                "is a regular expression its value must contain — raised; failed_at, the step the failure arises "
+                "at, e.g. '^chunk\\(' or '^decode'); a failure outside it (another step included) fails",
     "inherits": "transformers methods ('Class.method', Class in transformers.cache_utils) the fault lives in: a "
                 "subject whose cache (or a layer of it) is such a class and resolves the method to transformers' "
                 "own gets the entry by that evidence, named 'inherited from transformers' Class.method'",
 }
 DERIVED = {"bytes_ratio": ("layer_bytes", "layer_bound")}
+STEP = "failed_at"
+"""The envelope metric naming the step a failure arises at: the label of the op (or forward) the check reports it
+at — ``prefill(12)``, ``chunk(4)``, ``decode 3``, ``crop(-2)``, ``reorder``... (``Runner`` labels, ``SubjectRaised.
+where``). A regular expression; a failure reporting another step lies outside the envelope."""
+
+
+def step_examples() -> tuple[str, ...]:
+    """One label per form a run reports as ``failed_at``: each feeding op as a forward (``prefill(8)``, ``chunk(8)``,
+    ``decode 1``: a per-token op's step number), each other op with a count and by its name (``crop(-2)``,
+    ``reorder``, ``reset(then batch 2)``), and ``construction``. An envelope's ``failed_at`` must match one of them
+    (else it names no step: a typo)."""
+    from kvconform.ops import OPS
+
+    out = ["construction"]
+    for name, spec in OPS.items():
+        if spec.feeds:
+            out.append(f"{name} 1" if spec.per_token else f"{name}(8)")
+        else:
+            out += [spec.label_of(2), name]
+    return tuple(dict.fromkeys(out))
 """Metrics an envelope may bound that the checks do not report themselves: name → (numerator, denominator)."""
 _MISSING = object()
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -294,6 +315,11 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
                     re.compile(bound)
                 except re.error as exc:
                     _fail(path, fault_id, "envelope", f"{name}: not a regular expression ({exc})")
+            if name == STEP and (not isinstance(bound, str)
+                                 or not any(re.search(bound, label) for label in step_examples())):
+                _fail(path, fault_id, "envelope", f"{STEP}: {bound!r} names no step a run reports; it is a regular "
+                                                  f"expression of the step's label, e.g. "
+                                                  f"{', '.join(step_examples()[1:7])}")
         inherits = _patterns(path, fault_id, "inherits", raw["inherits"]) if "inherits" in raw else ()
         for name in inherits:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$", name):

@@ -220,3 +220,87 @@ def measured_cause(exc: SubjectRaised) -> str | None:
 
 _BATCH_OPS = op_names(copies=False, rows=("permute", "resize", "new"))
 """The ops that change the batch rows (``kvconform.ops``): named as the cause of a batch-size mismatch."""
+
+
+def sliding_window_slots(ctx, cache, seq) -> str | None:
+    """What the sliding-window layers of ``cache`` hold after the run, measured: each sliding layer's ``keys``
+    (row 0) are matched, key vector by key vector, against the keys of every position of ``seq`` (``[B, T]``
+    int64, the tokens the cache was fed) computed by one forward of ``seq`` into a cache that keeps every token
+    (``DynamicCache`` of plain layers: the model still applies its sliding masks). A sliding layer must hold the
+    last tokens fed; one that holds an older position while missing a newer one — the window's oldest slot read
+    in place of its newest, a ring buffer's start slot misplaced at the wrap — is named with the positions it
+    holds and the ones it should. Returns the cause, or None when every sliding layer holds a suffix of ``seq``
+    (or the measurement does not apply: no sliding layer, an encoder-decoder model, keys that cannot be read).
+    One extra forward, run only on a failure."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvconform.checks._drive import forward_kwargs
+
+    if ctx.model.is_encoder_decoder or not ctx.model.sliding_window or cache is None:
+        return None
+    types, kwargs = compat.layer_types_and_kwargs(ctx.model.config)
+    layers = getattr(cache, "layers", None) or []
+    sliding = [i for i, t in enumerate(types) if t in ("sliding_attention", "chunked_attention") and i < len(layers)]
+    held = {}
+    for i in sliding:
+        try:
+            keys = layers[i].keys
+        except Exception:  # noqa: BLE001 - a layer whose keys cannot be read is not measured
+            continue
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] > 0:
+            held[i] = keys[0].detach().to(torch.float64).transpose(0, 1).reshape(keys.shape[-2], -1)
+    if not held:
+        return None
+    full = DynamicCache()  # no config: plain layers that keep every token
+    m = ctx.model.model
+    try:
+        with torch.no_grad():
+            m(**forward_kwargs(m, full, seq[:1], 0))
+    except Exception:  # noqa: BLE001 - no measurement without the full-history keys
+        return None
+    total = seq.shape[1]
+    for i, rows in held.items():
+        ref = getattr(full.layers[i], "keys", None)
+        if not isinstance(ref, torch.Tensor) or ref.dim() != 4 or ref.shape[-2] != total:
+            continue
+        ref = ref[0].detach().to(torch.float64).transpose(0, 1).reshape(total, -1)
+        if ref.shape[-1] != rows.shape[-1]:
+            continue
+        dist = (rows[:, None, :] - ref[None, :, :]).abs().amax(-1)  # [held, T]
+        best, where = dist.min(dim=-1)
+        scale = float(ref.abs().max()) or 1.0
+        positions = [int(p) if float(d) <= 1e-3 * scale else None for d, p in zip(best, where)]
+        n = len(positions)
+        expected = list(range(total - n, total))
+        if sorted(p for p in positions if p is not None) == expected:
+            continue  # the last n positions (in any order: attention does not depend on it)
+        window = kwargs[i].get("sliding_window") or ctx.model.sliding_window
+        found = [p for p in positions if p is not None]
+        stale = sorted(set(found) - set(expected))
+        lost = sorted(set(expected) - set(found))
+        unwritten = n - len(found)
+        shown = _ranges(sorted(found)) + (f" and {unwritten} slot(s) matching no position fed" if unwritten else "")
+        head = (f"sliding layer {i} (window {window}) holds the keys of positions {shown} after {total} tokens, but "
+                f"should hold the last {n}: {_ranges(expected)}")
+        if stale and lost and min(stale) < min(expected):
+            shift = min(expected) - min(found)
+            return (f"{head} — it keeps position{'s' if len(stale) > 1 else ''} {_ranges(stale)} (already out of the "
+                    f"window) in place of the newest, {_ranges(lost)}: the window's oldest slot is read in place of "
+                    f"its newest, as a ring buffer whose start slot (where the oldest kept token lies) is misplaced "
+                    f"by {shift} once the window wraps"
+                    + ("" if unwritten else " (every key it holds is a token fed, stored intact: the slots are read "
+                                            "from the wrong start)"))
+        return f"{head}: the sliding window keeps the wrong tokens"
+    return None
+
+
+def _ranges(positions) -> str:
+    """``[3, 4, 5, 9]`` → ``"3-5, 9"``."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"

@@ -181,21 +181,58 @@ def _judge_refusal(ctx, runner, rec, before):
         if ctx.model.is_encoder_decoder and "dynamic" in str(exc).lower():
             why = ("EncoderDecoderCache.crop() accepts only DynamicCache halves (an isinstance check) while "
                    "is_croppable asks the halves")
+        elif recurrent_layers_claiming_crop(runner.cache):
+            causes.append(_linear_claim(recurrent_layers_claiming_crop(runner.cache)))
+            why = ""
         elif ctx.model.has_sliding:
             why = "is_croppable does not account for a sliding window already full with past recording off"
         else:
             why = "is_croppable does not account for this state"
-        causes.append(f"{why}; callers such as assisted decoding trust the flag and expect crop() to round-trip")
+        if why:
+            causes.append(f"{why}; callers such as assisted decoding trust the flag and expect crop() to round-trip")
     if lines:
         ctx.fail([what, *lines, f"ops: {' → '.join(runner.trail)}", "likely cause: " + "; ".join(causes)],
                  metrics)
 
 
-def _cause(ctx, records):
+def recurrent_layers_claiming_crop(cache) -> list[str]:
+    """Labels (``cache_layers``) of the layers that hold a recurrent (SSM) state and yet say ``is_croppable`` True:
+    a recurrent state summarises every token it saw, so no ``crop()`` can rewind it and such a flag is a promise
+    the layer cannot keep. A layer holds one when its ``is_recurrent_states_initialized`` (transformers' and
+    kvconform's linear-attention layers) has a True value, or its ``recurrent_states`` holds a tensor."""
+    from kvconform.checks._drive import cache_layers
+
+    out = []
+    for label, layer in cache_layers(cache):
+        flags = getattr(layer, "is_recurrent_states_initialized", None)
+        states = getattr(layer, "recurrent_states", None)
+        held = any(flags.values()) if isinstance(flags, dict) else (
+            any(v is not None for v in states.values()) if isinstance(states, dict) else states is not None)
+        try:
+            claims = bool(getattr(layer, "is_croppable", False))
+        except Exception:  # noqa: BLE001 - a flag that cannot be read claims nothing
+            claims = False
+        if held and claims:
+            out.append(label)
+    return out
+
+
+def _linear_claim(layers: list[str]) -> str:
+    """The cause of a crop on layers that hold a recurrent state and say ``is_croppable`` True."""
+    return (f"is_croppable is True on a linear-attention layer that holds a recurrent (SSM) state ({', '.join(layers)}"
+            f"): a recurrent state cannot be rewound, so the flag promises a rollback the layer cannot do — it must be "
+            f"False there and crop() must raise (assisted decoding trusts the flag)")
+
+
+def _cause(ctx, records, cache=None):
     def cause(step, cmp):
         rec = next((r for r in records if r.refused is None), None)
         if rec is None:
             return "the cache changed after a refused crop, or a later op corrupted it"
+        claims = recurrent_layers_claiming_crop(cache) if cache is not None and rec.flag else []
+        if claims:
+            return (f"{rec.label} was accepted, but the recurrent state still holds the removed tokens: "
+                    + _linear_claim(claims))
         if rec.flag is False:
             if ctx.model.has_linear_attention:
                 return (f"{rec.label} was accepted although is_croppable is False: a linear-attention layer rolled "
@@ -232,7 +269,8 @@ def _crop_check(ctx):
     verdict = judge(ctx, runner.steps, driver=_driver)
     record_verdict(ctx, verdict, len(runner.steps))
     if not verdict.passed:
-        fail_verdict(ctx, verdict, _cause(ctx, records), ops_text=" → ".join(runner.trail), driver=_driver)
+        fail_verdict(ctx, verdict, _cause(ctx, records, runner.cache), ops_text=" → ".join(runner.trail),
+                     driver=_driver)
 
 
 def _driver(ctx, cache):

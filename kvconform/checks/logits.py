@@ -19,7 +19,8 @@ from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
-from kvconform.checks._diagnosis import describe_raise, fail_raised, fail_verdict, positions_label
+from kvconform.checks._diagnosis import (describe_raise, fail_raised, fail_verdict, positions_label,
+                                         sliding_window_slots)
 
 
 def _length_note(steps, upto) -> str | None:
@@ -71,6 +72,9 @@ def _decode_cause(ctx, steps, cache=None):
         narrow = _narrow_cause(ctx, cache)
         if narrow:
             return narrow
+        ring = _window_cause(ctx, steps, cache)
+        if ring:
+            return ring
         if step.label in ("decode 1",) or step.label.startswith("chunk") and step.index == 1:
             return "the prefill's keys/values (or states) were not stored intact: a dropped, shifted or stale token"
         if step.label.startswith("prefill"):
@@ -125,10 +129,21 @@ def check_prefill_then_decode(ctx):
     _run(ctx, _decode_cause)
 
 
+def _window_cause(ctx, steps, cache) -> str | None:
+    """What the sliding layers hold after the run (``_diagnosis.sliding_window_slots``), for an exact subject on an
+    unpadded run of a model with a sliding window; None otherwise."""
+    if cache is None or not steps or not ctx.model.sliding_window or steps[-1].mask is not None:
+        return None
+    return sliding_window_slots(ctx, cache, steps[-1].seq)
+
+
 def _chunk_cause(ctx, steps, cache=None):
     base = _decode_cause(ctx, steps, cache)
 
     def cause(step, cmp):
+        ring = None if ctx.kind.has_twin else _window_cause(ctx, steps, cache)
+        if ring:
+            return ring
         if step.label.startswith("chunk") and step.index > 0:
             return (f"feeding {step.length} tokens at once into a warm cache loses or misplaces state: "
                     f"update() with k>1 new tokens after the prefill is wrong")

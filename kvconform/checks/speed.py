@@ -14,6 +14,11 @@ for that).
   ``nbits``/``fp8_dtype``) is held to ``min_speedup_quantized``: it dequantizes its history at every step.
 * ``check_speed_flat_decode`` — per-token decode cost grows ≤ ``max_growth`` × from context ``short`` to ``long``
   (128 → 1024); the uncached forward, timed in the same rounds, shows the linear growth a cache must avoid.
+* ``check_speed_prefill`` — a cached prefill of ``context`` tokens into a fresh cache takes ≤ ``max_ratio`` × the
+  uncached forward of the same tokens (a cache adds one copy of its keys/values per layer to a forward that
+  computes them anyway; a prefill done token by token in Python costs O(N) interpreter steps per layer, which the
+  decode budgets never see); a quantized cache (``_quantized``) is held to ``max_ratio_quantized``: it quantizes
+  the whole prefill.
 * ``check_speed_compiled_static`` — a cache declaring ``is_compileable`` decoded through ``torch.compile`` is
   ≥ ``min_speedup`` × the speed of ``DynamicCache`` decoding eagerly (what static shapes are for); on CUDA with
   ``mode="reduce-overhead"``.
@@ -157,7 +162,8 @@ def _measure(ctx, targets, extra, confirm=False):
         contexts = ", ".join(str(extra[k]) for k in ("context", "short", "long") if k in extra)
         fail_raised(ctx, exc, "the cache fails on the long contexts the speed family measures (the other "
                               "families' cases are short)",
-                    ops_text=f"prefill(context {contexts}, untimed) → decode×{int(_param(ctx, 'steps'))} timed")
+                    ops_text=f"prefill({extra['prefill']}) timed" if "prefill" in extra else
+                    f"prefill(context {contexts}, untimed) → decode×{int(_param(ctx, 'steps'))} timed")
     timer = (f"timer: perf_counter{' + cuda.synchronize' if device.type == 'cuda' else ''} on {device.type}"
              f"{f', {threads} thread' if threads else ''}; "
              + (f"confirmation: best of {repeats} interleaved rounds" if confirm else
@@ -330,6 +336,77 @@ def check_speed_flat_decode(ctx):
             "likely cause: every decode step does work proportional to the context in Python — a loop over "
             "tokens or chunks, a rebuild from a list — instead of one append (or one in-place write)",
         ], {"growth": growth, "uncached_growth": ugrowth, "confirmation": growth2})
+
+
+def prefill_target(ctx, name, spec, tokens, context) -> Target:
+    """Setup: a fresh, empty cache of ``spec`` sized ``context + 1`` (untimed). Run: one forward of
+    ``tokens[:, :context]`` into it (the prefill, timed). ``spec`` None: the uncached forward of the same tokens
+    (``use_cache=False``; no setup). Times per token of the prefill (``units = context``)."""
+    import torch
+
+    m = ctx.model.model
+
+    def setup():
+        return spec.build(ctx.model, max_cache_len=context + 1, batch_size=ctx.case.batch)
+
+    def run(cache):
+        breadcrumb(f"{name}: timed prefill({context})")
+        with torch.no_grad():
+            if spec is None:
+                m(**forward_kwargs(m, None, tokens[:, :context], 0))
+                return
+            try:
+                with subject_call(cache, m):
+                    m(**forward_kwargs(m, cache, tokens[:, :context], 0))
+            except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on its item
+                raise SubjectRaised(f"{name}: prefill({context})", exc) from exc
+
+    return Target(name, run, setup, units=context) if spec is not None else Target(name, run, units=context)
+
+
+@register("speed", needs=("forward",), judges=ALL_KINDS, params={
+    **TIMING_PARAMS, "context": Param(int, default=1024, min=64, doc="tokens of the timed prefill"),
+    "max_ratio": Param(float, required=True, min=1, doc="budget: cached prefill time / uncached forward time"),
+    "max_ratio_quantized": Param(float, min=1, doc="budget of a quantized subject (default: max_ratio)"),
+}, ops=IGNORES_OPS)
+def check_speed_prefill(ctx):
+    """A cached prefill of ``params.context`` tokens into a fresh cache takes ≤ ``params.max_ratio`` × the uncached
+    forward of the same tokens, timed side by side (medians, confirmed; ``params.steps`` is not used)."""
+    context = int(_param(ctx, "context"))
+    ceiling, quantized = float(_param(ctx, "max_ratio")), _quantized(ctx)
+    if quantized:
+        ceiling = float(ctx.case.params.get("max_ratio_quantized") or ceiling)
+    tokens = _tokens(ctx, context)
+    subject = ctx.subject.name
+    targets = [prefill_target(ctx, subject, ctx.subject, tokens, context),
+               prefill_target(ctx, "uncached", None, tokens, context)]
+
+    def judge(timings, stat):
+        ratio = stat(timings[subject]) / stat(timings["uncached"])
+        return ratio, ratio > ceiling
+
+    first, second = _confirm(ctx, targets, {"prefill": context, "max_ratio": ceiling}, judge)
+    timings, timer, ratio, _ = first
+    cached, uncached = timings[subject], timings["uncached"]
+    ctx.metrics.update(prefill_ratio=round(ratio, 2), max_ratio=ceiling, context=context, quantized=quantized,
+                       ms_per_prefill=round(cached.median * context * 1e3, 3),
+                       uncached_ms_per_forward=round(uncached.median * context * 1e3, 3))
+    if second is not None and second[3]:
+        timings2, timer2, ratio2, _ = second
+        ctx.fail([
+            f"a cached prefill of {context} tokens took {ratio:.2f}× the uncached forward of the same tokens "
+            f"(confirmed: {ratio2:.2f}× in a second measurement), but should take ≤ {ceiling:g}×"
+            + (" (the budget of a quantized cache, which quantizes the whole prefill)" if quantized else ""),
+            f"first: {subject}: {cached.describe()}; uncached: {uncached.describe()}",
+            timer,
+            f"confirmation: {subject}: {timings2[subject].describe()}; uncached: {timings2['uncached'].describe()}",
+            timer2,
+            f"ops: prefill({context}) into a fresh cache, timed; the uncached forward of the same {context} tokens "
+            f"in the same rounds; batch {ctx.case.batch}",
+            "likely cause: the prefill does work per token in Python — update() loops over the new tokens (a "
+            "per-token copy, append or bookkeeping step) instead of one slice copy or cat per forward; decode steps "
+            "feed one token each, so the decode budgets cannot see it",
+        ], {"prefill_ratio": ratio, "confirmation": ratio2})
 
 
 def _compiled_applies(subject, model, case, device="cpu"):

@@ -74,14 +74,20 @@ class PagedAttentionLayer(BatchOpsMixin, CacheLayerMixin):
         del self.value_pages[count:]
 
     def _store(self, pages: list, states: torch.Tensor, start: int) -> None:
-        """Copy ``states`` ``[batch, heads, n, head_dim]`` into positions ``start … start+n−1``."""
+        """Copy ``states`` ``[batch, heads, n, head_dim]`` into positions ``start … start+n−1``: the rest of a partly
+        filled page, then every further page in one ``_foreach_copy_`` (a prefill is not a Python loop of copies)."""
         self._allocate(pages, states, self.pages_needed(start + states.shape[-2]))
         pos, end = start, start + states.shape[-2]
-        while pos < end:
-            page, offset = divmod(pos, self.page_size)
+        offset = pos % self.page_size
+        if offset and pos < end:
             take = min(self.page_size - offset, end - pos)
-            pages[page][..., offset:offset + take, :].copy_(states[..., pos - start:pos - start + take, :])
+            pages[pos // self.page_size][..., offset:offset + take, :].copy_(states[..., :take, :])
             pos += take
+        if pos < end:
+            chunks = list(states[..., pos - start:, :].split(self.page_size, dim=-2))
+            first = pos // self.page_size
+            targets = [page[..., :chunk.shape[-2], :] for page, chunk in zip(pages[first:first + len(chunks)], chunks)]
+            torch._foreach_copy_(targets, chunks)
 
     def _read(self, pages: list) -> torch.Tensor | None:
         """The ``length`` valid positions of ``pages``, ``[batch, heads, length, head_dim]`` (a new tensor)."""
