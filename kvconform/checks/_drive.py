@@ -84,6 +84,16 @@ def random_tokens(gen, batch: int, n: int, vocab: int):
     return torch.randint(FIRST_TOKEN, vocab, (batch, n), generator=gen)
 
 
+def image_prompt(model, tokens, pads=None):
+    """A prompt's first tokens ``[B, n]`` as the model takes them: for a VLM (``ZooModel.image``) with its image
+    prefix placed after each row's ``pads`` (``vision.with_image``: key token, then the image block; the model's
+    pre-forward hook gives the matching pixels to every forward that holds it), else ``tokens`` unchanged."""
+    from kvconform import vision
+
+    image = getattr(model, "image", None)
+    return tokens if image is None else vision.with_image(image, tokens, pads)
+
+
 def encoder_ids_for(ctx, gen, batch=None):
     """Random encoder input ``[batch, case.encoder_len]`` for encoder-decoder models, else None."""
     return random_tokens(gen, batch or ctx.case.batch, ctx.case.encoder_len, ctx.model.vocab_size) \
