@@ -158,11 +158,19 @@ def attach(model, spec: ImagePrefix) -> None:
     """Give the transformers VLM ``model`` its image prefix: ``model.kvconform_image = spec`` and a forward pre-hook
     adding ``image_inputs`` to every forward whose ``input_ids`` hold image blocks (module docstring). Its generation
     config suppresses the reserved ids (``generate`` never emits an image token)."""
+    import torch
+
     setattr(model, HOOK_ATTRIBUTE, spec)
     model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
     gc = getattr(model, "generation_config", None)
     if gc is not None:
         gc.suppress_tokens = spec.reserved
+    # One uncached forward of an image prompt now: transformers installs the hooks that capture the vision tower's
+    # hidden states on a model's first such forward and keeps them; installed inside a subject's per-call context
+    # they would read as hooks the context left behind (subjects.ModelLeftChanged).
+    ids = with_image(spec, torch.full((1, spec.span + 1), 3, dtype=torch.long))
+    with torch.no_grad():
+        model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
 
 
 def with_image(spec: ImagePrefix, tokens, pads=None):
