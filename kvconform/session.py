@@ -265,7 +265,8 @@ class KVSession:
                 info = infos.get(r["name"])
                 if r["built"] and info is not None:
                     lines.append(f"  {r['name']}: built ({', '.join(sorted(info.features))}; layers "
-                                 f"{'/'.join(info.layer_types)})")
+                                 f"{'/'.join(info.layer_types)}" + (f"; {r['image']}" if r.get("image") else "")
+                                 + ")")
                 elif not r["built"]:
                     lines.append(f"  {r['name']}: not built: {r['reason']}")
         return lines

@@ -53,6 +53,8 @@ class ImagePrefix:
     text_vocab: int
     vocab: int
     seed: int = 0
+    image_sizes: bool = False
+    """The forward takes ``image_sizes`` ``[n_images, 2]`` (height, width) with the pixels (llava-next)."""
 
     @property
     def reserved(self) -> list[int]:
@@ -132,6 +134,9 @@ def image_inputs(spec: ImagePrefix, input_ids, dtype, device) -> dict:
     else:
         pix = torch.stack([pixels(spec, key) for row in keys for key in row])
     out = {"pixel_values": pix.to(device=device, dtype=dtype)}
+    if spec.image_sizes:
+        n = sum(len(k) for k in keys)
+        out["image_sizes"] = torch.tensor([list(spec.pixel_shape[1:])] * n, device=device)
     if spec.token_type_ids:
         out["token_type_ids"] = (input_ids == spec.image_token_id).long().to(device)
     return out

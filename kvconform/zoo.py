@@ -353,8 +353,12 @@ def load_model(spec: str, dtype=None, device: str = "cpu", trust_remote_code: bo
         from kvconform import architectures
 
         model_type = spec.removeprefix("transformers:")
+        from kvconform import vision
+
         model = architectures.build_model(model_type, dtype=dtype)
-        return _finish(architectures.model_name(model_type), model, model.dtype, device, spec)
+        zm = _finish(architectures.model_name(model_type), model, model.dtype, device, spec)
+        zm.image = vision.of(model)
+        return zm
     if not is_checkpoint_spec(spec):
         return build_zoo_model(spec, dtype=dtype, device=device)
     return load_checkpoint(os.path.expanduser(spec), dtype=dtype, device=device, trust_remote_code=trust_remote_code)

@@ -224,6 +224,10 @@ def type_blind_static_cache(config, model, max_cache_len=64):
     return StaticCache(config=config, max_cache_len=max_cache_len), _FixedSignature(model)
 
 
+# an eager cache of lists (no compile); the same declaration on its faulty variants
+for _factory in (image_segment_cache, shifted_image_cache, fork_drops_image_cache):
+    _factory.kvconform_capabilities = {"forward", "generate", "crop", "deepcopy", "reorder",  # type: ignore[attr-defined]
+                                       "batch_repeat", "batch_select", "reset"}
 # what the call path of type_blind_static_cache serves: static shapes, so no crop or batch resizing (transformers'
 # StaticCache's own faults there are known faults of StaticCache, not this cache's)
 type_blind_static_cache.kvconform_capabilities = {"forward", "generate", "deepcopy", "reorder", "reset"}  # type: ignore[attr-defined]
