@@ -373,6 +373,7 @@ def build_model(model_type: str, dtype=None, seed: int = 0, extra: dict | None =
     if is_vision_type(model_type):
         from kvconform import vision
 
+        vision.seed_zero_projections(model, seed)
         vision.attach(model, image_prefix(model))
     return model
 

@@ -159,6 +159,23 @@ def _pre_hook(module, args, kwargs):
     return args, {**kwargs, **extra}
 
 
+def seed_zero_projections(model, seed: int = 0, std: float = 0.1) -> list[str]:
+    """Draw seeded ``normal(0, std)`` values into every all-zero weight matrix of ``model``'s multimodal projector
+    (the modules whose name holds ``projector``), returning their names. Some VLMs initialise a projection to zeros
+    (gemma3's ``mm_input_projection_weight``): every image token would embed to the same vector and the image would
+    not reach the logits at all."""
+    import torch
+
+    done = []
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "projector" in name and param.dim() >= 2 and not bool(param.any()):
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+                done.append(name)
+    return done
+
+
 def attach(model, spec: ImagePrefix) -> None:
     """Give the transformers VLM ``model`` its image prefix: ``model.kvconform_image = spec`` and a forward pre-hook
     adding ``image_inputs`` to every forward whose ``input_ids`` hold image blocks (module docstring). Its generation

@@ -263,6 +263,8 @@ def build_zoo_model(name: str, dtype=None, device: str = "cpu", seed: int = 0) -
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config)
+    if name in VLM_NAMES:
+        vision.seed_zero_projections(model, seed)  # gemma3's projection starts at zeros: no image would get through
     zm = _finish(name, model, dtype, device, "zoo")
     zm.image = image_prefix(name, config)
     if zm.image is not None:

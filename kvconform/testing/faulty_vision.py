@@ -218,10 +218,24 @@ class _FixedSignature:
         return False
 
 
+class FixedShapeStaticCache(StaticCache):
+    """transformers' ``StaticCache`` for a static-shape call path: what would change its shapes (a crop, a batch
+    resize) is refused with a clear error."""
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("FixedShapeStaticCache serves static shapes: crop() is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("FixedShapeStaticCache serves static shapes: the batch size cannot change")
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError("FixedShapeStaticCache serves static shapes: the batch size cannot change")
+
+
 def type_blind_static_cache(config, model, max_cache_len=64):
-    """transformers' ``StaticCache`` behind a fixed-signature call path that drops ``token_type_ids`` (faulty on
+    """``FixedShapeStaticCache`` behind a fixed-signature call path that drops ``token_type_ids`` (faulty on
     gemma3's image block)."""
-    return StaticCache(config=config, max_cache_len=max_cache_len), _FixedSignature(model)
+    return FixedShapeStaticCache(config=config, max_cache_len=max_cache_len), _FixedSignature(model)
 
 
 # an eager cache of lists (no compile); the same declaration on its faulty variants
@@ -235,7 +249,7 @@ type_blind_static_cache.kvconform_capabilities = {"forward", "generate", "deepco
 _M = "kvconform.testing.faulty_vision"
 FAULTY = [
     FaultyCache("image_shifted_at_prefill", "shifted_image_cache", _M, "logits", "check_prefill_then_decode",
-                "llava", ("max|Δlogit|", "prefill(12)"), also_caught_by=("prefix", "batch", "crop", "generate"),
+                "llava", ("max|Δlogit|", "prefill(12)"), also_caught_by=("prefix", "generate", "lifecycle", "fuzz"),
                 case="decode_explicit_positions",
                 cause=r"prefill of the image prompt is wrong at position 0, before the image block at positions "
                       r"1\.\.4: the image tokens' keys/values are not returned where the prompt put them"),
@@ -244,7 +258,7 @@ FAULTY = [
                 cause=r"the deep copy counts its tokens wrong: right after copy\.deepcopy its get_seq_length\(\) = 4, "
                       r"the original's = 8"),
     FaultyCache("image_block_causal_in_static", "type_blind_static_cache", _M, "logits", "check_prefill_then_decode",
-                "gemma3_vlm", ("max|Δlogit|", "prefill(12)"), also_caught_by=("prefix", "batch", "crop", "generate"),
+                "gemma3_vlm", ("max|Δlogit|", "prefill(12)"), also_caught_by=("prefix", "lifecycle", "fuzz"),
                 case="decode_explicit_positions",
                 cause=r"the image block \(positions 1\.\.4\) was attended causally at the prefill"),
 ]
