@@ -78,8 +78,9 @@ def model_types(pattern: str) -> list[str]:
     known = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
     found = [t for t in known if fnmatch.fnmatchcase(t, pattern)]
     if not found:
-        raise ValueError(f"--kvconform-model {PREFIX}{pattern}: no causal-LM or image-text-to-text architecture of "
-                         f"transformers matches {pattern!r} ({len(known)} known, e.g. {', '.join(known[:6])}, ...)")
+        raise ValueError(f"--kvconform-model {PREFIX}{pattern}: no causal-LM architecture of transformers matches "
+                         f"{pattern!r}, nor an image-text-to-text one ({len(known)} known, e.g. "
+                         f"{', '.join(known[:6])}, ...)")
     return found
 
 

@@ -219,8 +219,9 @@ def tensors_of(cache) -> dict:
 
 def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attention_mask=None, **extra):
     """``model.generate`` of exactly ``max_new_tokens`` tokens, greedy unless ``extra`` says otherwise (e.g.
-    ``num_beams``); the one ``generate`` wrapper of the checks. Returns ``(sequences [B', L] int64 CPU, step logits
-    [B', max_new_tokens, V] float64 CPU, output)`` (``B'``: rows × beams for beam search).
+    ``num_beams``); the one ``generate`` wrapper of the checks. A VLM's prompt (``vision.of``) gets its
+    ``pixel_values`` (and ``token_type_ids``) passed to ``generate`` explicitly. Returns ``(sequences [B', L] int64
+    CPU, step logits [B', max_new_tokens, V] float64 CPU, output)`` (``B'``: rows × beams for beam search).
 
     Args:
         model: a zoo model (its ``.model`` is used) or a transformers ``PreTrainedModel`` (e.g. the float64 oracle
@@ -234,10 +235,20 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
     breadcrumb(f"generate(max_new_tokens={max_new_tokens})")
     import torch
 
+    from kvconform import vision
+
     m = model if isinstance(model, torch.nn.Module) else model.model
     device = next(m.parameters()).device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    image = vision.of(m)
+    warm = any(seq_length(v) for v in cache_kwargs.values() if hasattr(v, "get_seq_length"))
+    if image is not None and "pixel_values" not in extra and not warm:
+        # a VLM's first turn: its pixels (and token_type_ids) go to generate() itself, as a processor's output does
+        # (generate may build the attention masks before the first forward, for a compileable cache, from them). A
+        # continuation of a cache that already holds the image gets none: transformers 5.24 raises "Image features
+        # and image tokens do not match, tokens: 0" when they come again with a warm cache (llava, idefics3, gemma3)
+        extra = {**vision.image_inputs(image, input_ids, next(m.parameters()).dtype, device), **extra}
     cache = next((v for v in cache_kwargs.values() if call_context(v) is not None), None)
     with torch.no_grad(), subject_call(cache, m):
         # (type: nn.Module.__getattr__ hides generate from mypy)
