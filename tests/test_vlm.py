@@ -113,12 +113,12 @@ def test_vlms_are_full_tier_or_named_and_announced():
 
 
 def test_vlm_items_pass_on_correct_caches_and_catch_the_vlm_faults():
-    """One direct run: ReferenceCache, DynamicCache and the image-segment cache (a correct design of its own) pass
-    the prefill/decode and fork items on llava and gemma3_vlm; each faulty VLM cache fails its target item there with
-    its pinned likely cause and passes on the text model llama."""
+    """One direct run: ReferenceCache, the image-segment cache (a correct design of its own), DynamicCache and
+    StaticCache pass prefill/decode, fork, generate and multi-turn items on llava and gemma3_vlm; each faulty VLM
+    cache fails its target item there with its pinned likely cause and passes on the text model llama."""
     import re
 
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     from kvconform.api import check_cache
     from kvconform.testing.faulty_vision import FAULTY
@@ -126,8 +126,10 @@ def test_vlm_items_pass_on_correct_caches_and_catch_the_vlm_faults():
     good = check_cache(["kvconform.testing.faulty_vision:image_segment_cache", "kvconform.reference:ReferenceCache"],
                        models=["llava"], checks=["check_prefill_then_decode", "check_prefix_fork"],
                        cases=["decode_explicit_positions", "prefix_fork_steps"])
-    builtin = check_cache(DynamicCache, models=["gemma3_vlm"],
-                          checks=["check_prefill_then_decode"], cases=["decode_explicit_positions"])
+    # StaticCache's generate builds gemma3's masks before the first forward: the image inputs must reach generate()
+    builtin = check_cache([DynamicCache, StaticCache], models=["gemma3_vlm"],
+                          checks=["check_prefill_then_decode", "check_generate_greedy", "check_multi_turn"],
+                          cases=["decode_explicit_positions", "greedy", "multi_turn"])
     assert {r.outcome for r in good + builtin} == {"passed"}, [(r.id, r.message) for r in good + builtin]
     for faulty in FAULTY:
         [caught] = check_cache(faulty.spec, models=[faulty.model], checks=[faulty.check], cases=[faulty.case])
