@@ -122,6 +122,8 @@ def image_inputs(spec: ImagePrefix, input_ids, dtype, device) -> dict:
     """
     import torch
 
+    if not bool((input_ids == spec.image_token_id).any()):  # a decode step or a text chunk: nothing to add
+        return {}
     keys = blocks(spec, input_ids.cpu())
     if not any(keys):
         return {}
