@@ -112,6 +112,17 @@ def blocks(spec: ImagePrefix, input_ids) -> list[list[int]]:
     return out
 
 
+def uncut_length(spec: ImagePrefix, input_ids, keep: int) -> int:
+    """The smallest length ``≥ keep`` at which no row of ``input_ids`` ``[B, T]`` is cut inside an image block (a
+    crop keeping ``keep`` tokens would leave part of an image, which no uncached forward has); ``keep`` itself when
+    it cuts none."""
+    is_image = (input_ids == spec.image_token_id)
+    length = int(input_ids.shape[1])
+    while 0 < keep < length and bool((is_image[:, keep - 1] & is_image[:, keep]).any()):
+        keep += 1
+    return keep
+
+
 def image_inputs(spec: ImagePrefix, input_ids, dtype, device) -> dict:
     """The keyword arguments that go with ``input_ids`` ``[B, T]``: ``pixel_values`` of its image blocks (in
     ``dtype`` on ``device``) and, where the model needs them, ``token_type_ids`` ``[B, T]`` (1 on image tokens);

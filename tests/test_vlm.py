@@ -58,6 +58,8 @@ def test_image_prefix_placement_rules():
     assert vision.blocks(spec, placed) == [[3], [13]]
     with pytest.raises(vision.PartialImage, match="cut inside its image block"):
         vision.blocks(spec, placed[:, :4])
+    # the fuzzer's crops keep whole images: lengths inside either row's block move past it
+    assert [vision.uncut_length(spec, placed, k) for k in range(9)] == [0, 1, 7, 7, 7, 7, 7, 7, 8]
 
 
 @pytest.mark.parametrize("cache_name", ["DynamicCache", "StaticCache"])
