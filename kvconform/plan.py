@@ -160,7 +160,8 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
     of the zoo models a case is limited to: cases list a few representative zoo families to keep the run short, and
     a checkpoint of the same kind — the same features (decoder-only or
     encoder-decoder, attention, sliding window, linear-attention state) as one of them — gets that case too, so a
-    user's checkpoint is checked by every family that applies to its architecture. Zoo models never stand in."""
+    user's checkpoint is checked by every family that applies to its architecture. The zoo's text models never stand
+    in."""
     if not external(model.spec) and model.spec not in zoo.VLM_NAMES:
         return False
     return any(name in scope for name in same_kind(model))
