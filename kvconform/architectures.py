@@ -66,19 +66,32 @@ _PER_LAYER_SUFFIXES = ("layer_types", "_pattern", "layers_block_type", "block_ty
 
 
 def model_types(pattern: str) -> list[str]:
-    """The causal-LM model types of the installed transformers matching fnmatch ``pattern``, sorted.
+    """The causal-LM and image-text-to-text model types of the installed transformers matching fnmatch ``pattern``,
+    sorted.
 
     Raises:
         ValueError: none matches (names the pattern and a few types).
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
-    known = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    known = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
     found = [t for t in known if fnmatch.fnmatchcase(t, pattern)]
     if not found:
         raise ValueError(f"--kvconform-model {PREFIX}{pattern}: no causal-LM architecture of transformers matches "
-                         f"{pattern!r} ({len(known)} known, e.g. {', '.join(known[:6])}, ...)")
+                         f"{pattern!r}, nor an image-text-to-text one ({len(known)} known, e.g. "
+                         f"{', '.join(known[:6])}, ...)")
     return found
+
+
+def is_vision_type(model_type: str) -> bool:
+    """True for an image-text-to-text architecture that is not also a causal LM (those keep their causal-LM class
+    and text prompts): it is built with ``AutoModelForImageTextToText``'s class and gets an image prefix."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in \
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def is_architecture_spec(spec: str) -> bool:
@@ -212,7 +225,10 @@ def tiny_config(model_type: str, extra: dict | None = None):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    config = cls(**overrides(cls()))
+    kwargs = overrides(cls())
+    if is_vision_type(model_type):
+        kwargs = _vision_overrides(cls(), kwargs)
+    config = cls(**kwargs)
     cls_lm = causal_lm_class(model_type)
     wanted = getattr(cls_lm, "config_class", None)
     if wanted is not None and not isinstance(config, wanted):  # a composite config whose LM takes a sub-config
@@ -226,11 +242,113 @@ def tiny_config(model_type: str, extra: dict | None = None):
 
 
 def causal_lm_class(model_type: str):
-    """The causal-LM class transformers maps ``model_type`` to."""
+    """The causal-LM class transformers maps ``model_type`` to (an image-text-to-text type that is no causal LM:
+    its image-text-to-text class, ``is_vision_type``)."""
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
+    if is_vision_type(model_type):
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[CONFIG_MAPPING[model_type]]
     return MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[model_type]]
+
+
+TEXT_VOCAB = VOCAB - 8
+"""A built VLM's text tokens are drawn below this id; its image token and other special ids above ``VOCAB``'s
+range are moved into ``TEXT_VOCAB .. VOCAB - 1``."""
+IMAGE_PATCHES = 2
+"""Patches per side of a built VLM's image (``image_size = IMAGE_PATCHES · patch_size``; more where the projector
+merges patches: its ``scale_factor`` / ``spatial_merge_size``), so that one image makes few tokens and the cases'
+prompts of 8-12 tokens hold it."""
+
+
+def _vision_overrides(config, kwargs: dict) -> dict:
+    """``kwargs`` of a VLM's config made to fit its tiny text model: every image-size of a sub-config with a
+    ``patch_size`` cut to ``IMAGE_PATCHES`` patches per side, ``mm_tokens_per_image`` to 4, the image token and
+    every other special token id the shrunk vocabulary cannot hold moved into ``TEXT_VOCAB .. VOCAB - 1``."""
+    out = dict(kwargs)
+    side = max([IMAGE_PATCHES, *(getattr(config, n) for n in ("scale_factor", "spatial_merge_size")
+                                 if _is_int(getattr(config, n, None)))])
+    for name, sub in list(out.items()):
+        if isinstance(sub, dict) and _is_int(sub.get("patch_size")) and _is_int(sub.get("image_size")):
+            merge = sub.get("spatial_merge_size")
+            per_side = max(side, merge if _is_int(merge) else 1)
+            out[name] = {**sub, "image_size": min(sub["image_size"], per_side * sub["patch_size"])}
+    if _is_int(getattr(config, "mm_tokens_per_image", None)):
+        out["mm_tokens_per_image"] = 4
+    for name, sub in list(out.items()):  # the projector's output width is the text model's
+        if isinstance(sub, dict) and _is_int(sub.get("projection_dim")):
+            out[name] = {**sub, "projection_dim": HIDDEN}
+    if _is_int(getattr(config, "projection_dim", None)):
+        out["projection_dim"] = HIDDEN
+    free = iter(range(VOCAB - 1, TEXT_VOCAB - 1, -1))
+    for name in ("image_token_id", "image_token_index"):
+        if _is_int(getattr(config, name, None)):
+            out[name] = next(free)
+            break
+    for name, value in sorted(vars(config).items()):
+        if name not in out and name.endswith(("_token_id", "_token_index")) and _is_int(value) and value >= TEXT_VOCAB:
+            nxt = next(free, None)
+            if nxt is not None:
+                out[name] = nxt
+    return out
+
+
+class ImageProbeFailed(RuntimeError):
+    """A VLM whose image input kvconform could not feed (no image token id, no image size, no forward that took
+    one synthetic image)."""
+
+
+def image_prefix(model):
+    """The ``vision.ImagePrefix`` of a built VLM, measured: its image token id and image size from the config, and
+    how many image tokens one image makes and which ``pixel_values`` layout the forward takes, found by feeding it
+    one synthetic image (a mismatch error names the features one image makes: tried again with that count).
+
+    Raises:
+        ImageProbeFailed: no forward with one image went through (names the last error).
+    """
+    import inspect
+    import re
+
+    import torch
+
+    from kvconform import vision
+
+    cfg = model.config
+    token = next((getattr(cfg, n) for n in ("image_token_id", "image_token_index") if _is_int(getattr(cfg, n, None))),
+                 None)
+    vc = getattr(cfg, "vision_config", None)
+    size = getattr(vc, "image_size", None)
+    if token is None or not _is_int(size):
+        raise ImageProbeFailed(f"no {'image token id' if token is None else 'integer vision_config.image_size'} in "
+                               f"its config")
+    param = next(model.parameters())
+    takes = inspect.signature(model.forward).parameters
+    text = cfg.get_text_config(decoder=True)
+    last: Exception | None = None
+    variants = [("images", False), ("images", True), ("rows", False)]
+    for layout, sizes in [(lay, s) for lay, s in variants if not s or "image_sizes" in takes]:
+        tried: list[int] = []
+        counts = [1]
+        while counts and len(tried) < 4:
+            k = counts.pop(0)
+            tried.append(k)
+            spec = vision.ImagePrefix(int(token), k, (int(getattr(vc, "num_channels", 3) or 3), size, size), layout,
+                                      "token_type_ids" in takes, TEXT_VOCAB, int(text.vocab_size),
+                                      image_sizes=sizes)
+            ids = vision.with_image(spec, torch.full((1, spec.span + 1), 3, dtype=torch.long))
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids.to(param.device), use_cache=False,
+                          **vision.image_inputs(spec, ids, param.dtype, param.device))
+                return spec
+            except Exception as exc:  # noqa: BLE001 - the probe's answer
+                last = exc
+                found = re.search(r"features:?\s*(\d+)", str(exc))
+                if found:  # the features one image makes: a count of tokens, or of elements (tokens × width)
+                    n = int(found.group(1))
+                    counts += [c for c in (n, n // int(text.hidden_size or 1)) if c > 0 and c not in tried]
+    why = str(last).strip().splitlines()[0][:160] if last is not None and str(last).strip() else ""
+    raise ImageProbeFailed(f"no forward took one synthetic image: {type(last).__name__}: {why}")
 
 
 def build_model(model_type: str, dtype=None, seed: int = 0, extra: dict | None = None):
@@ -252,7 +370,13 @@ def build_model(model_type: str, dtype=None, seed: int = 0, extra: dict | None =
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
-    return model.to(dtype=dtype or torch.float32).eval()
+    model = model.to(dtype=dtype or torch.float32).eval()
+    if is_vision_type(model_type):
+        from kvconform import vision
+
+        vision.seed_zero_projections(model, seed)
+        vision.attach(model, image_prefix(model))
+    return model
 
 
 class TooLarge(RuntimeError):

@@ -189,12 +189,12 @@ def _model_entry(path, case_id, item) -> str:
 
     if not isinstance(item, str) or not item:
         _fail(path, case_id, "models", f"entries are strings (zoo names or checkpoint paths), got {item!r}")
-    if item in zoo.ZOO_NAMES:
+    if item in zoo.ALL_NAMES:
         return item
     if "/" in item or "\\" in item or item.startswith(("~", ".")):
         return zoo.checkpoint_name(item)
-    _fail(path, case_id, "models", f"{item!r} is not a zoo name{_did_you_mean(item, zoo.ZOO_NAMES)} zoo names: "
-          f"{', '.join(zoo.ZOO_NAMES)}; write a checkpoint folder as a path (e.g. './{item}')")
+    _fail(path, case_id, "models", f"{item!r} is not a zoo name{_did_you_mean(item, zoo.ALL_NAMES)} zoo names: "
+          f"{', '.join(zoo.ALL_NAMES)}; write a checkpoint folder as a path (e.g. './{item}')")
 
 
 def _schema(known_checks, check):

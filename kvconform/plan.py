@@ -156,11 +156,13 @@ def same_kind(model: ModelInfo) -> list[str]:
 
 
 def stands_in_for(model: ModelInfo, scope) -> bool:
-    """Whether a checkpoint takes the place of the zoo models a case is limited to: cases list a few representative
-    zoo families to keep the run short, and a checkpoint of the same kind — the same features (decoder-only or
+    """Whether a checkpoint (or a zoo VLM: its text model is of a zoo kind, behind an image prefix) takes the place
+    of the zoo models a case is limited to: cases list a few representative zoo families to keep the run short, and
+    a checkpoint of the same kind — the same features (decoder-only or
     encoder-decoder, attention, sliding window, linear-attention state) as one of them — gets that case too, so a
-    user's checkpoint is checked by every family that applies to its architecture. Zoo models never stand in."""
-    if not external(model.spec):
+    user's checkpoint is checked by every family that applies to its architecture. The zoo's text models never stand
+    in."""
+    if not external(model.spec) and model.spec not in zoo.VLM_NAMES:
         return False
     return any(name in scope for name in same_kind(model))
 
@@ -168,11 +170,13 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
 def architecture_names() -> set:
     """The names of every architecture ``transformers:*`` would try (``tf_<type>``): known-faults entries may name
     them."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     from kvconform import architectures
 
-    return {architectures.model_name(t) for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+    return {architectures.model_name(t) for t in
+            {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}}
 
 
 def zoo_family(spec: str) -> str | None:

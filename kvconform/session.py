@@ -118,7 +118,7 @@ class KVSession:
         same = _zoo_family(item.model.spec)
         if fault is None and same:  # transformers:<type> of a zoo family: that family's modeling code, its faults
             fault = self.fault_entry(**{**item.describe(), "model": same})
-        if fault is None and _external(item.model.spec):
+        if fault is None and (_external(item.model.spec) or item.model.spec in zoo.VLM_NAMES):
             kind = same_kind(item.model)
             found = [self.fault_entry(**{**item.describe(), "model": name}) for name in kind]
             fault = found[0] if kind and all(f is not None for f in found) else None
@@ -207,7 +207,7 @@ class KVSession:
         from kvconform.compat import transformers_version
 
         names = {m.name for m in self.models}
-        universe = [*self.models, *(model_info(n, zoo_only=True) for n in zoo.ZOO_NAMES if n not in names)]
+        universe = [*self.models, *(model_info(n, zoo_only=True) for n in zoo.ALL_NAMES if n not in names)]
         items = []
         for case in self.cases:
             check = self.checks[case.check]
@@ -243,8 +243,10 @@ class KVSession:
             f"kvconform subjects: {', '.join(s.name for s in self.subjects)}",
             f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}"
             + ("" if self.full else f" (full tier, not run: {sum(c.tier == 'full' for c in self.cases)} cases, "
-                                    f"{sum(c.models_full is not None for c in self.cases)} on more models; "
-                                    f"add --kvconform-full)")
+                                    f"{sum(c.models_full is not None for c in self.cases)} on more models"
+                                    + (f", the vision-language models {', '.join(zoo.VLM_NAMES)}"
+                                       if not any(m.name in zoo.VLM_NAMES for m in self.models) else "")
+                                    + "; add --kvconform-full)")
             + ("" if self.fuzz_seed is None else f"; fuzz seed {self.fuzz_seed} (replay: --kvconform-fuzz-seed "
                                                  f"{self.fuzz_seed})"),
             *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
@@ -265,7 +267,8 @@ class KVSession:
                 info = infos.get(r["name"])
                 if r["built"] and info is not None:
                     lines.append(f"  {r['name']}: built ({', '.join(sorted(info.features))}; layers "
-                                 f"{'/'.join(info.layer_types)})")
+                                 f"{'/'.join(info.layer_types)}" + (f"; {r['image']}" if r.get("image") else "")
+                                 + ")")
                 elif not r["built"]:
                     lines.append(f"  {r['name']}: not built: {r['reason']}")
         return lines
@@ -393,7 +396,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             kind = "a built-in subject" if subject.name in builtin_names else "another subject"
             raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
-    infos, surveyed = _model_infos(models or zoo.ZOO_NAMES, trust_remote_code)
+    # the vision-language models are heavier (a vision tower per prefill): the full tier, or named explicitly
+    infos, surveyed = _model_infos(models or (zoo.ALL_NAMES if full else zoo.ZOO_NAMES), trust_remote_code)
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")
@@ -408,7 +412,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             raise ValueError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
-                      models={*zoo.ZOO_NAMES, *names, *_architecture_names()})
+                      models={*zoo.ALL_NAMES, *names, *_architecture_names()})
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
     session.architectures = surveyed
     for info in infos:

@@ -32,7 +32,7 @@ def _cache_path() -> str:
 
     here = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
-    for name in ("architectures.py", "sweep.py"):
+    for name in ("architectures.py", "sweep.py", "vision.py"):
         with open(os.path.join(here, name), "rb") as fh:
             digest.update(fh.read())
     digest.update(f"{transformers.__version__} {torch.__version__} {SURVEY_VERSION}".encode())
@@ -104,6 +104,17 @@ def examine(model_type: str, causality_gap, tolerance: float) -> dict:
             zm.oracle_model()(input_ids=ids, use_cache=False)
     except Exception as exc:  # noqa: BLE001 - no float64 oracle, nothing to judge against
         return {**record, "reason": f"its float64 forward (kvconform's oracle) raised {_first_line(exc)}"}
+    if zm.image is not None:  # a VLM: the uncached float64 forward of an image prompt is the oracle of its items
+        from kvconform import vision
+
+        image_ids = vision.with_image(zm.image, torch.full((1, zm.image.span + 2), 3, dtype=torch.long))
+        try:
+            with torch.no_grad():
+                zm.oracle_model()(input_ids=image_ids, use_cache=False)
+        except Exception as exc:  # noqa: BLE001
+            return {**record, "reason": f"its float64 forward of an image prompt raised {_first_line(exc)}"}
+        record["image"] = (f"image prefix: {zm.image.tokens} image tokens per "
+                           f"{'×'.join(str(d) for d in zm.image.pixel_shape)} image")
     return {**record, "built": True, "reason": "", "layer_types": list(zm.layer_types),
             "accepts_position_ids": bool(accepts_position_ids(zm.model)),
             "params": int(sum(p.numel() for p in zm.model.parameters())), "gap": float(gap)}

@@ -1,4 +1,5 @@
-"""The model zoo: 14 tiny model families built offline from configs, plus loading a local checkpoint.
+"""The model zoo: 14 tiny text model families and 3 tiny vision-language models built offline from configs, plus
+loading a local checkpoint.
 
 Every zoo model has hidden size 64, 2 layers, 4 attention heads (2 KV heads where the family has GQA) and a
 vocabulary of 128 tokens, with deliberate asymmetries so that a cache cannot get its sizes from the wrong config
@@ -24,6 +25,13 @@ ZOO_NAMES = (
     "mamba", "mamba2", "jamba", "bamba", "falcon_h1", "t5", "bart",
 )
 """The zoo families, in matrix order (a stable interface: ids, reports and ``--kvconform-model`` use them)."""
+
+VLM_NAMES = ("llava", "idefics3", "gemma3_vlm")
+"""The tiny vision-language models (``vision.py``: an image prefix in every prompt). They are not in the default
+run: ``--kvconform-full`` adds them, and ``--kvconform-model <name>`` runs one."""
+
+ALL_NAMES = ZOO_NAMES + VLM_NAMES
+"""Every name ``--kvconform-model`` and case files accept as a zoo model."""
 
 SLIDING_WINDOW = 8
 VOCAB_SIZE = 128
@@ -63,6 +71,32 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                           decoder_ffn_dim=128, max_position_embeddings=512, init_std=0.1)),
 }
+# The VLMs: a text model of the zoo's size (vocabulary 128 text ids + 4 reserved ids above them: the image token
+# 128 and, for gemma3, its begin/end-of-image ids) behind a one-layer vision tower of width 32 whose projector
+# makes 4 image tokens of one image (llava: 8×8 pixels / patch 4 = 4 patches; idefics3: 16×16 / 4 = 16 patches,
+# pixel-shuffled by 2; gemma3: 16 patches average-pooled to mm_tokens_per_image 4).
+IMAGE_TOKEN, IMAGE_TOKENS, VLM_VOCAB = VOCAB_SIZE, 4, VOCAB_SIZE + 4
+_VLM_TEXT = dict(_COMMON, vocab_size=VLM_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+               num_channels=3, initializer_range=0.1)
+_VLM_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llava": ("llava", dict(text_config=dict(_VLM_TEXT, model_type="llama"),
+                            vision_config=dict(_VISION, model_type="clip_vision_model", image_size=8,
+                                               projection_dim=32),
+                            image_token_id=IMAGE_TOKEN, image_seq_length=IMAGE_TOKENS, vision_feature_layer=-1,
+                            initializer_range=0.1)),
+    "idefics3": ("idefics3", dict(text_config=dict(_VLM_TEXT, model_type="llama"),
+                                  vision_config=dict(_VISION, model_type="idefics3_vision", image_size=16),
+                                  image_token_id=IMAGE_TOKEN, scale_factor=2, initializer_range=0.1)),
+    "gemma3_vlm": ("gemma3", dict(text_config=dict(_VLM_TEXT, model_type="gemma3_text", sliding_window=SLIDING_WINDOW,
+                                                   head_dim=32, layer_types=["sliding_attention", "full_attention"]),
+                                  vision_config=dict(_VISION, model_type="siglip_vision_model", image_size=16),
+                                  mm_tokens_per_image=IMAGE_TOKENS, image_token_id=IMAGE_TOKEN,
+                                  boi_token_index=IMAGE_TOKEN + 1, eoi_token_index=IMAGE_TOKEN + 2,
+                                  initializer_range=0.1)),
+}
+_VLM_LAYOUT = {"llava": ("images", False), "idefics3": ("rows", False), "gemma3_vlm": ("images", True)}
+
 # Special token ids inside the tiny vocabulary (several families default to ids > 127).
 _SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
 
@@ -91,9 +125,15 @@ class ZooModel:
     sliding_window: int | None
     source: str = "zoo"
     _oracle_model: object = field(default=None, repr=False)
+    image: object = None
+    """A VLM's ``vision.ImagePrefix`` (its prompts start with an image), or None for a text-only model."""
 
     @property
     def vocab_size(self) -> int:
+        """The ids text tokens are drawn below: the decoder's vocabulary size, or for a VLM its text ids only
+        (``ImagePrefix.text_vocab``; the image and special ids above them are placed, never drawn)."""
+        if self.image is not None:
+            return int(self.image.text_vocab)
         return int(self.config.get_text_config(decoder=True).vocab_size)
 
     @property
@@ -158,11 +198,28 @@ def zoo_config(name: str):
     """
     from transformers import AutoConfig
 
+    if name in _VLM_CONFIGS:
+        model_type, kwargs = _VLM_CONFIGS[name]
+        return AutoConfig.for_model(model_type, **kwargs)
     if name not in _CONFIGS:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO_NAMES)}")
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ALL_NAMES)}")
     model_type, kwargs = _CONFIGS[name]
     config = AutoConfig.for_model(model_type, **kwargs, **_SPECIAL_TOKENS)
     return config
+
+
+def image_prefix(name: str, config):
+    """The ``vision.ImagePrefix`` of VLM ``name`` built from ``config`` (its image token, the image size of its
+    vision tower, the pixel layout its forward takes), or None for a text-only family."""
+    from kvconform import vision
+
+    if name not in _VLM_LAYOUT:
+        return None
+    layout, token_types = _VLM_LAYOUT[name]
+    size = int(config.vision_config.image_size)
+    return vision.ImagePrefix(image_token_id=int(config.image_token_id), tokens=IMAGE_TOKENS,
+                              pixel_shape=(int(config.vision_config.num_channels), size, size), layout=layout,
+                              token_type_ids=token_types, text_vocab=VOCAB_SIZE, vocab=VLM_VOCAB)
 
 
 def _finish(name, model, dtype, device, source) -> ZooModel:
@@ -194,15 +251,25 @@ def build_zoo_model(name: str, dtype=None, device: str = "cpu", seed: int = 0) -
         KeyError: unknown ``name``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+
+    from kvconform import vision
 
     dtype = dtype or torch.float32
     config = zoo_config(name)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    if name in VLM_NAMES:
+        auto = AutoModelForImageTextToText
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config)
-    return _finish(name, model, dtype, device, "zoo")
+    if name in VLM_NAMES:
+        vision.seed_zero_projections(model, seed)  # gemma3's projection starts at zeros: no image would get through
+    zm = _finish(name, model, dtype, device, "zoo")
+    zm.image = image_prefix(name, config)
+    if zm.image is not None:
+        vision.attach(zm.model, zm.image)
+    return zm
 
 
 def load_checkpoint(path: str, dtype=None, device: str = "cpu", trust_remote_code: bool = False) -> ZooModel:
@@ -232,7 +299,7 @@ def checkpoint_name(path: str) -> str:
     read as a zoo family (a folder ``./llama`` is ``ckpt_llama``, never the zoo's ``llama``)."""
     base = os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(path))))
     name = "".join(c if c.isalnum() or c in "_." else "_" for c in base) or "checkpoint"
-    return f"ckpt_{name}" if name in ZOO_NAMES else name
+    return f"ckpt_{name}" if name in ALL_NAMES else name
 
 
 def is_checkpoint_spec(spec: str) -> bool:
@@ -243,7 +310,7 @@ def is_checkpoint_spec(spec: str) -> bool:
         return False  # an architecture of transformers (architectures.py)
     if os.sep in spec or "/" in spec or spec.startswith(("~", ".")):
         return True
-    return spec not in ZOO_NAMES
+    return spec not in ALL_NAMES
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -288,8 +355,12 @@ def load_model(spec: str, dtype=None, device: str = "cpu", trust_remote_code: bo
         from kvconform import architectures
 
         model_type = spec.removeprefix("transformers:")
+        from kvconform import vision
+
         model = architectures.build_model(model_type, dtype=dtype)
-        return _finish(architectures.model_name(model_type), model, model.dtype, device, spec)
+        zm = _finish(architectures.model_name(model_type), model, model.dtype, device, spec)
+        zm.image = vision.of(model)
+        return zm
     if not is_checkpoint_spec(spec):
         return build_zoo_model(spec, dtype=dtype, device=device)
     return load_checkpoint(os.path.expanduser(spec), dtype=dtype, device=device, trust_remote_code=trust_remote_code)

@@ -94,11 +94,51 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
                             if getattr(step, "nonfinite", None) else step.unmasked
                             if getattr(step, "unmasked", None)
                             else f"{step.kv_mismatch} — {verdict.cause or cause_fn(step, cmp)}"
-                            if getattr(step, "kv_mismatch", None) else verdict.cause or cause_fn(step, cmp)),
+                            if getattr(step, "kv_mismatch", None)
+                            else verdict.cause or image_prefill_cause(ctx, step, cmp) or cause_fn(step, cmp)),
     ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol,
         "noise_floor": cmp.floor, "failed_at": step.label,
         "position": position, "model_at_fault": model_at_fault,
         **({"compared_with": verdict.target, "distance_to_oracle": own} if verdict.target else {})})
+
+
+def image_prefill_cause(ctx, step, cmp) -> str | None:
+    """The likely cause of a failed prefill of a VLM's image prompt (``ZooModel.image``) when the worst position is
+    in or before the image block, else None. Where the model attends its image block bidirectionally (gemma3:
+    ``token_type_ids``), the uncached forward of the same pixels with a plain causal mask is measured first: when
+    the subject's logits are that forward's, the block's bidirectional mask was lost."""
+    import torch
+
+    image = getattr(ctx.model, "image", None)
+    if image is None or not step.label.startswith("prefill") or step.start != 0:
+        return None
+    is_image = step.seq == image.image_token_id
+    b, offset = cmp.worst
+    cols = is_image[b].nonzero().flatten()
+    if not len(cols):
+        return None
+    first, last, position = int(cols[0]), int(cols[-1]), step.start + offset
+    if image.token_type_ids and (step.mask is None or bool(step.mask.all())):
+        from kvconform import vision
+
+        m = ctx.model.model
+        param = next(m.parameters())
+        pixels = vision.image_inputs(image, step.seq, param.dtype, param.device)["pixel_values"]
+        with torch.no_grad():  # the same pixels and tokens, no token_type_ids: the image block attended causally
+            causal = m(input_ids=step.seq.to(param.device), pixel_values=pixels, use_cache=False).logits
+        gap = float((step.logits - causal.detach().to("cpu", torch.float64)).abs().max())
+        if gap <= max(cmp.tol, 0.01 * cmp.max_abs):
+            return (f"the image block (positions {first}..{last}) was attended causally at the prefill: the "
+                    f"subject's logits are the uncached forward's without the block's bidirectional mask (within "
+                    f"{gap:.1e}) — the model did not get token_type_ids, or its mask was built without the image "
+                    f"block")
+    if position > last:
+        return None
+    where = "before" if position < first else "inside"
+    return (f"the prefill of the image prompt is wrong at position {position}, {where} the image block at positions "
+            f"{first}..{last}: the image tokens' keys/values are not returned where the prompt put them (dropped, "
+            f"shifted or reordered against the text) — update() must return a prefill's keys and values in "
+            f"sequence order")
 
 
 def _cache_fault_cause(fault: str) -> str:

@@ -84,6 +84,16 @@ def random_tokens(gen, batch: int, n: int, vocab: int):
     return torch.randint(FIRST_TOKEN, vocab, (batch, n), generator=gen)
 
 
+def image_prompt(model, tokens, pads=None):
+    """A prompt's first tokens ``[B, n]`` as the model takes them: for a VLM (``ZooModel.image``) with its image
+    prefix placed after each row's ``pads`` (``vision.with_image``: key token, then the image block; the model's
+    pre-forward hook gives the matching pixels to every forward that holds it), else ``tokens`` unchanged."""
+    from kvconform import vision
+
+    image = getattr(model, "image", None)
+    return tokens if image is None else vision.with_image(image, tokens, pads)
+
+
 def encoder_ids_for(ctx, gen, batch=None):
     """Random encoder input ``[batch, case.encoder_len]`` for encoder-decoder models, else None."""
     return random_tokens(gen, batch or ctx.case.batch, ctx.case.encoder_len, ctx.model.vocab_size) \
@@ -209,8 +219,9 @@ def tensors_of(cache) -> dict:
 
 def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attention_mask=None, **extra):
     """``model.generate`` of exactly ``max_new_tokens`` tokens, greedy unless ``extra`` says otherwise (e.g.
-    ``num_beams``); the one ``generate`` wrapper of the checks. Returns ``(sequences [B', L] int64 CPU, step logits
-    [B', max_new_tokens, V] float64 CPU, output)`` (``B'``: rows × beams for beam search).
+    ``num_beams``); the one ``generate`` wrapper of the checks. A VLM's prompt (``vision.of``) gets its
+    ``pixel_values`` (and ``token_type_ids``) passed to ``generate`` explicitly. Returns ``(sequences [B', L] int64
+    CPU, step logits [B', max_new_tokens, V] float64 CPU, output)`` (``B'``: rows × beams for beam search).
 
     Args:
         model: a zoo model (its ``.model`` is used) or a transformers ``PreTrainedModel`` (e.g. the float64 oracle
@@ -224,10 +235,20 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
     breadcrumb(f"generate(max_new_tokens={max_new_tokens})")
     import torch
 
+    from kvconform import vision
+
     m = model if isinstance(model, torch.nn.Module) else model.model
     device = next(m.parameters()).device
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    image = vision.of(m)
+    warm = any(seq_length(v) for v in cache_kwargs.values() if hasattr(v, "get_seq_length"))
+    if image is not None and "pixel_values" not in extra and not warm:
+        # a VLM's first turn: its pixels (and token_type_ids) go to generate() itself, as a processor's output does
+        # (generate may build the attention masks before the first forward, for a compileable cache, from them). A
+        # continuation of a cache that already holds the image gets none: transformers 5.24 raises "Image features
+        # and image tokens do not match, tokens: 0" when they come again with a warm cache (llava, idefics3, gemma3)
+        extra = {**vision.image_inputs(image, input_ids, next(m.parameters()).dtype, device), **extra}
     cache = next((v for v in cache_kwargs.values() if call_context(v) is not None), None)
     with torch.no_grad(), subject_call(cache, m):
         # (type: nn.Module.__getattr__ hides generate from mypy)

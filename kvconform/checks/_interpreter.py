@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 from kvconform import compat
 from kvconform.outcomes import breadcrumb
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
-                                     forward, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
-                                     prefill_refusal, random_tokens, seq_length, shared_layers, tensors_of,
+                                     forward, image_prompt, kv_length_mismatch, layer_max_lengths, nonfinite_in,
+                                     raise_facts, prefill_refusal, random_tokens, seq_length, shared_layers, tensors_of,
                                      unmasked_slots)
 from kvconform.ops import OPS
 from kvconform.outcomes import CheckSkipped, KVConformError
@@ -237,11 +237,15 @@ class Runner:
         new = random_tokens(self.gen, self.batch, n, self.model.vocab_size)
         if self.length == 0 and self.padding and len(self.padding) == self.batch:
             mask = torch.ones(self.batch, n, dtype=torch.long)
+            pads = []
             for b in range(self.batch):
                 p = min(self.padding[b], n - 1)
                 new[b, :p] = PAD_TOKEN
                 mask[b, :p] = 0
-            return new, mask
+                pads.append(p)
+            return image_prompt(self.model, new, pads), mask
+        if self.length == 0:  # a prefill into an empty cache: a VLM's prompt starts with its image
+            new = image_prompt(self.model, new)
         return new, None
 
     # ------------------------------------------------------------------------------------------ ops

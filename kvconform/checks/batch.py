@@ -15,7 +15,8 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import ALL_KINDS, EXACT, IGNORES_OPS, OP_PARAMS, CheckSkipped, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised, case_generator, forward, generate, random_tokens
+from kvconform.checks._drive import (SubjectRaised, case_generator, forward, generate, image_prompt,
+                                     random_tokens)
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
@@ -132,6 +133,9 @@ def check_beam_search(ctx):
     for b, p in enumerate(padding or ()):
         if b < case.batch:
             prompt[b, :p], mask[b, :p] = 0, 0
+    if not model.is_encoder_decoder:
+        prompt = image_prompt(model, prompt, [(padding or [])[b] if b < len(padding or []) else 0
+                                              for b in range(case.batch)])
     n = case.max_new_tokens
     ops_text = (f"generate(num_beams={beams}, prompts {length} tokens"
                 + (f" left-padded by {list(padding)[:case.batch]}" if padding else "") + f", max_new_tokens={n})")

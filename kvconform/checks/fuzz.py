@@ -81,7 +81,14 @@ def run_program(ctx, cache, program, info=None):
             skip = runner.length + n > limit
         elif spec.held == "removes":
             skip = runner.length == 0 or not bool(getattr(runner.cache, "is_croppable", False))
-            op = Op(name, min(n, runner.length))
+            n = min(n, runner.length)
+            image = getattr(ctx.model, "image", None)
+            if image is not None:  # a VLM caller crops whole images or none: never inside an image block
+                from kvconform import vision
+
+                n = runner.length - vision.uncut_length(image, runner.seq, runner.length - n)
+                skip = skip or n == 0
+            op = Op(name, n)
         elif spec.held == "empties":
             skip = False
         else:

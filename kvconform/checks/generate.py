@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import EXACT, IGNORES_OPS, register
-from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
+from kvconform.checks._drive import SubjectRaised, case_generator, generate, image_prompt, random_tokens
 from kvconform.checks._diagnosis import describe_raise, token_mismatch
 from kvconform.checks._lossy import fail_subject_raised, lossy_only, twin_line, twin_spec
 from kvconform.oracle import compare_logits
@@ -24,6 +24,8 @@ def _generate(ctx, cache_kwargs, prompt_len=None):
     if prompt_len is None:
         prompt_len = case.encoder_len if model.is_encoder_decoder else case.prompt
     prompt = random_tokens(gen, case.batch, prompt_len, model.vocab_size)
+    if not model.is_encoder_decoder:
+        prompt = image_prompt(model, prompt)
     seq, logits, _ = generate(model, prompt, case.max_new_tokens, cache_kwargs)  # logits [B, N, V]
     return prompt, seq, logits
 

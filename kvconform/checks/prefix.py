@@ -20,7 +20,7 @@ import copy
 
 from kvconform import compat
 from kvconform.checks import EXACT, IGNORES_OPS, OP_PARAMS, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens
+from kvconform.checks._drive import SubjectRaised, case_generator, generate, image_prompt, random_tokens
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
@@ -193,7 +193,7 @@ def _prefix_tokens(ctx):
 
     case, model = ctx.case, ctx.model
     gen = case_generator(case, model.name)
-    prefix = random_tokens(gen, case.batch, case.ops[0].n, model.vocab_size)
+    prefix = image_prompt(model, random_tokens(gen, case.batch, case.ops[0].n, model.vocab_size))
     suffix = random_tokens(gen, case.batch, int(case.params["suffix"]), model.vocab_size)
     return prefix, suffix, torch.cat([prefix, suffix], dim=1)
 
@@ -261,7 +261,7 @@ def check_prefix_generate(ctx):
 
 def _turn_tokens(ctx):
     gen = case_generator(ctx.case, ctx.model.name)
-    prompt = random_tokens(gen, ctx.case.batch, ctx.case.prompt, ctx.model.vocab_size)
+    prompt = image_prompt(ctx.model, random_tokens(gen, ctx.case.batch, ctx.case.prompt, ctx.model.vocab_size))
     user = random_tokens(gen, ctx.case.batch, int(ctx.case.params["user"]), ctx.model.vocab_size)
     return prompt, user
 

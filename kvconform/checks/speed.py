@@ -40,7 +40,8 @@ from __future__ import annotations
 
 from kvconform.checks import ALL_KINDS, IGNORES_OPS, Param, register
 from kvconform.checks._diagnosis import fail_raised
-from kvconform.checks._drive import FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call
+from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
+                                     subject_call)
 from kvconform.outcomes import breadcrumb
 from kvconform.timing import Target, measure_interleaved
 
@@ -94,7 +95,8 @@ def _tokens(ctx, length):
     import torch
 
     gen = case_generator(ctx.case, ctx.model.name)
-    return torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, length), generator=gen)
+    return image_prompt(ctx.model, torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, length),
+                                                 generator=gen))
 
 
 def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Target:

@@ -109,12 +109,16 @@ def accepted_names(factory) -> set | None:
 
 def meta_model(config):
     """A weightless transformers model of ``config`` on the meta device (``AutoModelForSeq2SeqLM`` for
-    encoder-decoders, else ``AutoModelForCausalLM``): what a model-aware factory gets where kvconform only needs to see
-    what it builds (``CacheSpec.plan_build``). Its parameters have shapes and dtypes (float32) but no data."""
+    encoder-decoders, ``AutoModelForImageTextToText`` for a vision-language config it maps and the causal-LM mapping
+    does not, else ``AutoModelForCausalLM``): what a model-aware factory gets where kvconform only needs to see what it
+    builds (``CacheSpec.plan_build``). Its parameters have shapes and dtypes (float32) but no data."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    if auto is AutoModelForCausalLM and type(config) not in auto._model_mapping and \
+            type(config) in AutoModelForImageTextToText._model_mapping:
+        auto = AutoModelForImageTextToText
     with torch.device("meta"):
         return auto.from_config(config)
 
