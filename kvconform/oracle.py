@@ -23,15 +23,22 @@ DEFAULT_ABS_MIN = 2e-5
 
 @dataclass(frozen=True)
 class Tolerance:
-    """``bound(floor) = max(factor · floor, abs_min)`` (logit units)."""
+    """``bound(floor) = max(factor · max(floor, oracle_drift), abs_min)`` (logit units).
+
+    ``oracle_drift``: for a model whose float64 forward computes in float32 inside, what its oracle cannot resolve
+    between its cached and uncached paths (``checks.oracle_drift``, measured); 0.0 for every other model."""
 
     factor: float = DEFAULT_FACTOR
     abs_min: float = DEFAULT_ABS_MIN
+    oracle_drift: float = 0.0
 
     def bound(self, floor: float) -> float:
-        return max(self.factor * floor, self.abs_min)
+        return max(self.factor * max(floor, self.oracle_drift), self.abs_min)
 
     def describe(self, floor: float) -> str:
+        if self.oracle_drift > floor and self.factor * self.oracle_drift >= self.abs_min:
+            return (f"{self.factor:g} × the oracle's own drift {self.oracle_drift:.1e} (its float64 forward computes "
+                    f"in float32 inside); noise floor {floor:.1e}")
         if self.factor * floor >= self.abs_min:
             return f"{self.factor:g} × noise floor {floor:.1e}"
         return f"abs_min {self.abs_min:.1e}; noise floor {floor:.1e}"
