@@ -115,7 +115,7 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     if not reports:
         raise MergeError("no reports given")
     first_path, first = reports[0]
-    shards, results, subjects, models = {}, {}, [], []
+    shards, results, subjects, models, owner = {}, {}, [], [], {}
     for path, payload in reports:
         if not isinstance(payload, dict) or payload.get("schema") != 1 or not isinstance(payload.get("results"), list):
             raise MergeError(f"{path}: not a kvconform JSON report of schema 1")
@@ -136,6 +136,11 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
             if old is not None and old["outcome"] != record["outcome"]:
                 raise MergeError(f"{path}: {record['nodeid']} is {record['outcome']} here but {old['outcome']} in "
                                  f"another report")
+            if old is not None and shard is not None:
+                raise MergeError(f"{path}: {record['nodeid']} is also in {owner[record['nodeid']]}: a split gives "
+                                 f"every item to one shard, so these shards were split differently (another plan, "
+                                 f"other -k / -m, or items split in a run order that differed between the jobs)")
+            owner[record["nodeid"]] = path
             results[record["nodeid"]] = record
     _check_complete(shards, len(reports))
     environment = {k: v for k, v in first.get("environment", {}).items() if k != "shard"}

@@ -113,3 +113,17 @@ def test_a_shard_split_does_not_depend_on_the_order_items_are_collected_in():
         assert not set(kept[0]) & set(kept[1]) and len(kept[0]) + len(kept[1]) == len(items)
         split.setdefault("first", set(kept[0]))
         assert set(kept[0]) == split["first"]
+
+
+def test_merge_refuses_shards_that_share_an_item():
+    from kvconform import merge
+
+    env = {"kvconform": "0", "transformers": "5", "torch": "2", "device": "cpu", "strict": False}
+
+    def report(shard, *ids):
+        return {"schema": 1, "environment": {**env, "shard": shard},
+                "results": [{"nodeid": i, "outcome": "passed"} for i in ids]}
+
+    assert len(merge.merge_reports([("a", report("1/2", "x", "y")), ("b", report("2/2", "z"))])["results"]) == 3
+    with pytest.raises(merge.MergeError, match="y is also in a: .* split differently"):
+        merge.merge_reports([("a", report("1/2", "x", "y")), ("b", report("2/2", "y", "z"))])
