@@ -80,8 +80,8 @@ def test_recurrent_gemma_restarts_its_conv_on_a_chunk_with_every_cache():
 
 def test_a_float32_bound_oracle_measures_its_drift_and_the_tolerance_takes_it_as_a_floor():
     from kvconform import zoo
-    from kvconform.checks import DRIFT_MAX, oracle_drift
-    from kvconform.oracle import Tolerance
+    from kvconform.checks import oracle_drift
+    from kvconform.oracle import DRIFT_MAX, Tolerance, compare_logits
 
     drift = oracle_drift(zoo.load_model("transformers:nemotron_h"))  # float32 logits from its float64 forward
     assert 1e-6 < drift <= DRIFT_MAX
@@ -92,6 +92,13 @@ def test_a_float32_bound_oracle_measures_its_drift_and_the_tolerance_takes_it_as
     # what the sweep measured on nemotron_h (2.4e-5 .. 3.2e-5 in fp32, ReferenceCache included) is inside it; the
     # drift is capped, so no float32-bound oracle excuses a Δ of 1e-3 or more (the recurrent_gemma fault: 0.078)
     assert tol.bound(2e-6) > 3.2e-5 and Tolerance(10.0, 2e-5, oracle_drift=DRIFT_MAX).bound(0) <= 1e-3
+    # measured only for a step that needs it (a float64 Mamba2 forward takes seconds): never for a clear fault
+    calls = []
+    lazy = Tolerance(10.0, 2e-5, drift_source=lambda: calls.append(1) or drift)
+    oracle = torch.zeros(1, 1, 4, dtype=torch.float64)
+    assert compare_logits(oracle + 3e-5, oracle, oracle, lazy).passed and calls == [1]
+    assert not compare_logits(oracle + 0.5, oracle, oracle, lazy).passed and calls == [1]
+    assert compare_logits(oracle, oracle, oracle, lazy).passed and calls == [1]
 
 
 def test_a_shard_split_does_not_depend_on_the_order_items_are_collected_in():
