@@ -184,6 +184,11 @@ def overrides(config, depth: int = 0) -> dict:
         for name in counts:
             if not isinstance(getattr(type(config), name, None), property):  # derived counts (prophetnet) stay
                 out[name] = len(keep)
+    if original and _is_int(values.get("n_input_layers")) and _is_int(values.get("n_output_layers")):
+        # input / recurrent / output sections (dory: 8 + rest + 8 of 36) must add up to the layers kept, else the
+        # recurrent section has a negative size: one input layer, the rest recurrent, no output layer
+        out["n_input_layers"], out["n_output_layers"] = 1, 0
+        out["n_recurrent_layers"] = len(keep) - 1
     heads = out.get("num_attention_heads", values.get("num_attention_heads"))
     if "head_dim" in values and values["head_dim"] is None and _is_int(heads):
         out["head_dim"] = HIDDEN // heads  # None means hidden / heads, which some modeling code does not derive

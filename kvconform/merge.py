@@ -3,7 +3,8 @@
 
 Splitting. pytest-xdist spreads a run over one machine's cores; CI jobs on several machines each run one shard.
 Every shard collects the same items (the plan is deterministic: sorted, no addresses in ids) and keeps share ``I``
-of them: the items are ordered by model (the run's model order; within a model, collection order), each is given
+of them: the items are ordered by model name, then node id (never the run order, which pytest-randomly shuffles
+with another seed in every process: measured, two 2-way shards then overlapped on 146 of 570 items), each is given
 an estimated cost (``item_cost``: a skipped item almost nothing, a compile or speed item several times a logits
 item) plus the cost of building its model once, and the ordered list is cut into ``N`` contiguous runs of equal
 total cost. Contiguous by model, so a shard builds only about ``1/N`` of the models (model builds and oracles are
@@ -81,7 +82,13 @@ def select_shard(items: list, index: int, count: int) -> tuple[list, list]:
     docstring. Items without a kvconform plan item (another test of the session) are shared out by count."""
     plans = [getattr(getattr(it, "callspec", None), "params", {}).get("kv_item") for it in items]
     keys = [p.model.name if p is not None else "" for p in plans]
-    shards = shard_of(keys, [item_cost(p) for p in plans], count)
+    # split in an order of their own (model, node id), not the run order: a plugin that shuffles items per process
+    # (pytest-randomly, a different seed in every CI job) would otherwise give each job another split
+    order = sorted(range(len(items)), key=lambda i: (keys[i], getattr(items[i], "nodeid", "")))
+    ranked = shard_of([keys[i] for i in order], [item_cost(plans[i]) for i in order], count)
+    shards = [0] * len(items)
+    for position, i in enumerate(order):
+        shards[i] = ranked[position]
     kept = [it for it, s in zip(items, shards) if s == index - 1]
     dropped = [it for it, s in zip(items, shards) if s != index - 1]
     return kept, dropped
@@ -108,7 +115,7 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     if not reports:
         raise MergeError("no reports given")
     first_path, first = reports[0]
-    shards, results, subjects, models = {}, {}, [], []
+    shards, results, subjects, models, owner = {}, {}, [], [], {}
     for path, payload in reports:
         if not isinstance(payload, dict) or payload.get("schema") != 1 or not isinstance(payload.get("results"), list):
             raise MergeError(f"{path}: not a kvconform JSON report of schema 1")
@@ -129,6 +136,11 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
             if old is not None and old["outcome"] != record["outcome"]:
                 raise MergeError(f"{path}: {record['nodeid']} is {record['outcome']} here but {old['outcome']} in "
                                  f"another report")
+            if old is not None and shard is not None:
+                raise MergeError(f"{path}: {record['nodeid']} is also in {owner[record['nodeid']]}: a split gives "
+                                 f"every item to one shard, so these shards were split differently (another plan, "
+                                 f"other -k / -m, or items split in a run order that differed between the jobs)")
+            owner[record["nodeid"]] = path
             results[record["nodeid"]] = record
     _check_complete(shards, len(reports))
     environment = {k: v for k, v in first.get("environment", {}).items() if k != "shard"}

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - depends on the installed transformers
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 LINEAR_LAYER_TYPES = ("linear_attention", "conv")
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+INDEXED_LAYER_TYPE = "indexed_attention"
 
 
 def _check_crop_sign(tokens_to_remove: int) -> None:
@@ -150,6 +151,45 @@ class ReferenceAttentionLayer(BatchOpsMixin, CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         self.key_chunks = [fn(chunk) for chunk in self.key_chunks]
         self.value_chunks = [fn(chunk) for chunk in self.value_chunks]
+
+
+class ReferenceIndexedLayer(ReferenceAttentionLayer):
+    """An attention layer of a sparse-attention model (``indexed_attention``: DeepSeek-V3.2-style DSA, dots3-note,
+    GLM-DSA) that also keeps the *indexer keys*: the model's indexer calls ``cache.update_indexer(k, layer_idx)``
+    with ``k`` ``[batch, new_len, index_head_dim]`` and scores every held token with what it gets back, to choose
+    the top-k tokens its attention reads. Kept like the keys, one chunk per call (along dim 1), and cropped,
+    reordered and reset with them."""
+
+    def __init__(self, sliding_window: int | None = None, **ignored_kwargs):
+        super().__init__(sliding_window=sliding_window)
+        self.indexer_chunks: list[torch.Tensor] = []
+
+    @property
+    def indexer_keys(self) -> torch.Tensor | None:
+        return torch.cat(self.indexer_chunks, dim=1) if self.indexer_chunks else None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Append the new indexer keys ``[batch, new_len, index_head_dim]``; return all held ``[batch, held +
+        new_len, index_head_dim]`` (position ``i`` along dim 1 is absolute token position ``i``)."""
+        self.indexer_chunks.append(indexer_key_states.clone())
+        return self.indexer_keys
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens' keys, values and indexer keys (see
+        ``ReferenceAttentionLayer.crop``)."""
+        held = sum(chunk.shape[1] for chunk in self.indexer_chunks)
+        super().crop(tokens_to_remove)
+        if tokens_to_remove and self.indexer_chunks:
+            keep = max(held + tokens_to_remove, 0)
+            self.indexer_chunks = [self.indexer_keys[:, :keep]] if keep > 0 else []
+
+    def reset(self) -> None:
+        super().reset()
+        self.indexer_chunks = []
+
+    def _map_batch(self, fn) -> None:
+        super()._map_batch(fn)
+        self.indexer_chunks = [fn(chunk) for chunk in self.indexer_chunks]
 
 
 class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixin):
@@ -417,13 +457,15 @@ def make_reference_layer(layer_type: str, layer_kwargs: dict):
     """The reference layer for one entry of ``get_layer_types_and_kwargs``.
 
     Raises:
-        ValueError: a layer type the reference does not implement (e.g. ``indexed_attention``).
+        ValueError: a layer type the reference does not implement.
     """
     window = layer_kwargs.get("sliding_window")
     states = layer_kwargs.get("number_of_states", 1)
     single = linear_attention_protocol() == "single"
     if layer_type in ATTENTION_LAYER_TYPES:
         return ReferenceAttentionLayer(sliding_window=window if layer_type != "full_attention" else None)
+    if layer_type == INDEXED_LAYER_TYPE:
+        return ReferenceIndexedLayer(sliding_window=window)
     if layer_type in LINEAR_LAYER_TYPES:
         return (ReferenceSingleStateLinearLayer if single else ReferenceLinearAttentionLayer)(number_of_states=states)
     if layer_type in HYBRID_LAYER_TYPES:
@@ -438,7 +480,8 @@ class ReferenceCache(Cache):
     """The simplest correct cache: every token's keys/values kept, SSM states kept as the models expect.
 
     ``ReferenceCache(config)`` builds one layer per decoder layer of ``config.get_text_config(decoder=True)``
-    (``ReferenceAttentionLayer``, ``ReferenceLinearAttentionLayer``, ``ReferenceHybridLayer`` or ``DummyLayer``).
+    (``ReferenceAttentionLayer``, ``ReferenceIndexedLayer``, ``ReferenceLinearAttentionLayer``, ``ReferenceHybridLayer``
+    or ``DummyLayer``).
     ``ReferenceCache()`` adds full-attention layers lazily as the model updates them, which is what each half of
     ``EncoderDecoderCache(ReferenceCache(), ReferenceCache())`` needs. Models with SSM layers need the config.
 

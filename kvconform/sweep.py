@@ -4,9 +4,10 @@ build tiny (``architectures.py``) and are causal language models that keep a cac
 Every architecture matching the pattern is built from its own config class, and is *refused* (listed, never run)
 when building it raises or it is too large after the generic shrink, when its forward takes no cache at all
 (``openai-gpt``, ``rwkv``: no KV cache to check), when it is not causal (the session's ``causality_gap`` check:
-an encoder such as XLM registered as a causal LM, whose earlier positions see later tokens), or when one cached
-forward of its own (no cache passed, ``use_cache=True``) raises. The others are run like any model: their layer
-types decide which cases apply.
+an encoder such as XLM registered as a causal LM, whose earlier positions see later tokens), when one cached
+forward of its own (no cache passed, ``use_cache=True``) raises, or when its own code refuses any cache but its own
+(MiniMax) or more than one new token into a warm cache (ProphetNet) (``_refuses_caches``). The others are run like
+any model: their layer types decide which cases apply.
 
 The verdicts depend only on the installed transformers and torch and on kvconform's builder, so they are kept in a
 file under the system temp folder keyed by those versions and by the builder's source: pytest-xdist workers and
@@ -96,9 +97,12 @@ def examine(model_type: str, causality_gap, tolerance: float) -> dict:
     ids = torch.arange(3, 8).remainder(zm.vocab_size).unsqueeze(0)
     try:
         with torch.no_grad():
-            zm.model(input_ids=ids, use_cache=True)
+            out = zm.model(input_ids=ids, use_cache=True)
     except Exception as exc:  # noqa: BLE001
         return {**record, "reason": f"its own cached forward (no cache passed) raised {_first_line(exc)}"}
+    refused = _refuses_caches(zm.model, out, ids)
+    if refused:
+        return {**record, "reason": refused}
     try:
         with torch.no_grad():
             zm.oracle_model()(input_ids=ids, use_cache=False)
@@ -118,6 +122,47 @@ def examine(model_type: str, causality_gap, tolerance: float) -> dict:
     return {**record, "built": True, "reason": "", "layer_types": list(zm.layer_types),
             "accepts_position_ids": bool(accepts_position_ids(zm.model)),
             "params": int(sum(p.numel() for p in zm.model.parameters())), "gap": float(gap)}
+
+
+_REFUSALS = (AssertionError, NotImplementedError, ValueError)
+"""What a model's own code raises to refuse an input on purpose (an assert, a "not supported" error), as opposed to
+a crash inside it (an IndexError, a shape mismatch), which is a finding to report, never a reason to refuse."""
+
+
+def _refuses_caches(model, out, ids) -> str:
+    """Why ``model``, whose cached forward of ``ids`` ``[1, 5]`` with no cache passed gave ``out``, cannot be checked
+    with a cache of kvconform's choosing, or ``""``. Two refusals of the model's own code are reasons:
+
+    * it takes only its own cache class: the cache it creates by itself is not a plain ``DynamicCache`` and a
+      ``DynamicCache(config=...)`` passed in is refused (MiniMax's ``MiniMaxCache``: "uses cache of its own");
+    * its cached forward takes one new token at a time: 2 new tokens into its own warm cache are refused (ProphetNet
+      asserts ``decoder_input_ids`` of length 1 once the cache holds tokens), so no prefill-then-chunk, fork or
+      multi-turn case can run on it with any cache.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from kvconform.compat import cache_kwarg
+
+    name = cache_kwarg(model)
+    own = getattr(out, "past_key_values", None) or getattr(out, name, None)
+    if own is not None and type(own) is not DynamicCache:
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=True, **{name: DynamicCache(config=model.config)})
+        except _REFUSALS as exc:
+            return (f"takes only its own cache ({type(own).__name__}): its forward refuses a transformers "
+                    f"DynamicCache ({_first_line(exc)})")
+    if own is not None:
+        try:
+            with torch.no_grad():
+                model(input_ids=ids[:, :2], use_cache=True, **{name: own})
+        except _REFUSALS as exc:
+            return (f"its cached forward takes one new token at a time: 2 new tokens into its own warm "
+                    f"{type(own).__name__} are refused ({_first_line(exc)})")
+        except Exception:  # noqa: BLE001 - a crash, not a refusal: the checks report it
+            pass
+    return ""
 
 
 def survey(pattern: str, causality_gap, tolerance: float) -> list[dict]:

@@ -90,6 +90,14 @@ def check_cache_implementation(ctx):
                  {"raised": type(exc).__name__})
     built = _layer_classes(compat.output_cache(out))
     expected = _layer_classes(ctx.new_cache())
+    if built != expected and len(built[1]) > len(expected[1]):
+        # a model that adds cache layers in its own forward (dory's per-loop copies of its recurrent layers): what
+        # the subject's cache holds after the same generate is what the implementation should have built
+        try:
+            own = _generate(ctx, **compat.generate_cache_kwargs(ctx.new_cache(), ctx.model.model))[3]
+            expected = _layer_classes(compat.output_cache(own))
+        except Exception:  # noqa: BLE001 - the subject's own generate fails elsewhere; compare with the fresh one
+            pass
     ctx.metrics.update(built=built[0], layers=list(built[1]))
     if built != expected:
         ctx.fail([f"generate(cache_implementation={impl!r}) built {built[0]} with layers {list(built[1])}"

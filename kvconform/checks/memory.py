@@ -81,12 +81,15 @@ class LayerShape:
         token_bytes: bytes of one token's keys + values over the batch (``B·H_kv·(D_k + D_v)·b``), 0 if none.
         dims: ``(B, H_kv, D, b)`` for the message (D of the keys).
         state_bytes: conv + recurrent state bytes (linear / hybrid layers), 0 if none.
+        indexer_dim: ``D_idx`` of the per-token indexer keys an ``indexed_attention`` layer holds besides its keys
+            and values (``[B, S, D_idx]``, counted in ``token_bytes``), 0 if none.
     """
 
     kind: str
     token_bytes: int = 0
     dims: tuple = ()
     state_bytes: int = 0
+    indexer_dim: int = 0
 
 
 def reference_shapes(ref_cache) -> dict[str, LayerShape]:
@@ -94,16 +97,21 @@ def reference_shapes(ref_cache) -> dict[str, LayerShape]:
     out = {}
     for label, layer in cache_layers(ref_cache):
         dims: tuple[int, ...] = ()
-        token_bytes, kv_bytes = 0, 0
+        token_bytes, kv_bytes, indexer_dim = 0, 0, 0
         chunks = getattr(layer, "key_chunks", None)
         if chunks:
             k, v = chunks[0], layer.value_chunks[0]
             token_bytes = k.shape[0] * k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()
             dims = (k.shape[0], k.shape[1], k.shape[-1], k.element_size())
             kv_bytes = storage_bytes(list(layer.key_chunks) + list(layer.value_chunks))
+            indexer = list(getattr(layer, "indexer_chunks", None) or [])  # indexed_attention: per-token indexer keys
+            if indexer:
+                indexer_dim = indexer[0].shape[-1]
+                token_bytes += indexer[0].shape[0] * indexer_dim * indexer[0].element_size()
+                kv_bytes += storage_bytes(indexer)
         state_bytes = held_bytes(layer) - kv_bytes
         kind = "hybrid" if token_bytes and state_bytes else "attention" if token_bytes else "linear"
-        out[label] = LayerShape(kind, token_bytes, dims, state_bytes)
+        out[label] = LayerShape(kind, token_bytes, dims, state_bytes, indexer_dim)
     return out
 
 
@@ -162,7 +170,10 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
         held, rule = min(tokens, capacity), f"min(S={tokens}, window={capacity})"
     B, H, D, b = shape.dims
     kv = held * shape.token_bytes
-    text = f"2·B{B}·H_kv{H}·D{D}·{b}B · {rule} = {kv} B" + (f" + states {state} B" if state else "")
+    per_token = f"2·B{B}·H_kv{H}·D{D}"
+    if shape.indexer_dim:
+        per_token = f"({per_token} + B{B}·D_idx{shape.indexer_dim})"
+    text = f"{per_token}·{b}B · {rule} = {kv} B" + (f" + states {state} B" if state else "")
     q = quant_params(layer)
     if q is None:
         spare = page * shape.token_bytes if page > 1 and not preallocates else 0
