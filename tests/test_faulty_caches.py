@@ -4,7 +4,7 @@ README names.
 
 The faulty caches share their runs: one ``pytest --kvconform`` subprocess per group of caches (each cache on its own
 model, selected with ``-k``), and each test reads its cache's records from that run's JSON report. One start-up and
-one model and oracle build per group instead of per cache: 52 runs became 5. Under ``pytest tests -n auto`` each
+one model and oracle build per group instead of per cache (70 runs became 7). Under ``pytest tests -n auto`` each
 group is an ``xdist_group``, so a group's run happens once, in the worker that gets the group (tests/conftest.py
 turns ``--dist load`` into ``loadgroup``).
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvconform.testing import faulty_caches
+from kvconform.zoo import VLM_NAMES
 
 FAULTY = faulty_caches()
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "faulty_caches" / "faulty_caches.py"
@@ -27,14 +28,17 @@ SHARED_FAMILY = {"logits": "logits", "api-contract": "contract", "crop": "crop",
                  "batch-reorder": "batch", "reset": "lifecycle", "compile": "compile", "memory": "memory",
                  "speed": "speed", "mamba-state": "logits", "sliding-window": "logits"}
 SHARED_MODEL = {"llama": "llama", "mistral_sw8": "mistral", "mamba": "mamba"}
-GROUPS = 4  # groups of bundled faulty caches that are not speed faults (the speed faults are a group of their own)
+GROUPS = 4  # groups of the bundled faulty caches on text models (speed faults and VLM faults: a group each)
 _RUNS: dict[str, dict] = {}  # group → {(subject, model): [records]}, once per process
 
 
 def _group(faulty) -> str:
     if faulty.family == "speed":
         return "faulty-speed"
-    return f"faulty-{FAULTY.index(faulty) % GROUPS}"
+    if faulty.model in VLM_NAMES:  # the vision-language models are the slowest to run: a group of their own
+        return "faulty-vlm"
+    others = [f for f in FAULTY if f.family != "speed" and f.model not in VLM_NAMES]
+    return f"faulty-{others.index(faulty) % GROUPS}"
 
 
 def _run_group(group: str, tmp_path_factory, specs, models, selection: str, marks: tuple[str, ...] = ()) -> dict:
