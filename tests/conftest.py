@@ -18,10 +18,8 @@ pytest_plugins = ["pytester"]
 NATIVE_PACKAGES = ("torch", "torchgen", "functorch", "transformers", "optimum", "hqq", "triton", "safetensors",
                    "tokenizers", "numpy", "scipy", "sympy", "huggingface_hub", "turboquant")
 
-
 def _keeps_native_state(name: str) -> bool:
     return name.split(".", 1)[0] in NATIVE_PACKAGES
-
 
 class _SysModulesSnapshot(_pytester.SysModulesSnapshot):
     """pytester's snapshot, keeping the modules of ``NATIVE_PACKAGES`` imported after it was taken."""
@@ -29,9 +27,7 @@ class _SysModulesSnapshot(_pytester.SysModulesSnapshot):
     def __init__(self, preserve=None):
         super().__init__(preserve=lambda name: _keeps_native_state(name) or bool(preserve and preserve(name)))
 
-
 _pytester.SysModulesSnapshot = _SysModulesSnapshot
-
 
 @pytest.fixture
 def run_kvconform(pytester):
@@ -44,17 +40,27 @@ def run_kvconform(pytester):
 
     return run
 
-
 def pytest_configure(config):
     # Subprocess runs inherit this interpreter; make sure they find the same kvconform.
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
-    # `pytest tests -n auto`: tests that share one kvconform run (an ``xdist_group``, e.g. the faulty caches of
-    # tests/test_faulty_caches.py) go to one worker, which runs it once; every other test is distributed as by
-    # ``--dist load``. A distribution chosen on the command line (``--dist ...``) is kept.
-    if getattr(config.option, "dist", "no") == "load" and "--dist" not in " ".join(config.invocation_params.args):
-        config.option.dist = "loadgroup"
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest tests -n auto`: tests that share one kvconform run (e.g. the faulty caches of
+    tests/test_faulty_caches.py, whose parameter ids end in ``@<group>``) go to one worker, which runs it once; every
+    other test is a unit of its own, as under ``--dist load``; the largest groups start first. A distribution chosen
+    on the command line (``--dist ...``) is kept. (pytest-xdist's own ``--dist loadgroup`` groups by a node-id suffix
+    that its worker hook writes to ``item._nodeid``, which pytest 9 no longer reads: the groups are not kept there.)"""
+    if config.option.dist != "load" or "--dist" in " ".join(config.invocation_params.args):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
+    class SharedRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            param = nodeid.partition("[")[2].removesuffix("]")
+            return "group " + param.rpartition("@")[2] if "@" in param else nodeid
+
+    return SharedRunScheduling(config, log)
 
 @pytest.fixture(autouse=True)
 def _inner_runs_are_not_xdist_workers(monkeypatch):
@@ -68,7 +74,6 @@ def _inner_runs_are_not_xdist_workers(monkeypatch):
     # runs a test starts are small, and worker start-ups would cost more than they save: in-process, unless a test
     # asks for workers (-n) or unsets this (tests/test_crashes.py runs the default).
     monkeypatch.setenv("KVCONFORM_WORKERS", "0")
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():

@@ -4,9 +4,8 @@ README names.
 
 The faulty caches share their runs: one ``pytest --kvconform`` subprocess per group of caches (each cache on its own
 model, selected with ``-k``), and each test reads its cache's records from that run's JSON report. One start-up and
-one model and oracle build per group instead of per cache (70 runs became 7). Under ``pytest tests -n auto`` each
-group is an ``xdist_group``, so a group's run happens once, in the worker that gets the group (tests/conftest.py
-turns ``--dist load`` into ``loadgroup``).
+one model and oracle build per group instead of per cache (70 runs became 7). Under ``pytest tests -n auto`` a group
+(the ``@<group>`` ending of a test's id) goes to one worker (tests/conftest.py's scheduler), which runs it once.
 """
 
 import json
@@ -83,8 +82,7 @@ def _cause_line(message: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("faulty", [pytest.param(f, id=f.name, marks=pytest.mark.xdist_group(_group(f)))
-                                    for f in FAULTY])
+@pytest.mark.parametrize("faulty", [pytest.param(f, id=f"{f.name}@{_group(f)}") for f in FAULTY])
 def test_bundled_faulty_cache_caught_by_its_family(faulty, tmp_path_factory):
     """Caught by its check and case, with its message fragments, its likely-cause line (``FaultyCache.cause``), and
     failing no family outside ``FaultyCache.family`` / ``also_caught_by``."""
@@ -112,8 +110,8 @@ def _shared_entries():
     spec = importlib.util.spec_from_file_location("shared_faulty_caches", SHARED)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [pytest.param((cls.__name__, SHARED_FAMILY[fam], SHARED_MODEL[module.FAULTY_MODEL[name]]), id=name,
-                         marks=pytest.mark.xdist_group("faulty-shared"))
+    return [pytest.param((cls.__name__, SHARED_FAMILY[fam], SHARED_MODEL[module.FAULTY_MODEL[name]]),
+                         id=f"{name}@faulty-shared")
             for name, (cls, fam) in sorted(module.FAULTY_CACHES.items())]
 
 
