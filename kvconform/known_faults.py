@@ -197,8 +197,9 @@ class KnownFault:
         return None
 
     def matches(self, version, **fields) -> bool:
-        """``applies_to(version)`` and ``matches_fields(**fields)``."""
-        return self.applies_to(version) and self.matches_fields(**fields)
+        """``matches_fields(**fields)`` and ``applies_to(version)`` (the names first: an fnmatch is cheap and most
+        entries fail on them, a version specifier test is not: looked up for every planned item)."""
+        return self.matches_fields(**fields) and self.applies_to(version)
 
 
 ABSENT = None

@@ -186,13 +186,11 @@ class KVSession:
         """The first ``known_faults.KnownFault`` matching this item (names) on the installed transformers, or None."""
         key = (subject, model, check, family, case)
         if key not in self._fault_memo:  # looked up per item and per zoo model of its kind: memoised
+            from kvconform import known_faults
             from kvconform.compat import transformers_version
 
-            version = transformers_version()
-            if "live" not in self._fault_memo:  # the entries whose releases include this one, in file order
-                self._fault_memo["live"] = [f for f in self.faults if f.applies_to(version)]
-            fields = dict(subject=subject, model=model, check=check, case=case, family=family)
-            self._fault_memo[key] = next((f for f in self._fault_memo["live"] if f.matches_fields(**fields)), None)
+            self._fault_memo[key] = known_faults.find(self.faults, transformers_version(), subject, model, check,
+                                                      case, family)
         return self._fault_memo[key]
 
     def stale_faults(self) -> list:
