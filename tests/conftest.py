@@ -18,8 +18,10 @@ pytest_plugins = ["pytester"]
 NATIVE_PACKAGES = ("torch", "torchgen", "functorch", "transformers", "optimum", "hqq", "triton", "safetensors",
                    "tokenizers", "numpy", "scipy", "sympy", "huggingface_hub", "turboquant")
 
+
 def _keeps_native_state(name: str) -> bool:
     return name.split(".", 1)[0] in NATIVE_PACKAGES
+
 
 class _SysModulesSnapshot(_pytester.SysModulesSnapshot):
     """pytester's snapshot, keeping the modules of ``NATIVE_PACKAGES`` imported after it was taken."""
@@ -27,7 +29,9 @@ class _SysModulesSnapshot(_pytester.SysModulesSnapshot):
     def __init__(self, preserve=None):
         super().__init__(preserve=lambda name: _keeps_native_state(name) or bool(preserve and preserve(name)))
 
+
 _pytester.SysModulesSnapshot = _SysModulesSnapshot
+
 
 @pytest.fixture
 def run_kvconform(pytester):
@@ -40,9 +44,11 @@ def run_kvconform(pytester):
 
     return run
 
+
 def pytest_configure(config):
     # Subprocess runs inherit this interpreter; make sure they find the same kvconform.
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
@@ -62,6 +68,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     return SharedRunScheduling(config, log)
 
+
 @pytest.fixture(autouse=True)
 def _inner_runs_are_not_xdist_workers(monkeypatch):
     """Under ``pytest tests -n auto`` this process is an xdist worker, and its environment says so
@@ -74,6 +81,7 @@ def _inner_runs_are_not_xdist_workers(monkeypatch):
     # runs a test starts are small, and worker start-ups would cost more than they save: in-process, unless a test
     # asks for workers (-n) or unsets this (tests/test_crashes.py runs the default).
     monkeypatch.setenv("KVCONFORM_WORKERS", "0")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
