@@ -28,6 +28,7 @@ SHARED_FAMILY = {"logits": "logits", "api-contract": "contract", "crop": "crop",
                  "speed": "speed", "mamba-state": "logits", "sliding-window": "logits"}
 SHARED_MODEL = {"llama": "llama", "mistral_sw8": "mistral", "mamba": "mamba"}
 GROUPS = 4  # groups of the bundled faulty caches on text models (speed faults and VLM faults: a group each)
+_TEXT_FAULTY = [f for f in FAULTY if f.family != "speed" and f.model not in VLM_NAMES]  # spread over GROUPS groups
 _RUNS: dict[str, dict] = {}  # group → {(subject, model): [records]}, once per process
 
 
@@ -36,8 +37,7 @@ def _group(faulty) -> str:
         return "faulty-speed"
     if faulty.model in VLM_NAMES:  # the vision-language models are the slowest to run: a group of their own
         return "faulty-vlm"
-    others = [f for f in FAULTY if f.family != "speed" and f.model not in VLM_NAMES]
-    return f"faulty-{others.index(faulty) % GROUPS}"
+    return f"faulty-{_TEXT_FAULTY.index(faulty) % GROUPS}"
 
 
 def _run_group(group: str, tmp_path_factory, specs, models, selection: str, marks: tuple[str, ...] = ()) -> dict:
@@ -115,10 +115,13 @@ def _shared_entries():
             for name, (cls, fam) in sorted(module.FAULTY_CACHES.items())]
 
 
-@pytest.mark.parametrize("entry", _shared_entries())
+SHARED_ENTRIES = _shared_entries()
+
+
+@pytest.mark.parametrize("entry", SHARED_ENTRIES)
 def test_shared_faulty_cache_caught(entry, tmp_path_factory):
     attr, family, model = entry
-    entries = [e.values[0] for e in _shared_entries()]
+    entries = [e.values[0] for e in SHARED_ENTRIES]
     # -k matches marker names too: each cache runs only its family's items on its model
     selection = " or ".join(f"({a} and {m} and kvconform_{f})" for a, f, m in entries)
     records = _run_group("faulty-shared", tmp_path_factory, [f"{SHARED}:{a}" for a, _, _ in entries],
