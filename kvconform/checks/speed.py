@@ -99,6 +99,17 @@ def _tokens(ctx, length):
                                                  generator=gen))
 
 
+def _both_rounds(first, second, name: str, other: str, other_label: str, timer_note: str = "") -> list[str]:
+    """The lines of a confirmed speed failure that give both measurements (``_confirm``'s ``first`` and ``second``):
+    ``name``'s timings against ``other``'s (``other_label`` in the text) in the first rounds, its timer line (plus
+    ``timer_note``), then the same for the confirmation rounds."""
+    (timings, timer, *_), (timings2, timer2, *_) = first, second
+    return [f"first: {name}: {timings[name].describe()}; {other_label}: {timings[other].describe()}",
+            timer + timer_note,
+            f"confirmation: {name}: {timings2[name].describe()}; {other_label}: {timings2[other].describe()}",
+            timer2]
+
+
 def cached_target(ctx, name, spec, tokens, context, steps, forward=None) -> Target:
     """Setup: a fresh cache of ``spec`` sized ``context + steps``, prefilled with ``tokens[:, :context]``
     (untimed). Run: ``steps`` single-token decode steps through ``forward`` (default: the eager model)."""
@@ -242,21 +253,18 @@ def check_speed_vs_uncached(ctx):
         return speedup, speedup < floor
 
     first, second = _confirm(ctx, targets, {"context": context, "min_speedup": floor}, judge)
-    timings, timer, speedup, _ = first
+    timings, _, speedup, _ = first
     cached, uncached = timings[subject], timings["uncached"]
     ctx.metrics.update(speedup=round(speedup, 2), min_speedup=floor, context=context, quantized=quantized,
                        ms_per_token=round(cached.median * 1e3, 3),
                        uncached_ms_per_token=round(uncached.median * 1e3, 3))
     if second is not None and second[3]:
-        timings2, timer2, speedup2, _ = second
+        speedup2 = second[2]
         ctx.fail([
             f"cached decode is {speedup:.2f}× as fast as the uncached forward at context {context} "
             f"(confirmed: {speedup2:.2f}× in a second measurement), but should be ≥ {floor:g}×"
             + (" (the budget of a quantized cache, which dequantizes every step)" if quantized else ""),
-            f"first: {subject}: {cached.describe()}; uncached: {uncached.describe()}",
-            timer,
-            f"confirmation: {subject}: {timings2[subject].describe()}; uncached: {timings2['uncached'].describe()}",
-            timer2,
+            *_both_rounds(first, second, subject, "uncached", "uncached"),
             f"ops: prefill({context}, untimed) → decode×{steps} timed, batch {ctx.case.batch}",
             "likely cause: each decode step costs as much as re-running the context: the cache rebuilds or copies "
             "its keys/values token by token (O(context) work per step), or recomputes what it should keep",
@@ -388,21 +396,18 @@ def check_speed_prefill(ctx):
         return ratio, ratio > ceiling
 
     first, second = _confirm(ctx, targets, {"prefill": context, "max_ratio": ceiling}, judge)
-    timings, timer, ratio, _ = first
+    timings, _, ratio, _ = first
     cached, uncached = timings[subject], timings["uncached"]
     ctx.metrics.update(prefill_ratio=round(ratio, 2), max_ratio=ceiling, context=context, quantized=quantized,
                        ms_per_prefill=round(cached.median * context * 1e3, 3),
                        uncached_ms_per_forward=round(uncached.median * context * 1e3, 3))
     if second is not None and second[3]:
-        timings2, timer2, ratio2, _ = second
+        ratio2 = second[2]
         ctx.fail([
             f"a cached prefill of {context} tokens took {ratio:.2f}× the uncached forward of the same tokens "
             f"(confirmed: {ratio2:.2f}× in a second measurement), but should take ≤ {ceiling:g}×"
             + (" (the budget of a quantized cache, which quantizes the whole prefill)" if quantized else ""),
-            f"first: {subject}: {cached.describe()}; uncached: {uncached.describe()}",
-            timer,
-            f"confirmation: {subject}: {timings2[subject].describe()}; uncached: {timings2['uncached'].describe()}",
-            timer2,
+            *_both_rounds(first, second, subject, "uncached", "uncached"),
             f"ops: prefill({context}) into a fresh cache, timed; the uncached forward of the same {context} tokens "
             f"in the same rounds; batch {ctx.case.batch}",
             "likely cause: the prefill does work per token in Python — update() loops over the new tokens (a "
@@ -467,20 +472,17 @@ def check_speed_compiled_static(ctx):
     finally:
         torch.compiler.set_stance("default")
         torch.compiler.reset()
-    timings, timer, speedup, _ = first
+    timings, _, speedup, _ = first
     fast, base = timings[name], timings["DynamicCache"]
     ctx.metrics.update(speedup=round(speedup, 2), min_speedup=floor, context=context, mode=mode,
                        ms_per_token=round(fast.median * 1e3, 3), dynamic_ms_per_token=round(base.median * 1e3, 3))
     if second is not None and second[3]:
-        timings2, timer2, speedup2, _ = second
+        speedup2 = second[2]
         ctx.fail([
             f"{subject} + torch.compile decodes {speedup:.2f}× as fast as DynamicCache eager at context {context} "
             f"(confirmed: {speedup2:.2f}× in a second measurement), but should be ≥ {floor:g}×",
-            f"first: {name}: {fast.describe()}; DynamicCache eager: {base.describe()}",
-            timer + f"; compile mode={mode!r}, fullgraph=True, dynamic=False",
-            f"confirmation: {name}: {timings2[name].describe()}; DynamicCache eager: "
-            f"{timings2['DynamicCache'].describe()}",
-            timer2,
+            *_both_rounds(first, second, name, "DynamicCache", "DynamicCache eager",
+                          f"; compile mode={mode!r}, fullgraph=True, dynamic=False"),
             f"ops: prefill({context}, eager, untimed) → decode×{steps} timed, batch {ctx.case.batch}",
             "likely cause: the compiled decode misses its graph (recompiles run eagerly here: see the compile "
             "family) or the static cache does work proportional to max_cache_len per step",
