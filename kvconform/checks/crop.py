@@ -181,8 +181,8 @@ def _judge_refusal(ctx, runner, rec, before):
         if ctx.model.is_encoder_decoder and "dynamic" in str(exc).lower():
             why = ("EncoderDecoderCache.crop() accepts only DynamicCache halves (an isinstance check) while "
                    "is_croppable asks the halves")
-        elif recurrent_layers_claiming_crop(runner.cache):
-            causes.append(_linear_claim(recurrent_layers_claiming_crop(runner.cache)))
+        elif claims := recurrent_layers_claiming_crop(runner.cache):
+            causes.append(_linear_claim(claims))
             why = ""
         elif ctx.model.has_sliding:
             why = "is_croppable does not account for a sliding window already full with past recording off"
