@@ -72,16 +72,23 @@ def model_types(pattern: str) -> list[str]:
     Raises:
         ValueError: none matches (names the pattern and a few types).
     """
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
-
-    known = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
+    known = known_types()
     found = [t for t in known if fnmatch.fnmatchcase(t, pattern)]
     if not found:
         raise ValueError(f"--kvconform-model {PREFIX}{pattern}: no causal-LM architecture of transformers matches "
                          f"{pattern!r}, nor an image-text-to-text one ({len(known)} known, e.g. "
                          f"{', '.join(known[:6])}, ...)")
     return found
+
+
+def known_types() -> list[str]:
+    """Every model type ``transformers:*`` tries, sorted: the causal-LM architectures of the installed transformers
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) and its image-text-to-text ones
+    (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES))
 
 
 def is_vision_type(model_type: str) -> bool:

@@ -170,13 +170,9 @@ def stands_in_for(model: ModelInfo, scope) -> bool:
 def architecture_names() -> set:
     """The names of every architecture ``transformers:*`` would try (``tf_<type>``): known-faults entries may name
     them."""
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
-
     from kvconform import architectures
 
-    return {architectures.model_name(t) for t in
-            {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}}
+    return {architectures.model_name(t) for t in architectures.known_types()}
 
 
 def zoo_family(spec: str) -> str | None:
