@@ -22,7 +22,8 @@ Faulty variants (``FAULTY``, each one realistic bug caught by self-consistency w
 ``Int8ReorderResidualOnly`` (reorder_cache moves only the exact tail, as transformers 5.5–5.18's QuantizedLayer did),
 ``Int8ReorderQuantizedOnly`` (only the quantized part), ``Int8CropIgnoresResidual`` (crop cuts the quantized part and
 leaves the residual as it was) and ``Int8ResetKeepsQuantized`` (reset clears counters and the residual but keeps the
-quantized buffers, which the next sequence then reads).
+quantized buffers, which the next sequence then reads). ``Int8DequantPerToken`` keeps exact logits and bytes but
+dequantizes its history token by token in Python at every step: the speed family's quantized budget must catch it.
 """
 
 from __future__ import annotations
@@ -440,6 +441,25 @@ class Int8WideCodes(Int8ResidualCache):
     layer_class = _WideCodesLayer
 
 
+class _DequantPerTokenLayer(Int8ResidualLayer):
+    def _served(self, tensors) -> torch.Tensor | None:
+        q, s, tail = tensors
+        if tail is None or self.n_quant == 0:
+            return super()._served(tensors)
+        # BUG: "a token is a page": each quantized token is dequantized on its own, in a Python loop, at every
+        # step: O(context) interpreter steps per decoded token (the logits stay those of the correct cache)
+        pages = [dequantize(q[..., i:i + 1, :], s[..., i:i + 1, :], self.dtype) for i in range(self.n_quant)]
+        return torch.cat([*pages, tail[..., self.n_quant - self.tail_start:, :]], dim=-2)
+
+
+class Int8DequantPerToken(Int8ResidualCache):
+    """FAULTY: dequantizes its history one token at a time in a Python loop at every decode step — the same bytes
+    and logits as ``Int8ResidualCache``, but each step costs O(context) interpreter work, so decoding at context 512
+    is slower than not caching at all."""
+
+    layer_class = _DequantPerTokenLayer
+
+
 _M = "kvconform.testing.lossy"
 FAULTY = [
     FaultyCache("int8_reorder_residual_only", "Int8ReorderResidualOnly", _M, "batch", "check_reorder_then_decode",
@@ -467,5 +487,10 @@ FAULTY = [
                 case="compression_long",
                 cause=r"the compressed codes are stored in wide dtypes — layers\[0\]\.qk int64 holding \d+ levels "
                       r"\(8 bits needed, 64 stored\)"),
+    FaultyCache("int8_dequant_per_token", "Int8DequantPerToken", _M, "speed", "check_speed_vs_uncached",
+                "llama",
+                ("check_speed_vs_uncached failed: Int8DequantPerToken on llama",
+                 "(the budget of a quantized cache, which dequantizes every step)"),
+                case="speed_vs_uncached", cause=r"O\(context\) work per step"),
 ]
 """The faulty variants of ``Int8ResidualCache`` (collected by ``kvconform.testing.faulty_caches``)."""
