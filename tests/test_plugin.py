@@ -203,6 +203,37 @@ def test_subject_whose_constructor_raises_fails_its_items_with_a_short_message(r
     assert counts["failed"] == 1 and counts["passed"] >= 3  # the other subjects are unaffected
 
 
+def test_an_abstract_cache_class_is_named_with_its_missing_methods(run_kvconform, pytester):
+    """Python refuses to instantiate a class with unimplemented abstract methods; the cause line names them instead
+    of blaming the keyword arguments."""
+    pytester.makepyfile(abstractcaches="""
+        import abc
+        from transformers import DynamicCache
+
+        class PagedBase(DynamicCache, abc.ABC):
+            @abc.abstractmethod
+            def get_max_length(self): ...
+
+            @abc.abstractmethod
+            def page_size(self): ...
+
+        class HalfDone(PagedBase):
+            def page_size(self):
+                return 16
+
+        class NotStarted(PagedBase):
+            pass
+    """)
+    result = run_kvconform("--kvconform-cache", "abstractcaches.py:HalfDone", "--kvconform-cache",
+                           "abstractcaches.py:NotStarted", "--kvconform-model", "llama", "-k", "decode_explicit")
+    assert result.ret == 1
+    out = result.stdout.str()
+    assert ("likely cause: HalfDone is abstract: it does not implement get_max_length, declared abstract by a base "
+            "class; implement it in HalfDone") in out
+    assert "likely cause: NotStarted is abstract: it does not implement get_max_length, page_size" in out
+    assert "implement them in NotStarted" in out and "keyword arguments kvconform passes" not in out
+
+
 def test_collected_ids_are_safe(run_kvconform):
     result = run_kvconform("--collect-only", "-q")
     assert result.ret == 0

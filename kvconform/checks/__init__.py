@@ -436,11 +436,19 @@ def run_check(name: str, ctx: CheckContext) -> dict:
 
         try:
             wrong_result = isinstance(exc.cause, FactoryResultError)
-            cause = ("likely cause: the factory returns the wrong thing: a transformers.Cache or a pair (cache, "
-                     "context manager) is expected" if wrong_result else
-                     "likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
-                     "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
-                     "only those its signature accepts; model where it names it)")
+            factory = getattr(ctx.subject, "factory", None)
+            abstract = sorted(getattr(factory, "__abstractmethods__", ()) or ()) if isinstance(factory, type) else []
+            if wrong_result:
+                cause = ("likely cause: the factory returns the wrong thing: a transformers.Cache or a pair (cache, "
+                         "context manager) is expected")
+            elif abstract and isinstance(exc.cause, TypeError):  # Python refuses to instantiate an abstract class
+                cause = (f"likely cause: {factory.__name__} is abstract: it does not implement "
+                         f"{', '.join(abstract)}, declared abstract by a base class; implement "
+                         f"{'it' if len(abstract) == 1 else 'them'} in {factory.__name__}")
+            else:
+                cause = ("likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
+                         "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
+                         "only those its signature accepts; model where it names it)")
             ctx.fail([f"building the subject failed: {exc.cause}" if wrong_result else
                       f"building the subject raised {describe_exception(exc.cause)}",
                       f"called: {exc.name}({', '.join(f'{k}=...' for k in exc.kwargs)}) for {ctx.model.name}",
