@@ -97,7 +97,7 @@ def test_defaults_filled_and_checkpoint_paths_named_like_the_run_names_them(tmp_
     assert beams.params == {"beams": 2}  # padding has no default: absent means no padding
     assert beams.models == ("llama", "my_model", "ckpt_llama") == ("llama", checkpoint_name("x/my-model"),
                                                                    checkpoint_name("./llama"))
-    assert speed.params == {"max_growth": 2.5, "max_growth_quantized_share": 0.6, "repeats": 7, "steps": 4,
+    assert speed.params == {"max_growth": 2.5, "max_growth_quantized_share": 1.0, "repeats": 7, "steps": 4,
                             "warmup": 1, "threads": 1,
                             "uncached_steps": 1, "short": 128, "long": 1024}
     # without the registry (a set of names, or None) params are not checked nor filled
