@@ -442,9 +442,10 @@ def run_check(name: str, ctx: CheckContext) -> dict:
                 cause = ("likely cause: the factory returns the wrong thing: a transformers.Cache or a pair (cache, "
                          "context manager) is expected")
             elif abstract and isinstance(exc.cause, TypeError):  # Python refuses to instantiate an abstract class
-                cause = (f"likely cause: {factory.__name__} is abstract: it does not implement "
+                cls_name = getattr(factory, "__name__", "the cache class")
+                cause = (f"likely cause: {cls_name} is abstract: it does not implement "
                          f"{', '.join(abstract)}, declared abstract by a base class; implement "
-                         f"{'it' if len(abstract) == 1 else 'them'} in {factory.__name__}")
+                         f"{'it' if len(abstract) == 1 else 'them'} in {cls_name}")
             else:
                 cause = ("likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
                          "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
