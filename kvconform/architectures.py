@@ -253,6 +253,23 @@ def tiny_config(model_type: str, extra: dict | None = None):
     return config
 
 
+def auto_model_class(config, prefer_vision: bool = False):
+    """The transformers auto class that builds a language model of ``config``: ``AutoModelForSeq2SeqLM`` for an
+    encoder-decoder, ``AutoModelForImageTextToText`` for a vision-language config that the image-text-to-text mapping
+    maps and the causal-LM mapping does not (LLaVA, Idefics3), else ``AutoModelForCausalLM`` (which may not map it
+    either: the caller refuses that). ``prefer_vision``: the image-text-to-text class wherever that mapping maps the
+    config, also when the causal-LM mapping does (Gemma3's multimodal config maps to the same class in both): a
+    checkpoint folder with a vision tower is checked with images in its prompts."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        return AutoModelForSeq2SeqLM
+    if type(config) in AutoModelForImageTextToText._model_mapping and \
+            (prefer_vision or type(config) not in AutoModelForCausalLM._model_mapping):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def causal_lm_class(model_type: str):
     """The causal-LM class transformers maps ``model_type`` to (an image-text-to-text type that is no causal LM:
     its image-text-to-text class, ``is_vision_type``)."""
@@ -310,10 +327,12 @@ class ImageProbeFailed(RuntimeError):
     one synthetic image)."""
 
 
-def image_prefix(model):
+def image_prefix(model, text_vocab: int | None = None):
     """The ``vision.ImagePrefix`` of a built VLM, measured: its image token id and image size from the config, and
     how many image tokens one image makes and which ``pixel_values`` layout the forward takes, found by feeding it
     one synthetic image (a mismatch error names the features one image makes: tried again with that count).
+    ``text_vocab``: prompts draw their text tokens below this id (default ``TEXT_VOCAB``, where a tiny built model's
+    special ids start; a checkpoint passes the lowest of its special ids).
 
     Raises:
         ImageProbeFailed: no forward with one image went through (names the last error).
@@ -345,7 +364,7 @@ def image_prefix(model):
             k = counts.pop(0)
             tried.append(k)
             spec = vision.ImagePrefix(int(token), k, (int(getattr(vc, "num_channels", 3) or 3), size, size), layout,
-                                      "token_type_ids" in takes, TEXT_VOCAB, int(text.vocab_size),
+                                      "token_type_ids" in takes, text_vocab or TEXT_VOCAB, int(text.vocab_size),
                                       image_sizes=sizes)
             ids = vision.with_image(spec, torch.full((1, spec.span + 1), 3, dtype=torch.long))
             try:

@@ -45,7 +45,9 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
 
     import os
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig
+
+    from kvconform.architectures import auto_model_class
 
     if zoo_only or not zoo.is_checkpoint_spec(spec):
         if not zoo_only and os.path.isfile(os.path.join(spec, "config.json")):
@@ -69,7 +71,8 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    # a vision-language checkpoint: its image-text-to-text class (zoo.load_checkpoint builds it with images)
+    auto = auto_model_class(config, prefer_vision=zoo.is_checkpoint_spec(spec) and not zoo_only)
     remote_code = zoo.is_checkpoint_spec(spec) and not zoo_only and remote_code
     if remote_code and auto.__name__ not in (getattr(config, "auto_map", None) or {}) and \
             type(config) not in auto._model_mapping:
@@ -79,8 +82,9 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
         raise ValueError(
             f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
             f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
-            f"({auto.__name__} does not map {type(config).__name__}); kvconform checks the KV cache of "
-            f"autoregressive decoding, so it needs a decoder-only or encoder-decoder language model")
+            f"({auto.__name__}{'' if config.is_encoder_decoder else ' and AutoModelForImageTextToText'} do"
+            f"{'es' if config.is_encoder_decoder else ''} not map {type(config).__name__}); kvconform checks the KV "
+            f"cache of autoregressive decoding, so it needs a decoder-only or encoder-decoder language model")
     try:
         cls = auto._model_mapping[type(config)]
         import inspect

@@ -281,16 +281,31 @@ def load_checkpoint(path: str, dtype=None, device: str = "cpu", trust_remote_cod
         FileNotFoundError: ``path`` is not a folder with a ``config.json``.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from kvconform import architectures, vision
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder: no config.json in it")
     dtype = dtype or torch.float32
     trust = dict(trust_remote_code=bool(trust_remote_code))
     config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    auto = architectures.auto_model_class(config, prefer_vision=True)
     model = auto.from_pretrained(path, local_files_only=True, dtype=dtype, **trust)
-    return _finish(checkpoint_name(path), model, dtype, device, os.path.abspath(path))
+    zm = _finish(checkpoint_name(path), model, dtype, device, os.path.abspath(path))
+    if auto is AutoModelForImageTextToText:  # a vision-language checkpoint: every prompt starts with an image
+        zm.image = architectures.image_prefix(zm.model, text_vocab=_lowest_special_id(zm.config))
+        vision.attach(zm.model, zm.image)
+    return zm
+
+
+def _lowest_special_id(config) -> int | None:
+    """The lowest image / video / boundary token id a vision-language config declares (text prompts are drawn
+    below it, so no drawn token is read as an image), or None when it declares none."""
+    ids = [v for k, v in vars(config).items()
+           if isinstance(v, int) and not isinstance(v, bool) and k.endswith(("_token_id", "_token_index"))
+           and not k.startswith(("pad", "bos", "eos", "decoder_start"))]
+    return min(ids) if ids else None
 
 
 def checkpoint_name(path: str) -> str:

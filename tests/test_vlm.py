@@ -142,6 +142,39 @@ def test_vlm_items_pass_on_correct_caches_and_catch_the_vlm_faults():
         assert text.outcome == "passed", (faulty.name, text.message)
 
 
+def test_a_vlm_checkpoint_folder_is_checked_with_images(vlms, tmp_path):
+    """A saved VLM checkpoint (llava: image-text-to-text only; gemma3: mapped by the causal-LM mapping too) is
+    loaded with its image-text-to-text class and its prompts carry the image: ReferenceCache passes, and the faulty
+    VLM caches fail there with their pinned causes, as on the zoo models they were written for."""
+    import re
+
+    from kvconform.api import check_cache
+    from kvconform.plan import model_info
+    from kvconform.testing.faulty_vision import FAULTY
+
+    folders = {}
+    for name in ("llava", "gemma3_vlm"):
+        folders[name] = str(tmp_path / f"my_{name}")
+        vlms[name].model.save_pretrained(folders[name])
+        loaded = zoo.load_model(folders[name])
+        assert loaded.image is not None, name
+        assert (loaded.image.image_token_id, loaded.image.tokens) == (vlms[name].image.image_token_id,
+                                                                       vlms[name].image.tokens), name
+        assert loaded.image.token_type_ids == vlms[name].image.token_type_ids, name
+        assert model_info(folders[name]).name == f"my_{name}"
+    good = check_cache("kvconform.reference:ReferenceCache", models=list(folders.values()),
+                       checks=["check_prefill_then_decode"], cases=["decode_explicit_positions"])
+    assert len(good) == 2 and {r.outcome for r in good} == {"passed"}, [(r.id, r.message) for r in good]
+    for faulty in FAULTY:
+        if faulty.model not in folders:
+            continue
+        [caught] = check_cache(faulty.spec, models=[folders[faulty.model]], checks=[faulty.check],
+                               cases=[faulty.case])
+        assert caught.outcome == "failed", (faulty.name, caught.message)
+        cause = next(line for line in caught.message.splitlines() if line.strip().startswith("likely cause:"))
+        assert re.search(faulty.cause, cause), (faulty.name, cause)
+
+
 def test_image_text_to_text_architectures_survey():
     """``transformers:PATTERN`` covers the image-text-to-text mapping: a VLM type builds with its image prefix
     measured, and one whose image input kvconform cannot feed is listed with its reason (not built)."""

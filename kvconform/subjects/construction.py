@@ -113,14 +113,11 @@ def meta_model(config):
     does not, else ``AutoModelForCausalLM``): what a model-aware factory gets where kvconform only needs to see what it
     builds (``CacheSpec.plan_build``). Its parameters have shapes and dtypes (float32) but no data."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
-    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    if auto is AutoModelForCausalLM and type(config) not in auto._model_mapping and \
-            type(config) in AutoModelForImageTextToText._model_mapping:
-        auto = AutoModelForImageTextToText
+    from kvconform.architectures import auto_model_class
+
     with torch.device("meta"):
-        return auto.from_config(config)
+        return auto_model_class(config).from_config(config)
 
 
 def names_model(factory) -> bool:
