@@ -187,3 +187,30 @@ def test_image_text_to_text_architectures_survey():
     assert built["built"] and built["image"].startswith("image prefix: 1 image tokens per 3×"), built
     refused = sweep.examine("qwen2_vl", causality_gap, CAUSALITY_TOLERANCE)
     assert not refused["built"] and "ImageProbeFailed" in refused["reason"], refused
+
+
+def test_contract_compile_and_coverage_prompts_start_with_the_image(vlms):
+    """The evicting-contract, press, compile and coverage families draw their prompts with the image prefix on a VLM
+    (so a cache is checked behind the image there too), and later chunks and decode tokens stay text."""
+    from kvconform.cases import Case, Op
+    from kvconform.checks import CheckContext, compile as compile_family, contract, coverage
+    from kvconform.checks._drive import case_generator
+    from kvconform.oracle import Oracle
+    from kvconform.subjects import builtin_subjects
+
+    zm = vlms["llava"]
+    block = slice(1, 1 + zm.image.tokens)
+    subjects = {s.name: s for s in builtin_subjects()}
+    case = Case(id="unit", check="check_compile_decode", source="test", batch=2, prompt=12, max_new_tokens=2,
+                ops=(Op("prefill", 12), Op("decode", 3)))
+    ctx = CheckContext(subjects["DynamicCache"], zm, case, Oracle(zm), reference=subjects["ReferenceCache"])
+    for name, (enc, tokens) in compile_family._sequences(ctx).items():
+        assert enc is None and tokens.shape == (2, 15), name
+        assert (tokens[:, block] == zm.image.image_token_id).all() and not (tokens[:, 1 + zm.image.tokens:]
+                                                                            == zm.image.image_token_id).any(), name
+    gen = case_generator(case, zm.name)
+    prompt, chunk = contract._tokens(ctx, gen, 2, 12, prompt=True), contract._tokens(ctx, gen, 2, 12)
+    assert (prompt[:, block] == zm.image.image_token_id).all() and not (chunk == zm.image.image_token_id).any()
+    prompt, seq, _, _ = coverage._generate(ctx)
+    assert (prompt[:, block] == zm.image.image_token_id).all() and torch.equal(seq[:, :12], prompt)
+    assert not (seq[:, 12:] == zm.image.image_token_id).any()  # generate never emits an image id

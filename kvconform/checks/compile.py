@@ -43,8 +43,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
-from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, subject_call,
-                                     tensors_of)
+from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
+                                     subject_call, tensors_of)
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._compiled import compile_applies, declared_compileable  # noqa: F401 - re-exported
 from kvconform.checks._diagnosis import fail_raised
@@ -118,7 +118,9 @@ def _protocol_shape(case):
 
 
 def _sequences(ctx):
-    """Tokens of sequences A, B, C: ``{name: (encoder_ids or None, tokens [B, P+N])}``, distinct per sequence."""
+    """Tokens of sequences A, B, C: ``{name: (encoder_ids or None, tokens [B, P+N])}``, distinct per sequence. A
+    VLM's prefill starts with its image (``image_prompt``: the eager prefill gets the pixels; the compiled decode
+    steps attend to the image's keys/values in the cache)."""
     import torch
 
     prefill, steps = _protocol_shape(ctx.case)
@@ -127,8 +129,10 @@ def _sequences(ctx):
     for name in ("A", "B", "C"):
         enc = (torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, ctx.case.encoder_len), generator=gen)
                if ctx.model.is_encoder_decoder else None)
-        out[name] = (enc, torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, prefill + steps),
-                                        generator=gen))
+        tokens = torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, prefill + steps), generator=gen)
+        if enc is None:
+            tokens[:, :prefill] = image_prompt(ctx.model, tokens[:, :prefill])
+        out[name] = (enc, tokens)
     return out
 
 

@@ -26,8 +26,8 @@ import copy
 from kvconform import compat
 from kvconform.checks import ALL_KINDS, IGNORES_OPS, OP_PARAMS, CheckSkipped, OpRule, Param, register
 from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised, measured_cause
-from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, forward, random_tokens,
-                                     seq_length)
+from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, forward, image_prompt,
+                                     random_tokens, seq_length)
 from kvconform.checks._interpreter import Runner, StopRun
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.subjects import FRESH, kind_of
@@ -612,8 +612,11 @@ class _Driver:
         return self.runner.feed(int(tokens.shape[1]), label, tokens=tokens).logits
 
 
-def _tokens(ctx, gen, batch, n):
-    return random_tokens(gen, batch, n, ctx.model.vocab_size)
+def _tokens(ctx, gen, batch, n, prompt: bool = False):
+    """``[batch, n]`` seeded tokens; ``prompt``: the first tokens of a sequence, which on a VLM start with its image
+    (``image_prompt``; a prompt too short for the image block stays text)."""
+    tokens = random_tokens(gen, batch, n, ctx.model.vocab_size)
+    return image_prompt(ctx.model, tokens) if prompt and not ctx.model.is_encoder_decoder else tokens
 
 
 def _tokens_max(ctx) -> int:
@@ -643,7 +646,7 @@ def check_evicting_bounds(ctx):
             for i in range(n if name == "decode" else 1):
                 k = 1 if name == "decode" else n
                 label = f"{name}({n})" if name != "decode" else f"decode {i + 1} of {n}"
-                logits = run.feed(_tokens(ctx, gen, B, k), label)
+                logits = run.feed(_tokens(ctx, gen, B, k, prompt=name == "prefill"), label)
                 if name == "prefill":
                     _judge_exact(ctx, run, logits, tol, label, ops_text)
                 _judge_bounds(ctx, run, label, ops_text, T)
@@ -713,7 +716,7 @@ def check_evicting_crop(ctx):
     gen = case_generator(ctx.case, ctx.model.name)
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
-    prompt, nxt = _tokens(ctx, gen, B, T + over), _tokens(ctx, gen, B, 1)
+    prompt, nxt = _tokens(ctx, gen, B, T + over, prompt=True), _tokens(ctx, gen, B, 1)
     ops_text = f"prefill({T + over}) → crop(-{k}) → decode×1"
     tol = ctx.tolerance().bound(0.0)
     a = _Driver(ctx, ctx.new_cache(), enc)
@@ -794,7 +797,7 @@ def check_evicting_ops(ctx):
     gen = case_generator(ctx.case, ctx.model.name)
     B = ctx.case.batch
     enc = encoder_ids_for(ctx, gen)
-    feeds = [_tokens(ctx, gen, B, T + over), *(_tokens(ctx, gen, B, 1) for _ in range(2))]
+    feeds = [_tokens(ctx, gen, B, T + over, prompt=True), *(_tokens(ctx, gen, B, 1) for _ in range(2))]
     rows = {"reorder": torch.roll(torch.arange(B), 1), "select": torch.arange(1, B) if B > 1 else torch.arange(1),
             "repeat": torch.arange(B).repeat_interleave(2)}.get(op)
     after = [_tokens(ctx, gen, B if rows is None else len(rows), 1) for _ in range(2)]
@@ -822,7 +825,7 @@ def check_evicting_ops(ctx):
         a.encoder_ids = a_enc
         if op == "reset":
             a.seq = a.seq[:, :0]
-            new = [_tokens(ctx, gen, B, T + over), *after]
+            new = [_tokens(ctx, gen, B, T + over, prompt=True), *after]
         else:
             a.seq = a.seq if rows is None else a.seq[rows]
             new = after
@@ -944,7 +947,7 @@ def check_press_contract(ctx):
         for i, (name, n) in enumerate(program):
             label = f"prefill({P})" if name == "prefill" else f"decode {i} of {steps}" if name == "decode" \
                 else f"chunk({n})"
-            tokens = random_tokens(gen, B, n, ctx.model.vocab_size)
+            tokens = _tokens(ctx, gen, B, n, prompt=name == "prefill")
             start = seq.shape[1]
             try:
                 logits = forward(ctx.model, cache, tokens, start, "implicit", enc, first=start == 0)
