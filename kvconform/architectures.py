@@ -139,6 +139,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_LINEAR_TYPES = {"mamba": "attention", "linear_attention": "full_attention"}
+"""Layer types holding a recurrent (linear-attention) state, each with the name of an attention layer in the same
+naming (transformers' legacy ``mamba`` / ``attention`` and its current ``linear_attention`` / ``full_attention``)."""
+
+
 _FIXED = {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
           "rotary_dim": 8, "num_kv_shared_layers": 0, "num_dense_layers": 1, "first_k_dense_replace": 1,
           "num_nextn_predict_layers": 0, "initializer_range": 0.1, "init_std": 0.1, "num_codebooks": 1}
@@ -163,6 +168,10 @@ def overrides(config, depth: int = 0) -> dict:
                 keep = _keep_layers(list(value), LAYERS)
                 break
         keep = keep if keep is not None else list(range(min(original, LAYERS)))
+        types = values.get("layer_types")
+        if isinstance(types, (list, tuple)) and len(types) == original and \
+                all(types[i] in _LINEAR_TYPES for i in keep):  # a hybrid keeps one of its attention layers
+            keep = sorted([*keep, *[i for i, t in enumerate(types) if t not in _LINEAR_TYPES][:1]])
     out: dict = {}
     for name, value in values.items():
         if isinstance(value, PretrainedConfig) and depth < 3:
@@ -209,8 +218,9 @@ def overrides(config, depth: int = 0) -> dict:
     if "attn_layer_indices" in values:
         out["attn_layer_indices"] = [1]  # one linear-attention layer, then one attention layer
     types = out.get("layer_types")
-    if isinstance(types, list) and types and set(types) == {"mamba"}:
-        out["layer_types"] = ["mamba", "attention"][: len(types)]
+    if isinstance(types, list) and types and len(set(types)) == 1 and types[0] in _LINEAR_TYPES:
+        # a hybrid whose default stack is all linear attention (granitemoehybrid): one attention layer too
+        out["layer_types"] = [types[0], _LINEAR_TYPES[types[0]]][: len(types)]
     hidden = out.get("hidden_size", values.get("hidden_size"))
     for heads, dim, expand in (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("num_heads", "head_dim", "expand")):
         if _is_int(values.get(expand)) and _is_int(out.get(dim, values.get(dim))) and _is_int(hidden) and \

@@ -27,6 +27,12 @@ def test_generic_shrink_keeps_one_layer_of_each_type_and_sub_configs_small():
     assert gemma3.num_hidden_layers == len(gemma3.layer_types) == 2
     qwen35 = architectures.tiny_config("qwen3_5")  # a composite config: its LM class takes the text config
     assert qwen35.hidden_size == 64 and {"linear_attention", "full_attention"} <= set(qwen35.layer_types)
+    # a hybrid keeps one of its attention layers: kimi_linear's MLP types alone would pick two linear layers, and
+    # granitemoehybrid's default stack is all linear attention (its own cached forward then raises)
+    kimi = architectures.tiny_config("kimi_linear")
+    assert kimi.layer_types == ["linear_attention", "linear_attention", "full_attention"], kimi.layer_types
+    granite = architectures.tiny_config("granitemoehybrid")
+    assert granite.layer_types == ["linear_attention", "full_attention"], granite.layer_types
     with pytest.raises(ValueError, match="no causal-LM architecture of transformers matches 'nosuch\\*'"):
         architectures.model_types("nosuch*")
 
