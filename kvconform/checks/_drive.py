@@ -94,6 +94,14 @@ def image_prompt(model, tokens, pads=None):
     return tokens if image is None else vision.with_image(image, tokens, pads)
 
 
+def generate_prompt(model, case, n=None):
+    """The seeded prompt of a ``generate``-based item, ``[case.batch, n]``: ``n`` tokens (default
+    ``case.encoder_len`` for encoder-decoder models — the encoder input —, else ``case.prompt``), starting with the
+    image on a VLM (``image_prompt``; a text or encoder-decoder model gets its tokens unchanged)."""
+    n = n if n is not None else case.encoder_len if model.is_encoder_decoder else case.prompt
+    return image_prompt(model, random_tokens(case_generator(case, model.name), case.batch, n, model.vocab_size))
+
+
 def encoder_ids_for(ctx, gen, batch=None):
     """Random encoder input ``[batch, case.encoder_len]`` for encoder-decoder models, else None."""
     return random_tokens(gen, batch or ctx.case.batch, ctx.case.encoder_len, ctx.model.vocab_size) \

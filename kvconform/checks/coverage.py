@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import IGNORES_OPS, Param, register
-from kvconform.checks._drive import SubjectRaised, case_generator, generate, image_prompt, random_tokens
+from kvconform.checks._drive import SubjectRaised, generate, generate_prompt
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.oracle import compare_logits
 
@@ -39,14 +39,10 @@ def _reference_row(subject, model, case, device="cpu"):
 
 
 def _generate(ctx, **kwargs):
-    """Greedy generate of ``case.max_new_tokens`` after a seeded prompt (a VLM's starts with its image:
-    ``image_prompt``); ``(prompt, sequences, step logits, out)``."""
+    """Greedy generate of ``case.max_new_tokens`` after a seeded prompt (``generate_prompt``: a VLM's starts with
+    its image); ``(prompt, sequences, step logits, out)``."""
     model, case = ctx.model, ctx.case
-    gen = case_generator(case, model.name)
-    n = case.encoder_len if model.is_encoder_decoder else case.prompt
-    prompt = random_tokens(gen, case.batch, n, model.vocab_size)
-    if not model.is_encoder_decoder:
-        prompt = image_prompt(model, prompt)
+    prompt = generate_prompt(model, case)
     seq, logits, out = generate(model, prompt, case.max_new_tokens, kwargs)
     return prompt, seq, logits, out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import EXACT, IGNORES_OPS, register
-from kvconform.checks._drive import SubjectRaised, case_generator, generate, image_prompt, random_tokens
+from kvconform.checks._drive import SubjectRaised, generate, generate_prompt
 from kvconform.checks._diagnosis import describe_raise, token_mismatch
 from kvconform.checks._lossy import fail_subject_raised, lossy_only, twin_line, twin_spec
 from kvconform.oracle import compare_logits
@@ -20,12 +20,7 @@ def _generate(ctx, cache_kwargs, prompt_len=None):
     tokens (default: ``case.encoder_len`` for encoder-decoder models, else ``case.prompt``); returns ``(prompt
     [B, S], sequences [B, L], step logits [B, N, V] float64)``."""
     model, case = ctx.model, ctx.case
-    gen = case_generator(case, model.name)
-    if prompt_len is None:
-        prompt_len = case.encoder_len if model.is_encoder_decoder else case.prompt
-    prompt = random_tokens(gen, case.batch, prompt_len, model.vocab_size)
-    if not model.is_encoder_decoder:
-        prompt = image_prompt(model, prompt)
+    prompt = generate_prompt(model, case, prompt_len)
     seq, logits, _ = generate(model, prompt, case.max_new_tokens, cache_kwargs)  # logits [B, N, V]
     return prompt, seq, logits
 
