@@ -130,8 +130,7 @@ def _sequences(ctx):
         enc = (torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, ctx.case.encoder_len), generator=gen)
                if ctx.model.is_encoder_decoder else None)
         tokens = torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, prefill + steps), generator=gen)
-        if enc is None:
-            tokens[:, :prefill] = image_prompt(ctx.model, tokens[:, :prefill])
+        tokens[:, :prefill] = image_prompt(ctx.model, tokens[:, :prefill])  # unchanged without an image prefix
         out[name] = (enc, tokens)
     return out
 

@@ -616,7 +616,7 @@ def _tokens(ctx, gen, batch, n, prompt: bool = False):
     """``[batch, n]`` seeded tokens; ``prompt``: the first tokens of a sequence, which on a VLM start with its image
     (``image_prompt``; a prompt too short for the image block stays text)."""
     tokens = random_tokens(gen, batch, n, ctx.model.vocab_size)
-    return image_prompt(ctx.model, tokens) if prompt and not ctx.model.is_encoder_decoder else tokens
+    return image_prompt(ctx.model, tokens) if prompt else tokens
 
 
 def _tokens_max(ctx) -> int:
