@@ -137,3 +137,30 @@ def test_fuzz_program_failing_at_its_first_op_is_not_called_an_interaction():
     line = _cause_line(result.message)
     assert "fails at its first op, prefill(" in line and "no interaction" in line, line
     assert "an interaction between these ops" not in line, line
+
+
+def old_signature_cache(config=None):
+    """A cache written against an older transformers: ``update(..., cache_kwargs=None)`` only, so 5.24's
+    ``update(k, v, layer_idx, kwargs=...)`` raises TypeError before the cache made any layer (turboquant 0.2.0)."""
+    from transformers import DynamicCache
+
+    class OldSignatureCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            return super().update(key_states, value_states, layer_idx, cache_kwargs)
+
+    return OldSignatureCache()
+
+
+def test_a_signature_typeerror_is_not_blamed_on_the_layer_count():
+    import inspect
+
+    import transformers
+
+    if "kwargs=kwargs" not in inspect.getsource(transformers.models.llama.modeling_llama.LlamaAttention.forward):
+        import pytest
+
+        pytest.skip("this transformers passes the cache kwargs positionally: the old signature fits")
+    [r] = _run(old_signature_cache, "llama", "check_prefill_then_decode", "decode_explicit_positions")
+    assert r.outcome == "failed" and "unexpected keyword argument 'kwargs'" in r.message, r.message
+    cause = next(line for line in r.message.splitlines() if "likely cause:" in line)
+    assert "layers, but the model's decoder has" not in cause, cause

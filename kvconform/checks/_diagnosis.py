@@ -211,6 +211,13 @@ def _size_error(cause: BaseException) -> bool:
         "size of tensor", "must match", "out of bounds", "out of range", "shape", "expanded size"))
 
 
+def _signature_error(cause: BaseException) -> bool:
+    """A call that did not fit the method's signature (``TypeError: ... unexpected keyword argument`` / ``...
+    positional argument``): the method raised before doing anything, so no layer it would have made is missing."""
+    return isinstance(cause, TypeError) and any(w in str(cause) for w in ("unexpected keyword argument",
+                                                                         "positional argument"))
+
+
 def measured_cause(exc: SubjectRaised) -> str | None:
     """The likely cause of a raise inside a forward, from what was measured there (``SubjectRaised.facts``, see
     ``_drive.raise_facts``), or None when the measurements explain nothing. In order:
@@ -231,7 +238,7 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     if f.get("shared_layers"):
         return f["shared_layers"]
     held, layer_max, masks = f.get("held"), f.get("layer_max", []), f.get("mask_sizes", {})
-    if n_layers is not None and depth is not None and n_layers < depth:
+    if n_layers is not None and depth is not None and n_layers < depth and not _signature_error(exc.cause):
         missing = [c[0] for c in calls if isinstance(c[0], int) and c[0] >= n_layers]
         if missing or (isinstance(exc.cause, IndexError) and not f.get("grows_layers")):
             found = f"update(layer_idx={missing[0]}) found no layer {missing[0]}" if missing else \
