@@ -47,9 +47,24 @@ def transformers_version():
     return Version(transformers.__version__)
 
 
+_FORWARD_PARAMS: dict = {}  # model class → _forward_params (a forward set on the instance is read each time)
+
+
 def _forward_params(model) -> tuple:
     """The parameter names of ``model.forward``; a forward taking ``**kwargs`` (a repository's own model class
-    wrapping a transformers one) also gets those of the ``forward`` of its bases, which it forwards them to."""
+    wrapping a transformers one) also gets those of the ``forward`` of its bases, which it forwards them to.
+    Read once per model class (``inspect.signature`` on every forward call was a tenth of a faulty-cache run)."""
+    cls = type(model)
+    own = "forward" in vars(model)  # e.g. an offloading hook wraps the instance's forward
+    if not own and cls in _FORWARD_PARAMS:
+        return _FORWARD_PARAMS[cls]
+    names = _read_forward_params(model)
+    if not own:
+        _FORWARD_PARAMS[cls] = names
+    return names
+
+
+def _read_forward_params(model) -> tuple:
     params = inspect.signature(model.forward).parameters
     names = list(params)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
