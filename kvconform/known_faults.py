@@ -24,8 +24,9 @@ missing or duplicate id, a bad specifier, a check / family / model pattern that 
 ``KnownFaultsError`` naming the file, the entry id and the key; the plugin turns it into a usage error (exit 4),
 as for case files.
 
-``match(...)`` gives an item's reason (first matching entry); ``stale(...)`` and the plugin's terminal summary list
-entries that matched no item and xfailed items that passed.
+``match(...)`` gives an item's reason (first matching entry); ``live(...)`` the entries a run can judge stale, and
+the session (``KVSession.stale_faults``) and the plugin's terminal summary list entries that matched no item and
+xfailed items that passed.
 """
 
 from __future__ import annotations
@@ -397,24 +398,11 @@ def find_inherited(faults, version, cache, model: str, check: str, case: str, fa
     return None, None
 
 
-def stale(faults, version, items, models, subjects=None) -> list[KnownFault]:
-    """Entries that apply to ``version``, to one of ``models`` (names) and to one of ``subjects`` (names; None: any)
-    but match none of ``items``.
-
-    Args:
-        faults: the loaded entries.
-        version: the installed transformers version (``packaging.version.Version``).
-        items: dicts with ``subject``, ``model``, ``check``, ``family``, ``case`` (names) — every item the
-            entries could be meant for (the caller decides the universe: tiers, models, subjects).
-        models: the run's model names; an entry whose ``model`` patterns match none of them is not judged.
-        subjects: the run's subject names (after ``--kvconform-subject``); likewise.
-    """
-    live = [f for f in faults if f.applies_to(version)
+def live(faults, version, models, subjects=None) -> list[KnownFault]:
+    """The entries a run can judge stale: those that apply to ``version`` (``packaging.version.Version``), to one of
+    ``models`` (the run's model names) and to one of ``subjects`` (the run's subject names; None: any). An entry
+    whose ``model`` or ``subject`` patterns match none of the run's is not judged."""
+    return [f for f in faults if f.applies_to(version)
             and any(fnmatch.fnmatchcase(m, p) for m in models for p in f.model)
             and (subjects is None or any(fnmatch.fnmatchcase(s, p) for s in subjects for p in f.subject))]
-    hit = set()
-    for item in items:
-        for fault in live:
-            if fault.id not in hit and fault.matches_fields(**item):
-                hit.add(fault.id)
-    return [f for f in live if f.id not in hit]
+

@@ -32,7 +32,8 @@ class ModelInfo:
         return set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
 
 
-def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = False) -> ModelInfo:
+def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = False,
+               read_forward: bool = True) -> ModelInfo:
     """Inspect a zoo name or checkpoint folder (config only).
 
     Raises:
@@ -40,6 +41,10 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
             folder that ships its own code without ``trust_remote_code`` (names the flag and the code files).
     ``zoo_only``: ``spec`` is a zoo name, whatever folders the working directory holds (internal look-ups).
     ``trust_remote_code``: the user's consent to run a repository's own code (``--kvconform-trust-remote-code``).
+    ``read_forward``: import the model class to read whether its forward takes ``position_ids`` (collection's skip
+    reasons need it). Without it ``accepts_position_ids`` is True, as for an unknown architecture: for callers that
+    only need the features or the scope of items (``zoo_features``, the known-fault universe), which would otherwise
+    import the modeling code of every zoo family in every run.
     """
     from kvconform import remote
 
@@ -86,6 +91,8 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
             f"{'es' if config.is_encoder_decoder else ''} not map {type(config).__name__}); kvconform checks the KV "
             f"cache of autoregressive decoding, so it needs a decoder-only or encoder-decoder language model")
     try:
+        if not read_forward:
+            raise LookupError("not read")
         cls = auto._model_mapping[type(config)]
         import inspect
 
@@ -148,7 +155,7 @@ _ZOO_FEATURES: dict = MEMO.table("plan.zoo_features")
 def zoo_features(name: str) -> frozenset:
     """The features (``ModelInfo.features``) of a zoo family, from its config (no weights built; memoised)."""
     if name not in _ZOO_FEATURES:
-        _ZOO_FEATURES[name] = frozenset(model_info(name, zoo_only=True).features)
+        _ZOO_FEATURES[name] = frozenset(model_info(name, zoo_only=True, read_forward=False).features)
     return _ZOO_FEATURES[name]
 
 

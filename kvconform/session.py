@@ -205,17 +205,25 @@ class KVSession:
         from kvconform.compat import transformers_version
 
         names = {m.name for m in self.models}
-        universe = [*self.models, *(model_info(n, zoo_only=True) for n in zoo.ALL_NAMES if n not in names)]
-        items = []
+        live = known_faults.live(self.faults, transformers_version(), names, {s.name for s in self.subjects})
+        if not live:
+            return []
+        universe = [*self.models, *(model_info(n, zoo_only=True, read_forward=False)
+                                    for n in zoo.ALL_NAMES if n not in names)]
+        # known_faults.stale over every planned item, pruned field by field: an entry is hit when an item in scope
+        # matches all its fields (the plan has thousands of items; most cases match no live entry at all)
+        hit: set = set()
         for case in self.cases:
             check = self.checks[case.check]
-            for subject in self.subjects:
-                for model in universe:
-                    if in_scope(subject, model, case, full=True):
-                        items.append({"subject": subject.name, "model": model.name, "check": check.name,
-                                      "family": check.family, "case": case.id})
-        return known_faults.stale(self.faults, transformers_version(), items, names,
-                                  {s.name for s in self.subjects})
+            by_case = [f for f in live if f.id not in hit and
+                       f.matches_fields(check=check.name, family=check.family, case=case.id)]
+            for subject in self.subjects if by_case else ():
+                by_subject = [f for f in by_case if f.id not in hit and f.matches_fields(subject=subject.name)]
+                for model in universe if by_subject else ():
+                    pending = [f for f in by_subject if f.id not in hit and f.matches_fields(model=model.name)]
+                    if pending and in_scope(subject, model, case, full=True):
+                        hit.update(f.id for f in pending)
+        return [f for f in live if f.id not in hit]
 
     def environment(self) -> dict:
         import torch
