@@ -50,11 +50,19 @@ def pytest_configure(config):
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
 
 
+SHARED_RUN_MODULES = {
+    "test_crashes.py": "its module-scoped crashed_run (a default run whose four subjects each kill a worker, ~60 s)",
+}
+"""Modules whose tests share one module-scoped kvconform run: their tests go to one worker (which then runs it once,
+not once per worker that gets one of them)."""
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`pytest tests -n auto`: tests that share one kvconform run (e.g. the faulty caches of
-    tests/test_faulty_caches.py, whose parameter ids end in ``@<group>``) go to one worker, which runs it once; every
-    other test is a unit of its own, as under ``--dist load``; the largest groups start first. A distribution chosen
+    tests/test_faulty_caches.py, whose parameter ids end in ``@<group>``, and the modules of ``SHARED_RUN_MODULES``)
+    go to one worker, which runs it once; every other test is a unit of its own, as under ``--dist load``; the
+    largest groups start first. A distribution chosen
     on the command line (``--dist ...``) is kept. (pytest-xdist's own ``--dist loadgroup`` groups by a node-id suffix
     that its worker hook writes to ``item._nodeid``, which pytest 9 no longer reads: the groups are not kept there.)"""
     if config.option.dist != "load" or "--dist" in " ".join(config.invocation_params.args):
@@ -63,6 +71,9 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedRunScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.partition("::")[0]
+            if module.rpartition("/")[2] in SHARED_RUN_MODULES:
+                return "module " + module
             param = nodeid.partition("[")[2].removesuffix("]")
             return "group " + param.rpartition("@")[2] if "@" in param else nodeid
 

@@ -145,17 +145,16 @@ def test_local_checkpoint_folder(run_kvconform, pytester):
 
 
 def test_pytest_ecosystem_flags(run_kvconform, pytester):
-    common = ("--kvconform-model", "gpt2", "-k", "prefill_then_decode or generate_greedy")
-    result = run_kvconform(*common, "--strict-markers", "-m", "kvconform_logits", "--junitxml", "j.xml",
-                           "--kvconform-json", "s.json")
+    common = ("--kvconform-model", "gpt2", "-k", "prefill_then_decode or generate_greedy", "-m", "kvconform_logits")
+    result = run_kvconform(*common, "--strict-markers", "--junitxml", "j.xml", "--kvconform-json", "serial.json")
     assert result.ret == 0
-    serial = outcomes(pytester.path / "s.json")
+    serial = outcomes(pytester.path / "serial.json")
     assert {k[2] for k in serial} == {"check_prefill_then_decode"}  # -m kept the logits family only
     assert (pytester.path / "j.xml").read_text().count("<testcase") == len(serial)
-    result = run_kvconform(*common, "--kvconform-json", "serial.json")
+    # the same selection in two xdist workers: the same items and outcomes
     result = run_kvconform(*common, "-n", "2", "--kvconform-json", "xdist.json")
     assert result.ret == 0
-    assert outcomes(pytester.path / "xdist.json") == outcomes(pytester.path / "serial.json")
+    assert outcomes(pytester.path / "xdist.json") == serial
 
 
 def test_autoload_disabled_with_explicit_plugin(pytester, monkeypatch):
