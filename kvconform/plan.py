@@ -32,6 +32,30 @@ class ModelInfo:
         return set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
 
 
+def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
+    """Why ``--kvconform-model spec`` cannot be used, from the file system alone (no torch or transformers import,
+    so that a mistyped spec is a usage error at once), or None. The whole message, naming the spec and the fix: a
+    bare zoo name that is also a folder here, a folder that is not a checkpoint (no config.json, no weights), a bare
+    word that is neither, a folder that ships its own code without ``trust_remote_code``. What needs its config
+    (the kind of model) is checked by ``model_info``."""
+    from kvconform import remote
+
+    import os
+
+    if not zoo.is_checkpoint_spec(spec):
+        if os.path.isfile(os.path.join(spec, "config.json")):
+            return (f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; write ./{spec} for "
+                    f"the folder")
+        return None
+    path = os.path.expanduser(spec)
+    problem = zoo.checkpoint_problem(path)
+    if problem == "no such folder" and os.sep not in spec and "/" not in spec:
+        problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
+    if problem:
+        return f"--kvconform-model {spec!r}: {problem}"
+    return remote.consent_problem(spec, path, trust_remote_code)
+
+
 def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = False,
                read_forward: bool = True) -> ModelInfo:
     """Inspect a zoo name or checkpoint folder (config only).
@@ -54,21 +78,13 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
 
     from kvconform.architectures import auto_model_class
 
+    problem = None if zoo_only else spec_problem(spec, trust_remote_code)
+    if problem:
+        raise ValueError(problem)
     if zoo_only or not zoo.is_checkpoint_spec(spec):
-        if not zoo_only and os.path.isfile(os.path.join(spec, "config.json")):
-            raise ValueError(f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; "
-                             f"write ./{spec} for the folder")
         config, name = zoo.zoo_config(spec), spec
     else:
         path = os.path.expanduser(spec)
-        problem = zoo.checkpoint_problem(path)
-        if problem == "no such folder" and os.sep not in spec and "/" not in spec:
-            problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
-        if problem:
-            raise ValueError(f"--kvconform-model {spec!r}: {problem}")
-        refused = remote.consent_problem(spec, path, trust_remote_code)
-        if refused:
-            raise ValueError(refused)
         remote_code = bool(remote.code_files(path))
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote_code)

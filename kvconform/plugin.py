@@ -451,6 +451,8 @@ def _check_usage(config) -> None:
     if timeout < 0:
         raise pytest.UsageError(f"kvconform: --kvconform-timeout {timeout:g}: must be ≥ 0 (0 disables the timeout)")
     device = _opt(config, OPT_DEVICE) or "cpu"
+    if device == "cpu":
+        return  # the default; torch is not imported for it here, so that usage errors found later come at once
     import torch
 
     try:

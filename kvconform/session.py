@@ -383,7 +383,12 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     from kvconform.subjects import CacheSpec, as_cache_spec, builtin_subjects, check_factory_builds_cache, validate_spec
 
     from kvconform.memo import MEMO
+    from kvconform.plan import spec_problem
 
+    # a mistyped model spec is a usage error before torch and transformers are imported (~5 s)
+    for spec in models or ():
+        if isinstance(spec, str) and (problem := spec_problem(spec, trust_remote_code)):
+            raise ValueError(problem)
     MEMO.clear()  # a new run measures afresh (the process's memo tables: kvconform.memo)
     _quiet_transformers()
     _limit_threads()

@@ -185,6 +185,23 @@ def test_checkpoint_specs_are_never_confused_with_zoo_names(run_kvconform, pytes
     assert {r["model"] for r in records} == {"ckpt_llama"}  # the folder, not the zoo's llama
 
 
+def test_a_mistyped_model_spec_is_refused_before_torch_is_imported(tmp_path):
+    """A spec that the file system alone rules out (plan.spec_problem) is a usage error before the session imports
+    torch and transformers, so the user is told at once."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text("{}")
+    script = textwrap.dedent("""
+        import sys, pytest
+        code = pytest.main(["--kvconform", "-p", "no:cacheprovider", "--kvconform-model", sys.argv[1]])
+        print("exit", int(code), "torch imported", "torch" in sys.modules)
+    """)
+    for spec, text in [("nowhere", "not a zoo name"), ("cfg", "config.json but no weights")]:
+        proc = subprocess.run([sys.executable, "-c", script, spec], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert "exit 4 torch imported False" in proc.stdout, proc.stdout + proc.stderr
+        assert text in proc.stderr, proc.stderr
+
+
 def test_subject_whose_constructor_raises_fails_its_items_with_a_short_message(run_kvconform, pytester):
     pytester.makepyfile(brokencaches="""
         from transformers import DynamicCache
