@@ -106,15 +106,15 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
             f"({auto.__name__}{'' if config.is_encoder_decoder else ' and AutoModelForImageTextToText'} do"
             f"{'es' if config.is_encoder_decoder else ''} not map {type(config).__name__}); kvconform checks the KV "
             f"cache of autoregressive decoding, so it needs a decoder-only or encoder-decoder language model")
-    try:
-        if not read_forward:
-            raise LookupError("not read")
-        cls = auto._model_mapping[type(config)]
-        import inspect
+    accepts = True  # not read, or an unknown architecture: decided at run time
+    if read_forward:
+        try:
+            cls = auto._model_mapping[type(config)]
+            import inspect
 
-        accepts = "position_ids" in inspect.signature(cls.forward).parameters
-    except Exception:  # noqa: BLE001 - unknown architecture: decided at run time
-        accepts = True
+            accepts = "position_ids" in inspect.signature(cls.forward).parameters
+        except Exception:  # noqa: BLE001 - unknown architecture
+            pass
     types, _ = zoo._layer_types(config)
     return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts, bool(remote_code))
 

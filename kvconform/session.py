@@ -210,8 +210,8 @@ class KVSession:
             return []
         universe = [*self.models, *(model_info(n, zoo_only=True, read_forward=False)
                                     for n in zoo.ALL_NAMES if n not in names)]
-        # known_faults.stale over every planned item, pruned field by field: an entry is hit when an item in scope
-        # matches all its fields (the plan has thousands of items; most cases match no live entry at all)
+        # an entry is hit when an item in scope matches all its fields; the planned items (thousands) are pruned
+        # field by field, since most cases match no live entry at all
         hit: set = set()
         for case in self.cases:
             check = self.checks[case.check]
