@@ -177,6 +177,27 @@ def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
 
 
+_FREEZE_AT_EXIT: list = []
+
+
+def _freeze_heap_at_exit() -> None:
+    """Register (once per process) an ``atexit`` handler that moves every object to the collector's permanent
+    generation (``gc.freeze``) before the interpreter finalizes.
+
+    A kvconform process holds the heap of torch and transformers (~500,000 tracked objects), and Python's
+    finalization runs full collections over it: measured 1.2 s per process at the end of a default run, paid in
+    every xdist worker (the controller waits for them) and again in the controller. Frozen objects are skipped, so
+    the process ends in ~0.1 s. The handler runs after pytest's own end-of-session collection (pytest_unconfigure),
+    which still reports unraisable exceptions, and after every ``atexit`` handler registered later (LIFO)."""
+    if _FREEZE_AT_EXIT:
+        return
+    import atexit
+    import gc
+
+    _FREEZE_AT_EXIT.append(True)
+    atexit.register(gc.freeze)
+
+
 # tryfirst: runs before pytest-benchmark's pytest_configure, which creates its storage folder.
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
@@ -188,6 +209,7 @@ def pytest_configure(config):
     from kvconform.session import build_session
 
     _keep_benchmarks_out_of_the_folder(config)
+    _freeze_heap_at_exit()
     _check_usage(config)
     hooked = _hooked_specs(config)
     try:
