@@ -8,6 +8,7 @@ when ``--kvconform`` (or the ``kvconform = true`` ini option) is set. Without it
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -206,14 +207,40 @@ def pytest_configure(config):
     if not is_active(config):
         _refuse_flags_without_kvconform(config)
         return
-    from kvconform.session import build_session
-
     _keep_benchmarks_out_of_the_folder(config)
     _freeze_heap_at_exit()
     _check_usage(config)
     hooked = _hooked_specs(config)
+    seed = _fuzz_seed(config)
+    build = functools.partial(_build_session, config, hooked, seed, _shard(config), _reproduce_args(config, seed))
+    if _starts_workers(config):
+        config._kvconform_pending_build = build  # built in pytest_collection_build, once the workers start
+    else:
+        build()
+    suite_ids = _point_suite_node_ids_at_the_suite(config)
+    if not suite_ids and str(SUITE_DIR) not in config.args:
+        config.args.append(str(SUITE_DIR))
+    _crash_setup(config)
+
+
+def _starts_workers(config) -> bool:
+    """True in the controller of a pytest-xdist run (pytest-xdist's own condition for starting workers: a
+    distribution mode and not ``--collect-only``)."""
+    return (not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+            and not config.getoption("collectonly", False))
+
+
+def _build_session(config, hooked, fuzz_seed, shard, reproduce_args) -> None:
+    """Resolve the run's subjects, models, cases and known faults (``session.build_session``) into the config's
+    stash.
+
+    Raises:
+        pytest.UsageError: a bad cache spec, case file, known-faults file or model (exit 4, naming it).
+    """
+    from kvconform.session import build_session
+
     try:
-        config.stash[SESSION_KEY] = build_session(
+        session = build_session(
             caches=[*_opt(config, OPT_CACHE), *hooked], models=_opt(config, OPT_MODEL),
             case_paths=_opt(config, OPT_CASES),
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
@@ -222,14 +249,34 @@ def pytest_configure(config):
         )
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None
-    config.stash[SESSION_KEY].fuzz_seed = _fuzz_seed(config)
-    config.stash[SESSION_KEY].shard = _shard(config)
-    config.stash[SESSION_KEY].reproduce_args = _reproduce_args(config)
+    session.fuzz_seed, session.shard, session.reproduce_args = fuzz_seed, shard, reproduce_args
+    config.stash[SESSION_KEY] = session
     config.stash[RESULTS_KEY] = {}
-    suite_ids = _point_suite_node_ids_at_the_suite(config)
-    if not suite_ids and str(SUITE_DIR) not in config.args:
-        config.args.append(str(SUITE_DIR))
-    _crash_setup(config)
+
+
+# A wrapper of pytest_collection: the first hook after pytest_sessionstart, where pytest-xdist's DSession has started
+# the workers and the terminal has written its header (DSession's own pytest_collection returns at once in the
+# controller, before non-wrapper implementations would run).
+@pytest.hookimpl(wrapper=True, specname="pytest_collection")
+def pytest_collection_build(session):
+    """xdist controller: build the session while the workers start. Building it (importing torch and
+    transformers, reading the model configs and case files) takes ~6 s, and so does each worker's start; one after
+    the other, the first item started ~13 s into a default run on 2 cores. The kvconform header lines, which need
+    the session, are written here instead of in ``pytest_report_header``.
+
+    Raises:
+        pytest.UsageError: as ``_build_session`` (pytest ends the session with exit 4 and stops the workers).
+    """
+    config = session.config
+    build = getattr(config, "_kvconform_pending_build", None)
+    if build is not None:
+        del config._kvconform_pending_build
+        build()
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and reporter.showheader and not reporter.no_header:
+            for line in config.stash[SESSION_KEY].header_lines():
+                reporter.write_line(line)
+    return (yield)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -296,8 +343,8 @@ def pytest_report_collectionfinish(config, start_path, items):
 
 
 def pytest_report_header(config):
-    if not is_active(config):
-        return None
+    if not is_active(config) or SESSION_KEY not in config.stash:
+        return None  # an xdist controller writes them once the session is built (pytest_sessionstart_build)
     return config.stash[SESSION_KEY].header_lines()
 
 
@@ -400,7 +447,7 @@ def pytest_configure_node(node):
     node.workerinput[_RUNDIR_KEY] = getattr(node.config, "_kvconform_rundir", None)
 
 
-def _reproduce_args(config) -> tuple:
+def _reproduce_args(config, fuzz_seed: int | None) -> tuple:
     """The flags of this run that change what an item does, shell-quoted, for its ``reproduce:`` line (paths made
     absolute, so that the line works from any folder)."""
     import shlex
@@ -422,8 +469,8 @@ def _reproduce_args(config) -> tuple:
         args += ["--kvconform-device", shlex.quote(device)]
     if _opt(config, OPT_TRUST):
         args.append("--kvconform-trust-remote-code")
-    if config.stash[SESSION_KEY].fuzz_seed is not None:
-        args += ["--kvconform-fuzz-seed", str(config.stash[SESSION_KEY].fuzz_seed)]
+    if fuzz_seed is not None:
+        args += ["--kvconform-fuzz-seed", str(fuzz_seed)]
     return tuple(args)
 
 
