@@ -214,7 +214,8 @@ def pytest_configure(config):
     seed = _fuzz_seed(config)
     build = functools.partial(_build_session, config, hooked, seed, _shard(config), _reproduce_args(config, seed))
     if _starts_workers(config):
-        config._kvconform_pending_build = build  # built in pytest_collection_build, once the workers start
+        # built in pytest_collection_build, once the workers start; the workers run the items
+        config._kvconform_pending_build = functools.partial(build, runs_items=False)
     else:
         build()
     suite_ids = _point_suite_node_ids_at_the_suite(config)
@@ -230,7 +231,7 @@ def _starts_workers(config) -> bool:
             and not config.getoption("collectonly", False))
 
 
-def _build_session(config, hooked, fuzz_seed, shard, reproduce_args) -> None:
+def _build_session(config, hooked, fuzz_seed, shard, reproduce_args, runs_items=True) -> None:
     """Resolve the run's subjects, models, cases and known faults (``session.build_session``) into the config's
     stash.
 
@@ -246,6 +247,7 @@ def _build_session(config, hooked, fuzz_seed, shard, reproduce_args) -> None:
             strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
             full=bool(_opt(config, OPT_FULL)), known_faults=_opt(config, OPT_FAULTS),
             only_subjects=_opt(config, OPT_SUBJECT), trust_remote_code=bool(_opt(config, OPT_TRUST)),
+            runs_items=runs_items,
         )
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
         raise pytest.UsageError(f"kvconform: {exc}") from None

@@ -357,7 +357,7 @@ def _import_backends_quietly(subjects) -> None:
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
                   builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=(),
-                  trust_remote_code=False) -> KVSession:
+                  trust_remote_code=False, runs_items=True) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -372,6 +372,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             still runs for the oracle line of each failure.
         trust_remote_code: run the code of checkpoint folders that ship their own (``remote.py``); their own cache
             classes become subjects. Without it such a folder is refused.
+        runs_items: False for a session that only plans and reports (a pytest-xdist controller, whose workers run
+            the items): the subjects' optional backends (quanto: ~1.1 s) are not imported.
 
     Raises:
         ValueError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
@@ -434,7 +436,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
                 _add_repository_subjects(session, info, set(registry), {c.id for c in cases})
     if only_subjects:
         session.subjects = _select_subjects(session.subjects, only_subjects)
-    _import_backends_quietly(session.subjects)
+    if runs_items:
+        _import_backends_quietly(session.subjects)
     return session
 
 
