@@ -232,3 +232,14 @@ def test_linear_layer_crop_needs_recording_and_no_recurrent_state():
     assert torch.equal(layer.conv_states[0], full[..., :-2]) and layer.is_croppable
     with pytest.raises(RuntimeError, match="at most 2 conv inputs"):
         layer.crop(-3)
+
+
+def test_zoo_models_run_inference_only_as_generate_does():
+    """The zoo's models (and the oracle's float64 copy) do not require grad: a forward records no autograd graph,
+    as under generate()'s torch.no_grad, and the cache receives keys and values that do not require grad."""
+    zm = build_zoo_model("llama")
+    assert not any(p.requires_grad for p in zm.model.parameters())
+    assert not any(p.requires_grad for p in zm.oracle_model().parameters())
+    cache = DynamicCache(config=zm.config)
+    out = zm.model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+    assert out.logits.grad_fn is None and not cache.layers[0].keys.requires_grad
