@@ -32,6 +32,7 @@ xfailed items that passed.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ class KnownFault:
     def matches_fields(self, **fields) -> bool:
         """Whether every given field (``subject=``, ``model=``, ``check=``, ``family=``, ``case=``: names) matches
         one of this entry's patterns for it; fields not given are not looked at."""
-        return all(any(fnmatch.fnmatchcase(value, p) for p in getattr(self, key)) for key, value in fields.items())
+        return all(_any_matches(tuple(getattr(self, key)), value) for key, value in fields.items())
 
     def shown_by(self, message: str) -> bool:
         """Whether a failure ``message`` shows this fault (its ``evidence`` matches; always, without evidence)."""
@@ -201,6 +202,13 @@ class KnownFault:
         """``matches_fields(**fields)`` and ``applies_to(version)`` (the names first: an fnmatch is cheap and most
         entries fail on them, a version specifier test is not: looked up for every planned item)."""
         return self.matches_fields(**fields) and self.applies_to(version)
+
+
+@functools.lru_cache(maxsize=65536)
+def _any_matches(patterns: tuple, value: str) -> bool:
+    """Whether ``value`` matches one of the fnmatch ``patterns``. Memoised: a run plans ~2,000 items against every
+    entry, and the same (patterns, name) pairs recur (~96,000 look-ups, 0.6 s per planning process without it)."""
+    return any(fnmatch.fnmatchcase(value, p) for p in patterns)
 
 
 ABSENT = None
@@ -370,6 +378,43 @@ def find(faults, version, subject: str, model: str, check: str, case: str, famil
         if fault.matches(version, **fields):
             return fault
     return None
+
+
+class FaultIndex:
+    """``find`` over a fixed list of entries and one transformers version, by set look-ups: which entries match a
+    field's value (``subject="DynamicCache"``) is worked out once per (field, value) and memoised, so planning
+    ~2,000 items costs a few hundred pattern matches instead of ~96,000 (0.6 s per planning process before). Same
+    answers as ``find``."""
+
+    def __init__(self, faults, version):
+        self.faults = list(faults)
+        self.version = version
+        self._matching: dict = {}
+        self._applies: dict = {}
+
+    def _entries(self, key: str, value: str) -> frozenset:
+        if (key, value) not in self._matching:
+            self._matching[key, value] = frozenset(
+                i for i, fault in enumerate(self.faults) if _any_matches(tuple(getattr(fault, key)), value))
+        return self._matching[key, value]
+
+    def find(self, subject: str, model: str, check: str, case: str, family: str | None = None):
+        """The first entry (in file order) matching this item on the index's version, or None."""
+        fields = dict(subject=subject, model=model, check=check, case=case)
+        if family is not None:
+            fields["family"] = family
+        candidates = None
+        for key, value in fields.items():
+            entries = self._entries(key, value)
+            candidates = entries if candidates is None else candidates & entries
+            if not candidates:
+                return None
+        for i in sorted(candidates):
+            if i not in self._applies:
+                self._applies[i] = self.faults[i].applies_to(self.version)
+            if self._applies[i]:
+                return self.faults[i]
+        return None
 
 
 def match(faults, version, subject: str, model: str, check: str, case: str, family: str | None = None) -> str | None:

@@ -40,6 +40,7 @@ class KVSession:
     shard: str | None = None
     """``--kvconform-shard I/N`` (set by the plugin): this process runs share I of N of the items (``merge.py``)."""
     _fault_memo: dict = field(default_factory=dict)
+    _fault_index: object = None
     notes: list = field(default_factory=list)
     architectures: list = field(default_factory=list)
     """``(spec, records)`` per ``transformers:PATTERN`` model spec: every architecture tried, built or not and
@@ -189,8 +190,9 @@ class KVSession:
             from kvconform import known_faults
             from kvconform.compat import transformers_version
 
-            self._fault_memo[key] = known_faults.find(self.faults, transformers_version(), subject, model, check,
-                                                      case, family)
+            if self._fault_index is None:
+                self._fault_index = known_faults.FaultIndex(self.faults, transformers_version())
+            self._fault_memo[key] = self._fault_index.find(subject, model, check, case, family)
         return self._fault_memo[key]
 
     def stale_faults(self) -> list:

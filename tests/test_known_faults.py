@@ -115,6 +115,27 @@ def test_bundled_file_is_valid_and_no_entry_is_stale_on_the_installed_transforme
     assert [f.id for f in session.stale_faults()] == []
 
 
+def test_the_fault_index_answers_as_the_linear_search_for_every_planned_item():
+    """``KVSession.fault_entry`` looks entries up through ``known_faults.FaultIndex`` (set look-ups per field); it
+    must give the first matching entry in file order, as ``known_faults.find`` does, for every item of the full plan
+    (and for other subjects on the same model/check/case)."""
+    from kvconform import known_faults
+    from kvconform.compat import transformers_version
+    from kvconform.session import build_session
+
+    session = build_session(full=True)
+    version = transformers_version()
+    found = 0
+    for item in session.items():
+        for subject in (item.subject.name, "ReferenceCache", "SomeoneElsesCache"):
+            expected = known_faults.find(session.faults, version, subject, item.model.name, item.check.name,
+                                         item.case.id, item.check.family)
+            assert session.fault_entry(subject, item.model.name, item.check.name, item.check.family,
+                                       item.case.id) is expected, item.id
+            found += expected is not None
+    assert found  # the comparison covered items that do have an entry
+
+
 def test_bad_known_faults_file_is_a_usage_error(run_kvconform, pytester):
     pytester.makefile(".toml", mine=_entry(BAD["unknown_key"][0]))
     result = run_kvconform("--kvconform-model", "llama", "--kvconform-known-faults", "mine.toml")
