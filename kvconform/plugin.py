@@ -346,7 +346,7 @@ def pytest_report_collectionfinish(config, start_path, items):
 
 def pytest_report_header(config):
     if not is_active(config) or SESSION_KEY not in config.stash:
-        return None  # an xdist controller writes them once the session is built (pytest_sessionstart_build)
+        return None  # an xdist controller writes them once the session is built (pytest_collection_build)
     return config.stash[SESSION_KEY].header_lines()
 
 
