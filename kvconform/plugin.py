@@ -178,9 +178,7 @@ def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
 
 
-_FREEZE_AT_EXIT: list = []
-
-
+@functools.cache  # once per process
 def _freeze_heap_at_exit() -> None:
     """Register (once per process) an ``atexit`` handler that moves every object to the collector's permanent
     generation (``gc.freeze``) before the interpreter finalizes.
@@ -190,12 +188,9 @@ def _freeze_heap_at_exit() -> None:
     every xdist worker (the controller waits for them) and again in the controller. Frozen objects are skipped, so
     the process ends in ~0.1 s. The handler runs after pytest's own end-of-session collection (pytest_unconfigure),
     which still reports unraisable exceptions, and after every ``atexit`` handler registered later (LIFO)."""
-    if _FREEZE_AT_EXIT:
-        return
     import atexit
     import gc
 
-    _FREEZE_AT_EXIT.append(True)
     atexit.register(gc.freeze)
 
 
