@@ -17,6 +17,7 @@ Nothing is downloaded: configs come from ``AutoConfig.for_model`` and weights fr
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -128,10 +129,12 @@ class ZooModel:
     image: object = None
     """A VLM's ``vision.ImagePrefix`` (its prompts start with an image), or None for a text-only model."""
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
         """The ids text tokens are drawn below: the decoder's vocabulary size, or for a VLM its text ids only
-        (``ImagePrefix.text_vocab``; the image and special ids above them are placed, never drawn)."""
+        (``ImagePrefix.text_vocab``; the image and special ids above them are placed, never drawn). Read once: the
+        config answers each attribute through transformers' per-layer config views, and every step's random tokens
+        ask for it."""
         if self.image is not None:
             return int(self.image.text_vocab)
         return int(self.config.get_text_config(decoder=True).vocab_size)

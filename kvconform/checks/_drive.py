@@ -277,10 +277,10 @@ def nonfinite_in(cache) -> str | None:
     for name, t in tensors_of(cache).items():
         if not t.is_floating_point() or t.numel() == 0:
             continue
-        bad = ~torch.isfinite(t.detach())
-        if not bool(bad.any()):
+        finite = torch.isfinite(t.detach())
+        if bool(finite.all()):
             continue
-        return _describe_index(name, t, bad)
+        return _describe_index(name, t, ~finite)
     return None
 
 
@@ -365,10 +365,10 @@ class UpdateWatch:
             if self.fault is None and isinstance(out, (tuple, list)):
                 for what, t in zip(("keys", "values"), out):
                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
-                        bad = ~torch.isfinite(t.detach())
-                        if bool(bad.any()):
+                        finite = torch.isfinite(t.detach())
+                        if not bool(finite.all()):
                             self.fault = (f"update(layer_idx={layer_idx}) returned NaN/inf "
-                                          f"{_describe_index(what, t, bad)}")
+                                          f"{_describe_index(what, t, ~finite)}")
                             break
             return out
 
