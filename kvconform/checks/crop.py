@@ -158,8 +158,9 @@ def _accepted_positive_crop(ctx, runner, rec, n: int) -> int:
 
 
 def _judge_refusal(ctx, runner, rec, before):
-    """A refused crop passes only if the error is clear, the flag did not promise a round trip, and nothing changed.
-    All problems found go into one message, the most severe (a half-done crop) first."""
+    """A refused crop passes only if the error is clear, the flag did not promise a round trip of it (a crop of at most
+    the tokens held, with ``is_croppable`` True), and nothing changed. All problems found go into one message, the
+    most severe (a half-done crop) first."""
     exc = rec.refused
     what = f"{rec.label} on a {rec.held}-token cache raised {describe_exception(exc)}"
     metrics = {"flag": rec.flag, "accepted": False, "raised": type(exc).__name__}
@@ -176,7 +177,10 @@ def _judge_refusal(ctx, runner, rec, before):
     elif not clear_error(exc, CROP_WORDS):
         lines.append("but a crop the cache cannot honour should raise a clear error naming the problem")
         causes.append("crop() does not check its argument or its state before touching tensors")
-    elif rec.flag and rec.k > 0:
+    elif rec.flag and 0 < rec.k <= rec.held:
+        # is_croppable promises that a crop of tokens the cache holds round-trips; a crop of more tokens than it
+        # holds is no rollback any caller makes (assisted decoding removes rejected candidates it fed): emptying the
+        # cache or a clear refusal that changes nothing are both correct there (case crop_more_than_cached)
         lines.insert(0, "although is_croppable is True")
         if ctx.model.is_encoder_decoder and "dynamic" in str(exc).lower():
             why = ("EncoderDecoderCache.crop() accepts only DynamicCache halves (an isinstance check) while "
