@@ -157,6 +157,43 @@ def write_terminal_matrix(tr, results: dict, session) -> None:
     if failed:
         tr.write_line("")
         tr.write_line(f"{len(failed)} non-conforming item(s); first: {failed[0]['nodeid']}", red=True)
+        for line in undeclared_kind_hints(results, session):
+            tr.write_line(line, yellow=True)
+
+
+def _builtin_names() -> set:
+    from kvconform.subjects import builtin_subjects
+
+    return {s.name for s in builtin_subjects()}
+
+
+UNDECLARED_FAMILIES = 3
+"""Families an exact subject must fail in before the summary asks whether it is lossy by design."""
+
+
+def undeclared_kind_hints(results: dict, session) -> list[str]:
+    """One line per subject of the exact kind (no ``kvconform_lossy`` / ``_evicting`` / ``_press`` declaration, not
+    built in) that failed items in at least ``UNDECLARED_FAMILIES`` check families. A quantized or compressing cache
+    that does not declare it is held to the exact oracle and fails nearly every family, each message blaming the op
+    where its error first showed (a new user's int8 cache: 27 failures in 8 families); none of those messages can
+    know that the cache is lossy on purpose, so the summary asks once."""
+    lines = []
+    for spec in getattr(session, "subjects", ()):
+        name = spec.name
+        if getattr(spec, "kind", "exact") != "exact":
+            continue
+        failed = [r for r in results.values() if r["subject"] == name and r["outcome"] in ("failed", "error")]
+        families = sorted({r["family"] for r in failed})
+        if len(families) < UNDECLARED_FAMILIES or name in _builtin_names():
+            continue
+        lines.append(
+            f"kvconform: {name} is checked as an exact cache and failed {len(failed)} item(s) in {len(families)} "
+            f"families ({', '.join(families)}). If it quantizes, compresses or evicts keys/values by design, declare "
+            f"it — kvconform_lossy = {{\"kl_max\": ..., \"top1_min\": ...}} (or kvconform_evicting / "
+            f"kvconform_press) on the class or factory — and it is judged against a fresh instance of itself and a "
+            f"quality budget instead of the exact oracle (README: \"Lossy, evicting and paged caches\"). An exact "
+            f"cache failing this widely more likely stores or returns wrong keys/values: read its first failure.")
+    return lines
 
 
 def _status(records) -> str:

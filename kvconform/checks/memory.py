@@ -640,9 +640,21 @@ def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN,
     if grain.tokens > 1 and token_bytes:
         return (f"more than one spare page per row: the layer holds more than ceil(S/{grain.tokens}) + 1 pages of "
                 f"{grain.tokens} tokens; pages are allocated ahead of need or never freed")
-    if after_reset_over:
+    # after reset() the layer starts again: over the formula there, by more than at the run's first op, means
+    # bytes of the sequence before reset() are still held
+    first_after = next((i for i, cp in enumerate(checkpoints) if cp.after_reset), None)
+    carried = (first_after is not None and len(ratios) == len(checkpoints)
+               and ratios[first_after] > ratios[0] + 0.05)
+    if after_reset_over and (carried or not before_reset_over):
         return ("bytes survive reset(): superseded keys/values are kept somewhere reset() does not clear "
                 "(a history list, a second buffer)")
+    if ratios and min(ratios) < 0.9:
+        low = min(range(len(ratios)), key=ratios.__getitem__)
+        return (f"held/formula falls from {max(ratios):.2f}× to {ratios[low]:.2f}× (after {series[low][0]}): at that "
+                f"length the layer holds fewer bytes than full-precision keys/values can take, so it compresses or "
+                f"drops them, with a fixed buffer on top that exceeds the formula at short lengths. A cache that "
+                f"quantizes, compresses or evicts by design declares it (kvconform_lossy, kvconform_evicting or "
+                f"kvconform_press) and is measured against its own formula")
     return ("the bytes grow faster than the tokens: superseded keys/values are kept (a history list, or views "
             "that pin old buffers)")
 
