@@ -177,10 +177,12 @@ def undeclared_kind_hints(results: dict, session) -> list[str]:
     that does not declare it is held to the exact oracle and fails nearly every family, each message blaming the op
     where its error first showed (a new user's int8 cache: 27 failures in 8 families); none of those messages can
     know that the cache is lossy on purpose, so the summary asks once."""
+    from kvconform.subjects import kind_of
+
     lines = []
     for spec in getattr(session, "subjects", ()):
         name = spec.name
-        if getattr(spec, "kind", "exact") != "exact":
+        if kind_of(spec).name != "exact":
             continue
         failed = [r for r in results.values() if r["subject"] == name and r["outcome"] in ("failed", "error")]
         families = sorted({r["family"] for r in failed})
