@@ -45,7 +45,7 @@ def validate_kind(kind, budget, where: str) -> None:
         raise SpecError(f"{where}: a {kind} subject needs a budget, e.g. budget={{'kl_max': 0.05, 'top1_min': 0.8"
                         f"{', ' + repr('tokens_max') + ': 68' if kind == 'evicting' else ''}}} (mean KL(oracle ‖ "
                         f"subject) in nats, top-1 agreement{', most tokens held' if kind == 'evicting' else ''})")
-    budget = Budget.from_mapping(budget, where)
+    budget = Budget.from_mapping(budget, where, kind)
     if kind == "evicting" and budget.tokens_max is None:
         raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
                         f"and attention layer, e.g. sinks + window)")

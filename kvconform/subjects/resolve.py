@@ -14,7 +14,7 @@ from kvconform.outcomes import with_article
 from kvconform.subjects.construction import (CONSTRUCTION_KWARGS, FactoryResultError, SubjectBuildError,
                                              required_unknown_arguments)
 from kvconform.subjects.declare import _declared
-from kvconform.subjects.spec import CacheSpec, SpecError
+from kvconform.subjects.spec import CacheSpec, SpecError, closest_name
 
 # ---------------------------------------------------------------------------------------------------- user specs
 def _import_file(path: str):
@@ -50,6 +50,18 @@ def _import_module(target: str):
         return importlib.import_module(target)
 
 
+def _layer_hint(cls) -> str:
+    """For a class that is a cache *layer* (transformers' ``CacheLayerMixin``): pass the Cache that holds it."""
+    try:
+        from transformers.cache_utils import CacheLayerMixin
+    except ImportError:
+        return ""
+    if issubclass(cls, CacheLayerMixin):
+        return (f": {cls.__name__} is a cache layer (CacheLayerMixin); pass the Cache subclass that holds it, or a "
+                f"factory such as def my_cache(config): return Cache(layers=[{cls.__name__}() for _ in ...])")
+    return ""
+
+
 def resolve_cache_spec(spec: str) -> CacheSpec:
     """``"pkg.mod:Attr"`` or ``"path/file.py:Attr"`` → ``CacheSpec``.
 
@@ -83,7 +95,9 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
                     "or PYTHONPATH)")
         raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}{hint}") from None
     if not hasattr(module, attr):
-        raise SpecError(f"{spec!r}: module {target!r} has no attribute {attr!r}")
+        close = closest_name(attr, [n for n in vars(module) if not n.startswith("_")])
+        raise SpecError(f"{spec!r}: module {target!r} has no attribute {attr!r}"
+                        + (f" (did you mean {close!r}?)" if close else ""))
     obj = getattr(module, attr)
     if isinstance(obj, CacheSpec):
         return obj
@@ -91,7 +105,7 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
 
     if inspect.isclass(obj):
         if not issubclass(obj, Cache):
-            raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass")
+            raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass{_layer_hint(obj)}")
         return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
     if callable(obj):
         return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
@@ -140,7 +154,7 @@ def as_cache_spec(obj, source: str = "python") -> CacheSpec:
 
     name = getattr(obj, "__name__", None)
     if inspect.isclass(obj) and not issubclass(obj, Cache):
-        raise SpecError(f"{name}: a class but not a transformers.Cache subclass")
+        raise SpecError(f"{name}: a class but not a transformers.Cache subclass{_layer_hint(obj)}")
     if not callable(obj) or not name or not name.isidentifier():
         raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
     return CacheSpec(name, obj, source=source, **_declared(obj, name))

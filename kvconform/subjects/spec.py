@@ -62,8 +62,9 @@ class Budget:
     tokens_max: int | None = None
 
     @classmethod
-    def from_mapping(cls, value, where: str) -> "Budget":
-        """A ``Budget`` from a ``Budget`` or a dict of its fields.
+    def from_mapping(cls, value, where: str, kind: str | None = None) -> "Budget":
+        """A ``Budget`` from a ``Budget`` or a dict of its fields. ``kind`` (``"lossy"``, ``"evicting"``,
+        ``"press"``) only narrows the keys a message lists: ``tokens_max`` belongs to evicting subjects.
 
         Raises:
             SpecError: not a dict/Budget, unknown keys (with the closest known), missing ``kl_max``/``top1_min``, or
@@ -74,8 +75,13 @@ class Budget:
         if isinstance(value, Budget):
             value = dataclasses.asdict(value)
         if not isinstance(value, Mapping):
-            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(BUDGET_KEYS)}; got {value!r}")
-        _check_names(where, "budget keys", set(value), BUDGET_KEYS)
+            keys = [k for k in BUDGET_KEYS if k != "tokens_max" or kind in (None, "evicting")]
+            example = "{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if kind == "evicting" else "") + "}"
+            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(keys)}"
+                            f"{' (tokens_max: evicting subjects only)' if kind is None else ''}, e.g. {example}; "
+                            f"got {value!r}")
+        _check_names(where, "budget keys", set(value), BUDGET_KEYS,
+                     listed=[k for k in BUDGET_KEYS if k != "tokens_max" or kind in (None, "evicting")])
         missing = [k for k in ("kl_max", "top1_min") if k not in value]
         if missing:
             raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "
@@ -223,11 +229,25 @@ class CacheSpec:
         return wrapper
 
 
-def _check_names(where: str, what: str, names, known) -> None:
+def closest_name(name, known) -> str | None:
+    """The known name closest to a mistyped ``name`` (``difflib`` ratio ≥ 0.5, else a known name that starts with
+    ``name``: ``"kl"`` → ``"kl_max"``), or None."""
     import difflib
 
+    if not isinstance(name, str):
+        return None
+    known = [k for k in known if isinstance(k, str)]
+    match = difflib.get_close_matches(name, known, 1, cutoff=0.5)
+    if match:
+        return match[0]
+    return next((k for k in sorted(known) if name and k.startswith(name)), None)
+
+
+def _check_names(where: str, what: str, names, known, listed=None) -> None:
+    """Raise ``SpecError`` naming each of ``names`` not in ``known`` (with the closest known one); the message lists
+    ``listed`` (default: ``known``) as the known names."""
     unknown = sorted(set(names) - set(known))
     if unknown:
-        hints = [f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, known, 1)) else repr(u)
-                 for u in unknown]
-        raise SpecError(f"{where}: unknown {what} {', '.join(hints)}; known: {', '.join(sorted(known))}")
+        listed = known if listed is None else listed
+        hints = [f"{u!r} (did you mean {m!r}?)" if (m := closest_name(u, listed)) else repr(u) for u in unknown]
+        raise SpecError(f"{where}: unknown {what} {', '.join(hints)}; known: {', '.join(sorted(listed))}")

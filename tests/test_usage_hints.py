@@ -1,0 +1,69 @@
+"""Usage mistakes a new cache author made, each answered with the fix (exit 4 through ``SpecError``): a misspelled
+class name or budget key gets the closest known name, a budget that is not a dict lists the keys of its kind only,
+and a cache *layer* passed as the subject is told to pass the Cache that holds it."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvconform.api import check_cache
+from kvconform.subjects import SpecError
+from kvconform.subjects.resolve import resolve_cache_spec
+
+CACHE_FILE = """
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class MyInt8Cache(DynamicCache):
+    pass
+
+
+class MyInt8Layer(DynamicLayer):
+    pass
+"""
+
+
+@pytest.fixture
+def cache_file(tmp_path):
+    path = tmp_path / "mycache.py"
+    path.write_text(CACHE_FILE)
+    return path
+
+
+def test_a_misspelled_class_name_gets_the_closest_one(cache_file):
+    with pytest.raises(SpecError, match=r"has no attribute 'MyInt8Cach' \(did you mean 'MyInt8Cache'\?\)"):
+        resolve_cache_spec(f"{cache_file}:MyInt8Cach")
+
+
+def test_a_cache_layer_passed_as_the_subject_is_told_to_pass_its_cache(cache_file):
+    with pytest.raises(SpecError, match=r"MyInt8Layer is a cache layer \(CacheLayerMixin\); pass the Cache subclass"):
+        resolve_cache_spec(f"{cache_file}:MyInt8Layer")
+
+
+def _declaring(kind: str, budget):
+    return type("Declared", (DynamicCache,), {f"kvconform_{kind}": budget})
+
+
+def test_a_misspelled_budget_key_gets_the_closest_one_and_the_keys_of_its_kind():
+    with pytest.raises(SpecError) as err:
+        check_cache(_declaring("lossy", {"kl": 1e-3, "top1_min": 0.95}), models=["llama"],
+                    checks=["check_prefill_then_decode"])
+    assert "unknown budget keys 'kl' (did you mean 'kl_max'?)" in str(err.value)
+    assert "known: bytes_ratio_max, kl_max, top1_min" in str(err.value) and "tokens_max" not in str(err.value)
+
+
+@pytest.mark.parametrize(("kind", "listed"), [("lossy", "kl_max, top1_min, bytes_ratio_max, e.g."),
+                                              ("evicting", "kl_max, top1_min, bytes_ratio_max, tokens_max, e.g.")])
+def test_a_budget_that_is_not_a_dict_lists_the_keys_of_its_kind(kind, listed):
+    with pytest.raises(SpecError, match="the budget must be a dict with keys " + listed):
+        check_cache(_declaring(kind, 1e-3), models=["llama"], checks=["check_prefill_then_decode"])
+
+
+def test_the_layer_hint_does_not_fire_for_other_classes():
+    from kvconform.subjects.resolve import _layer_hint
+
+    assert _layer_hint(DynamicLayer).startswith(": DynamicLayer is a cache layer")
+    assert _layer_hint(dict) == ""
