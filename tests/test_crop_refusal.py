@@ -57,3 +57,22 @@ def test_a_refused_crop_of_held_tokens_fails_while_is_croppable_says_true():
     for r in failed:
         assert "although is_croppable is True" in r.message, r.message
         assert "is_croppable does not account for this state" in r.message, r.message
+
+
+class RefusesCropDeeperThanFour(DynamicCache):
+    """Keeps an exact rollback buffer of 4 tokens (as a quantized cache with a residual does) and refuses deeper crops
+    of held tokens, while ``is_croppable`` stays True: every crop of the older cases is within its buffer."""
+
+    def crop(self, max_length: int) -> None:
+        removed, held = _tokens_to_remove(self, max_length), self.get_seq_length()
+        if 4 < removed <= held:
+            raise ValueError(f"crop({max_length}): only the last 4 tokens can be removed exactly")
+        super().crop(max_length)
+
+
+def test_a_crop_as_deep_as_assisted_decoding_makes_catches_a_shallow_rollback_buffer():
+    results = check_cache(RefusesCropDeeperThanFour, models=["llama"], checks=CROP_CHECKS)
+    failed = {r.case: r.message for r in results if r.outcome == "failed"}
+    assert set(failed) == {"crop_assisted_depth"}, failed
+    assert "crop(-10) on a 16-token cache raised ValueError" in failed["crop_assisted_depth"]
+    assert "although is_croppable is True" in failed["crop_assisted_depth"]
