@@ -186,8 +186,11 @@ def check_quality_budget(ctx):
                  f"{ctx.kind.tokens_max}) do not carry the context this model needs, or the kept tokens "
                  "are attended at the wrong positions: compare the mean KL per op before and after eviction starts")
     else:
-        cause = ("the cache loses more than its declared budget allows (coarser quantization than declared, or a "
-                 "fault beyond the rounding: see the self-consistency checks)")
+        cause = ("the cache loses more than its declared budget allows: coarser quantization than declared, or a "
+                 "fault beyond the rounding. If the self-consistency checks (a fresh instance fed the same history) "
+                 "pass, the error is one every instance makes alike — a scale or zero point read for the wrong "
+                 "token, group or head, a wrong bit width or rounding — which only this comparison with the oracle "
+                 "sees: compare the dequantized keys/values with the states given to update()")
     ctx.fail([*lines, "likely cause: " + cause])
 
 

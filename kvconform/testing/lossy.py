@@ -24,6 +24,8 @@ Faulty variants (``FAULTY``, each one realistic bug caught by self-consistency w
 leaves the residual as it was) and ``Int8ResetKeepsQuantized`` (reset clears counters and the residual but keeps the
 quantized buffers, which the next sequence then reads). ``Int8DequantPerToken`` keeps exact logits and bytes but
 dequantizes its history token by token in Python at every step: the speed family's quantized budget must catch it.
+``Int8ScaleOffByOne`` dequantizes each token with its predecessor's scale: every instance errs alike, so only the
+quality budget against the oracle can catch it.
 """
 
 from __future__ import annotations
@@ -343,6 +345,22 @@ class Int8ReorderResidualOnly(Int8ResidualCache):
     layer_class = _ReorderResidualOnlyLayer
 
 
+class _ScaleOffByOneLayer(Int8ResidualLayer):
+    def _served(self, tensors):
+        q, s, tail = tensors
+        if s is not None and s.shape[-2] > 1:  # each token dequantized with the previous token's scale
+            s = torch.cat([s[..., :1, :], s[..., :-1, :]], dim=-2)
+        return super()._served((q, s, tail))
+
+
+class Int8ScaleOffByOne(Int8ResidualCache):
+    """FAULTY: dequantizes every token with the scale of the token before it (an off-by-one index into the scales).
+    Every instance makes the same error, so self-consistency cannot see it; only the quality budget against the
+    float64 oracle does."""
+
+    layer_class = _ScaleOffByOneLayer
+
+
 class _ReorderQuantizedOnlyLayer(Int8ResidualLayer):
     def reorder_cache(self, beam_idx):
         self._map_quantized(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -487,6 +505,11 @@ FAULTY = [
                 case="compression_long",
                 cause=r"the compressed codes are stored in wide dtypes — layers\[0\]\.qk int64 holding \d+ levels "
                       r"\(8 bits needed, 64 stored\)"),
+    FaultyCache("int8_scale_off_by_one", "Int8ScaleOffByOne", _M, "quality", "check_quality_budget", "llama",
+                ("check_quality_budget failed: Int8ScaleOffByOne on llama", "KL(oracle ‖ subject) ="),
+                also_caught_by=("batch",),  # the left-padded row reads a pad's scale: check_padded_row_alone
+                case="quality_long", cause=r"one every instance makes alike — a scale or zero point read for the "
+                                            r"wrong token"),
     FaultyCache("int8_dequant_per_token", "Int8DequantPerToken", _M, "speed", "check_speed_vs_uncached",
                 "llama",
                 ("check_speed_vs_uncached failed: Int8DequantPerToken on llama",
