@@ -249,7 +249,9 @@ type_blind_static_cache.kvconform_capabilities = {"forward", "generate", "deepco
 _M = "kvconform.testing.faulty_vision"
 FAULTY = [
     FaultyCache("image_shifted_at_prefill", "shifted_image_cache", _M, "logits", "check_prefill_then_decode",
-                "llava", ("max|Δlogit|", "prefill(12)"), also_caught_by=("prefix", "generate", "lifecycle", "fuzz"),
+                "llava", ("max|Δlogit|", "prefill(12)"),
+                also_caught_by=("prefix", "generate", "lifecycle", "fuzz", "crop"),  # crop: crop_assisted_depth's
+                # prefill(12) holds the image block too
                 case="decode_explicit_positions",
                 cause=r"prefill of the image prompt is wrong at position 0, before the image block at positions "
                       r"1\.\.4: the image tokens' keys/values are not returned where the prompt put them"),
