@@ -62,8 +62,8 @@ class Budget:
     tokens_max: int | None = None
 
     @classmethod
-    def from_mapping(cls, value, where: str, kind: str | None = None) -> "Budget":
-        """A ``Budget`` from a ``Budget`` or a dict of its fields. ``kind`` (``"lossy"``, ``"evicting"``,
+    def from_mapping(cls, value, where: str, subject_kind: str | None = None) -> "Budget":
+        """A ``Budget`` from a ``Budget`` or a dict of its fields. ``subject_kind`` (``"lossy"``, ``"evicting"``,
         ``"press"``) only narrows the keys a message lists: ``tokens_max`` belongs to evicting subjects.
 
         Raises:
@@ -75,13 +75,14 @@ class Budget:
         if isinstance(value, Budget):
             value = dataclasses.asdict(value)
         if not isinstance(value, Mapping):
-            keys = [k for k in BUDGET_KEYS if k != "tokens_max" or kind in (None, "evicting")]
-            example = "{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if kind == "evicting" else "") + "}"
-            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(keys)}"
-                            f"{' (tokens_max: evicting subjects only)' if kind is None else ''}, e.g. {example}; "
+            keys = [k for k in BUDGET_KEYS if k != "tokens_max" or subject_kind in (None, "evicting")]
+            example = ("{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if subject_kind == "evicting" else "")
+                       + "}")
+            only = " (tokens_max: evicting subjects only)" if subject_kind is None else ""
+            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(keys)}{only}, e.g. {example}; "
                             f"got {value!r}")
         _check_names(where, "budget keys", set(value), BUDGET_KEYS,
-                     listed=[k for k in BUDGET_KEYS if k != "tokens_max" or kind in (None, "evicting")])
+                     listed=[k for k in BUDGET_KEYS if k != "tokens_max" or subject_kind in (None, "evicting")])
         missing = [k for k in ("kl_max", "top1_min") if k not in value]
         if missing:
             raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "
