@@ -6,6 +6,7 @@ where only reports travel back to the controller.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -161,10 +162,11 @@ def write_terminal_matrix(tr, results: dict, session) -> None:
             tr.write_line(line, yellow=True)
 
 
-def _builtin_names() -> set:
+@functools.cache  # the catalogue is fixed for the process (installed packages, transformers release)
+def _builtin_names() -> frozenset:
     from kvconform.subjects import builtin_subjects
 
-    return {s.name for s in builtin_subjects()}
+    return frozenset(s.name for s in builtin_subjects())
 
 
 UNDECLARED_FAMILIES = 3

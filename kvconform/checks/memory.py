@@ -649,8 +649,8 @@ def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN,
         return ("bytes survive reset(): superseded keys/values are kept somewhere reset() does not clear "
                 "(a history list, a second buffer)")
     if ratios and min(ratios) < 0.9:
-        low = min(range(len(ratios)), key=ratios.__getitem__)
-        return (f"held/formula falls from {max(ratios):.2f}× to {ratios[low]:.2f}× (after {series[low][0]}): at that "
+        low_op, low = min(((op, held / e.exact) for op, held, e in series if e.exact), key=lambda p: p[1])
+        return (f"held/formula falls from {max(ratios):.2f}× to {low:.2f}× (after {low_op}): at that "
                 f"length the layer holds fewer bytes than full-precision keys/values can take, so it compresses or "
                 f"drops them, with a fixed buffer on top that exceeds the formula at short lengths. A cache that "
                 f"quantizes, compresses or evicts by design declares it (kvconform_lossy, kvconform_evicting or "

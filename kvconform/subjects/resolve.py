@@ -52,10 +52,8 @@ def _import_module(target: str):
 
 def _layer_hint(cls) -> str:
     """For a class that is a cache *layer* (transformers' ``CacheLayerMixin``): pass the Cache that holds it."""
-    try:
-        from transformers.cache_utils import CacheLayerMixin
-    except ImportError:
-        return ""
+    from transformers.cache_utils import CacheLayerMixin
+
     if issubclass(cls, CacheLayerMixin):
         return (f": {cls.__name__} is a cache layer (CacheLayerMixin); pass the Cache subclass that holds it, or a "
                 f"factory such as def my_cache(config): return Cache(layers=[{cls.__name__}() for _ in ...])")

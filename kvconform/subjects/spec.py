@@ -74,15 +74,14 @@ class Budget:
 
         if isinstance(value, Budget):
             value = dataclasses.asdict(value)
+        keys = [k for k in BUDGET_KEYS if k != "tokens_max" or subject_kind in (None, "evicting")]
         if not isinstance(value, Mapping):
-            keys = [k for k in BUDGET_KEYS if k != "tokens_max" or subject_kind in (None, "evicting")]
             example = ("{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if subject_kind == "evicting" else "")
                        + "}")
             only = " (tokens_max: evicting subjects only)" if subject_kind is None else ""
             raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(keys)}{only}, e.g. {example}; "
                             f"got {value!r}")
-        _check_names(where, "budget keys", set(value), BUDGET_KEYS,
-                     listed=[k for k in BUDGET_KEYS if k != "tokens_max" or subject_kind in (None, "evicting")])
+        _check_names(where, "budget keys", set(value), BUDGET_KEYS, listed=keys)
         missing = [k for k in ("kl_max", "top1_min") if k not in value]
         if missing:
             raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "
