@@ -180,13 +180,6 @@ class _Lines:
         self.stream.write(f"{line}\n")
 
 
-def _order(environment: dict):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(subjects=[SimpleNamespace(name=n) for n in environment.get("subjects") or ()],
-                           models=[SimpleNamespace(name=n) for n in environment.get("models") or ()])
-
-
 def main(argv=None) -> int:
     """``kvconform-merge --json OUT IN.json...``: write the merged report, print the matrix, append the Markdown
     matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed, 1 when any failed, 2 when
@@ -215,7 +208,9 @@ def main(argv=None) -> int:
     results = {r["nodeid"]: r for r in merged["results"]}
     if args.out:
         _write_json(args.out, merged)
-    order = _order(merged["environment"])
+    from kvconform.digest import RunDigest
+
+    order = RunDigest.from_environment(merged["environment"])
     write_terminal_matrix(_Lines(sys.stdout), results, order)
     counts = {o: sum(r["outcome"] == o for r in results.values()) for o in OUTCOMES}
     print(f"kvconform-merge: {len(results)} items from {len(loaded)} report(s): "

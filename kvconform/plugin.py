@@ -31,7 +31,12 @@ OPT_TRUST, OPT_SHARD = "kvconform_trust_remote_code", "kvconform_shard"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
+"""The process's ``KVSession`` (not in the controller of a run whose workers write the digest)."""
+DIGEST_KEY = pytest.StashKey["object"]()
+"""The ``digest.RunDigest`` the reports read, in the process that reports (the controller, or a run without
+workers)."""
 RESULTS_KEY = pytest.StashKey["dict"]()
+"""Item records (``report.record_report``), in the process that reports."""
 
 
 # ------------------------------------------------------------------------------------------------------ options
@@ -204,15 +209,27 @@ def pytest_configure(config):
         return
     _keep_benchmarks_out_of_the_folder(config)
     _freeze_heap_at_exit()
-    _check_usage(config)
-    hooked = _hooked_specs(config)
-    seed = _fuzz_seed(config)
-    build = functools.partial(_build_session, config, hooked, seed, _shard(config), _reproduce_args(config, seed))
-    if _starts_workers(config):
-        # built in pytest_collection_build, once the workers start; the workers run the items
-        config._kvconform_pending_build = functools.partial(build, runs_items=False)
-    else:
-        build()
+    worker_rundir = getattr(config, "workerinput", {}).get(_RUNDIR_KEY)
+    try:
+        _check_usage(config)
+        seed = _fuzz_seed(config)
+        build = functools.partial(_build_session, config, seed, _shard(config), _reproduce_args(config, seed))
+        if _starts_workers(config):
+            # the workers build the session and run the items; the controller reads the digest one of them writes,
+            # or builds the session itself (pytest_collection_build)
+            config._kvconform_pending_build = functools.partial(build, runs_items=False)
+        else:
+            build()
+            if worker_rundir:
+                _write_digest(config.stash[SESSION_KEY], worker_rundir)
+            else:
+                _set_digest(config, config.stash[SESSION_KEY].digest())
+    except pytest.UsageError as exc:
+        if worker_rundir:  # the controller raises it (exit 4) while it waits for the digest
+            from kvconform.digest import USAGE_ERROR_FILE, write_atomically
+
+            write_atomically(os.path.join(worker_rundir, USAGE_ERROR_FILE), str(exc))
+        raise
     suite_ids = _point_suite_node_ids_at_the_suite(config)
     if not suite_ids and str(SUITE_DIR) not in config.args:
         config.args.append(str(SUITE_DIR))
@@ -226,15 +243,16 @@ def _starts_workers(config) -> bool:
             and not config.getoption("collectonly", False))
 
 
-def _build_session(config, hooked, fuzz_seed, shard, reproduce_args, runs_items=True) -> None:
-    """Resolve the run's subjects, models, cases and known faults (``session.build_session``) into the config's
-    stash.
+def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) -> None:
+    """Resolve the run's subjects (``--kvconform-cache`` and the ``pytest_kvconform_caches`` hook), models, cases and
+    known faults (``session.build_session``) into the config's stash.
 
     Raises:
         pytest.UsageError: a bad cache spec, case file, known-faults file or model (exit 4, naming it).
     """
     from kvconform.session import build_session
 
+    hooked = _hooked_specs(config)
     try:
         session = build_session(
             caches=[*_opt(config, OPT_CACHE), *hooked], models=_opt(config, OPT_MODEL),
@@ -248,7 +266,89 @@ def _build_session(config, hooked, fuzz_seed, shard, reproduce_args, runs_items=
         raise pytest.UsageError(f"kvconform: {exc}") from None
     session.fuzz_seed, session.shard, session.reproduce_args = fuzz_seed, shard, reproduce_args
     config.stash[SESSION_KEY] = session
+
+
+def _set_digest(config, digest) -> None:
+    """The reporting process's digest (``DIGEST_KEY``) and its empty results."""
+    config.stash[DIGEST_KEY] = digest
     config.stash[RESULTS_KEY] = {}
+
+
+def _write_digest(session, rundir: str) -> None:
+    """xdist worker: write the session's digest for the controller, unless another worker already has (every
+    worker builds the same session)."""
+    from kvconform.digest import DIGEST_FILE
+
+    if not os.path.exists(os.path.join(rundir, DIGEST_FILE)):
+        session.digest().write(rundir)
+
+
+_DIGEST_POLL_S = 0.02
+
+
+def _await_digest(config):
+    """xdist controller: the ``RunDigest`` the first worker to build its session writes to the run's folder (~5 s
+    after the start, while the controller has nothing else to do: the workers run no item before it returns).
+    Returns None when it cannot come: every worker process has ended without writing it, or the workers' processes
+    cannot be watched (then the controller builds the session itself).
+
+    Raises:
+        pytest.UsageError: the usage error a worker found building its session (exit 4, its message).
+    """
+    import time
+
+    from kvconform.digest import USAGE_ERROR_FILE, RunDigest
+
+    rundir = getattr(config, "_kvconform_rundir", None)
+    if not rundir:
+        return None
+
+    def arrived():
+        try:
+            with open(os.path.join(rundir, USAGE_ERROR_FILE), encoding="utf-8") as fh:
+                message = fh.read()
+        except FileNotFoundError:
+            return RunDigest.read(rundir)
+        raise pytest.UsageError(message) from None
+
+    while True:
+        digest = arrived()
+        if digest is not None:
+            return digest
+        gateways = _worker_gateways(config)
+        if gateways is None:
+            return None  # they cannot be watched: the controller builds the session itself
+        if not any(gateway._io.popen.poll() is None for gateway in gateways):
+            digest = arrived()  # what a worker wrote just before it ended
+            if digest is None:
+                raise pytest.UsageError(_died_building(config, gateways))
+            return digest
+        time.sleep(_DIGEST_POLL_S)
+
+
+def _worker_gateways(config) -> list | None:
+    """The execnet gateways of the xdist workers, or None when they are not all local processes that can be watched
+    (``gateway._io.popen``)."""
+    dsession = config.pluginmanager.getplugin("dsession")
+    group = getattr(getattr(dsession, "nodemanager", None), "group", None)
+    gateways = list(group) if group is not None else []
+    if not gateways or any(getattr(getattr(g, "_io", None), "popen", None) is None for g in gateways):
+        return None
+    return gateways
+
+
+def _died_building(config, gateways) -> str:
+    """The usage error of a run whose every worker process ended while building the session, before any item
+    existed: how each ended, what the session imports there, how to see the crash itself."""
+    from types import SimpleNamespace
+
+    ends = ", ".join(f"{g.id}: {_exit_text(SimpleNamespace(gateway=g))[1]}" for g in gateways)
+    caches = _opt(config, OPT_CACHE) or []
+    imported = (f"the subjects' modules ({', '.join(f'--kvconform-cache {c}' for c in caches)}), " if caches else "")
+    return (f"kvconform: every worker process ended while building the session, before any item ran ({ends}). "
+            f"Building it imports {imported}the conftest.py hooks, torch, transformers and the models; a crash "
+            f"there would end any process that runs the items. Run with -n 0 (in one process) to see where it "
+            f"crashes.")
 
 
 # A wrapper of pytest_collection: the first hook after pytest_sessionstart, where pytest-xdist's DSession has started
@@ -256,22 +356,27 @@ def _build_session(config, hooked, fuzz_seed, shard, reproduce_args, runs_items=
 # controller, before non-wrapper implementations would run).
 @pytest.hookimpl(wrapper=True, specname="pytest_collection")
 def pytest_collection_build(session):
-    """xdist controller: build the session while the workers start. Building it (importing torch and
-    transformers, reading the model configs and case files) takes ~6 s, and so does each worker's start; one after
-    the other, the first item started ~13 s into a default run on 2 cores. The kvconform header lines, which need
-    the session, are written here instead of in ``pytest_report_header``.
+    """xdist controller: read the digest a worker writes once it has built its session (``_await_digest``; the
+    controller builds none itself, ARCHITECTURE.md "Crashes and workers"), and write the kvconform header lines from
+    it here instead of in ``pytest_report_header``. Building a session in the controller (importing torch and
+    transformers) took ~5 s of CPU on the two cores the workers start on.
 
     Raises:
-        pytest.UsageError: as ``_build_session`` (pytest ends the session with exit 4 and stops the workers).
+        pytest.UsageError: a usage error a worker found, or every worker ended while building (pytest ends the
+            session with exit 4 and stops the workers).
     """
     config = session.config
     build = getattr(config, "_kvconform_pending_build", None)
     if build is not None:
         del config._kvconform_pending_build
-        build()
+        digest = _await_digest(config)
+        if digest is None:
+            build()
+            digest = config.stash[SESSION_KEY].digest()
+        _set_digest(config, digest)
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None and reporter.showheader and not reporter.no_header:
-            for line in config.stash[SESSION_KEY].header_lines():
+            for line in digest.header:
                 reporter.write_line(line)
     return (yield)
 
@@ -340,9 +445,9 @@ def pytest_report_collectionfinish(config, start_path, items):
 
 
 def pytest_report_header(config):
-    if not is_active(config) or SESSION_KEY not in config.stash:
-        return None  # an xdist controller writes them once the session is built (pytest_collection_build)
-    return config.stash[SESSION_KEY].header_lines()
+    if not is_active(config) or DIGEST_KEY not in config.stash:
+        return None  # an xdist controller writes them once the digest arrives (pytest_collection_build)
+    return config.stash[DIGEST_KEY].header
 
 
 # ------------------------------------------------------------------------------------------------------ collection
@@ -644,7 +749,7 @@ def _write_json_progress(config, final: bool = False) -> None:
         with _JSON_LOCK:
             config._kvconform_json_timer = None
             if not getattr(config, "_kvconform_json_final", False):
-                write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+                write_json(path, config.stash[RESULTS_KEY], config.stash[DIGEST_KEY])
 
     timer = getattr(config, "_kvconform_json_timer", None)
     if final:
@@ -652,7 +757,7 @@ def _write_json_progress(config, final: bool = False) -> None:
             config._kvconform_json_final = True
             if timer is not None:
                 timer.cancel()
-            write_json(path, config.stash[RESULTS_KEY], config.stash[SESSION_KEY])
+            write_json(path, config.stash[RESULTS_KEY], config.stash[DIGEST_KEY])
     elif timer is None:
         timer = config._kvconform_json_timer = threading.Timer(_JSON_EVERY_S, flush)
         timer.daemon = True
@@ -675,16 +780,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     from kvconform.report import write_known_fault_summary, write_markdown_summary, write_terminal_matrix
 
-    results = config.stash[RESULTS_KEY]
-    write_terminal_matrix(terminalreporter, results, config.stash[SESSION_KEY])
+    results, digest = config.stash[RESULTS_KEY], config.stash[DIGEST_KEY]
+    write_terminal_matrix(terminalreporter, results, digest)
     _write_own_failures_hint(terminalreporter, results)
     if _opt(config, OPT_SELFTEST):
         from kvconform.report import write_selftest_summary
 
         write_selftest_summary(terminalreporter)
     else:
-        write_known_fault_summary(terminalreporter, results, config.stash[SESSION_KEY])
-    write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"), config.stash[SESSION_KEY])
+        write_known_fault_summary(terminalreporter, results, digest)
+    write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"), digest)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -774,9 +879,9 @@ def _model_scheduling(config, log):
 
         def __init__(self, config, log=None):
             super().__init__(config, log)
-            session = config.stash[SESSION_KEY]
-            self._subjects = sorted((s.name for s in session.subjects), key=len, reverse=True)
-            self._models = sorted((m.name for m in session.models), key=len, reverse=True)
+            digest = config.stash[DIGEST_KEY]
+            self._subjects = sorted(digest.subject_names, key=len, reverse=True)
+            self._models = sorted(digest.models, key=len, reverse=True)
 
         def _split_scope(self, nodeid: str) -> str:
             param = nodeid.partition("[")[2].removesuffix("]")
@@ -858,15 +963,15 @@ def _exit_text(worker) -> tuple[str, str]:
                             f"native code)")
 
 
-def _plan_item(config, nodeid: str):
-    """The controller's ``PlanItem`` of a suite node id (None for other tests)."""
-    session = config.stash.get(SESSION_KEY, None)
-    if session is None or "[" not in nodeid:
+def _plan_item(config, nodeid: str) -> tuple[str, dict] | None:
+    """``(item id, PlanItem.describe())`` of a suite node id, from the controller's digest (None for other
+    tests)."""
+    digest = config.stash.get(DIGEST_KEY, None)
+    if digest is None or "[" not in nodeid:
         return None
-    items = getattr(config, "_kvconform_items", None)
-    if items is None:
-        items = config._kvconform_items = {it.id: it for it in session.items()}
-    return items.get(nodeid.partition("[")[2].removesuffix("]"))
+    item_id = nodeid.partition("[")[2].removesuffix("]")
+    described = digest.items.get(item_id)
+    return None if described is None else (item_id, described)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -876,10 +981,10 @@ def pytest_handlecrashitem(crashitem, report, sched):
     config = _CONFIG.get("config")
     if config is None or not is_active(config):
         return None
-    item = _plan_item(config, crashitem)
-    if item is None:
+    planned = _plan_item(config, crashitem)
+    if planned is None:
         return None
-    from kvconform.checks import reproduce_line
+    from kvconform.digest import reproduce_line
     from kvconform.outcomes import read_breadcrumbs
     from kvconform.report import encode_property
 
@@ -888,9 +993,10 @@ def pytest_handlecrashitem(crashitem, report, sched):
     name, how = _exit_text(worker)
     rundir = getattr(config, "_kvconform_rundir", None)
     crumb = read_breadcrumbs(os.path.join(rundir, f"{worker_id}.crumb")) if rundir else None
-    op = crumb[1] if crumb and crumb[0] == item.id else "none recorded (before the item's first op)"
-    d = item.describe()
-    session = config.stash[SESSION_KEY]
+    item_id, d = planned
+    op = crumb[1] if crumb and crumb[0] == item_id else "none recorded (before the item's first op)"
+    digest = config.stash[DIGEST_KEY]
+    subject = digest.subject(d["subject"])
     message = "\n".join([
         f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}",
         f"  {d['subject']} killed its process: {how}",
@@ -899,7 +1005,8 @@ def pytest_handlecrashitem(crashitem, report, sched):
         f"without running (each would take a worker down)",
         "  likely cause: a native kernel of the cache (C++, CUDA, Triton) crashed or aborted, the cache called "
         "os._exit, or it exhausted memory",
-        "  " + reproduce_line(item.subject, item.model.spec, item.id, session.reproduce_args)
+        "  " + reproduce_line(getattr(subject, "source", "builtin"), d["subject"],
+                              digest.model_specs.get(d["model"], d["model"]), item_id, digest.reproduce_args)
         + "   (add -n 0 to see the crash itself)",
     ])
     report.longrepr = message
@@ -908,7 +1015,7 @@ def pytest_handlecrashitem(crashitem, report, sched):
                               (PROPERTY + "_metrics", encode_property({"crash": name, "last_op": op}))]
     if rundir:
         with open(os.path.join(rundir, "crashed.tsv"), "a", encoding="utf-8") as fh:
-            fh.write(f"{d['subject']}\t{item.id}\t{how}\t{op}\n")
+            fh.write(f"{d['subject']}\t{item_id}\t{how}\t{op}\n")
     return None
 
 

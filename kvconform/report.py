@@ -6,7 +6,6 @@ where only reports travel back to the controller.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -104,22 +103,23 @@ def _ordered(names, order=None) -> list:
     return sorted(set(names), key=lambda n: (rank.get(n, len(rank)), n))
 
 
-def _session_order(session, key: str) -> list:
-    if session is None:
+def _digest_order(digest, key: str) -> list:
+    if digest is None:
         return []
-    items = session.subjects if key == "subject" else session.models if key == "model" else []
-    return [x.name for x in items]
+    return list(digest.subject_names if key == "subject" else digest.models if key == "model" else [])
 
 
 def matrix(results: dict, rows_key: str, cols: list, cols_key: str, order=None) -> list[tuple[str, list, bool]]:
     """Rows of ``(row name, [cell text per column], any failure)``, rows in ``order`` (see ``_ordered``)."""
     records = list(results.values())
-    row_names = _ordered((r[rows_key] for r in records), order)
+    by_cell: dict = {}
+    for r in records:  # one pass: a default run has ~2,000 records, 20 subjects and 14 models
+        by_cell.setdefault((r[rows_key], r[cols_key]), []).append(r)
     out = []
-    for name in row_names:
+    for name in _ordered((r[rows_key] for r in records), order):
         cells, failed = [], False
         for col in cols:
-            text, bad = _cell([r for r in records if r[rows_key] == name and r[cols_key] == col])
+            text, bad = _cell(by_cell.get((name, col), ()))
             cells.append(text)
             failed |= bad
         out.append((name, cells, failed))
@@ -127,7 +127,7 @@ def matrix(results: dict, rows_key: str, cols: list, cols_key: str, order=None) 
 
 
 def _families(results) -> list:
-    from kvconform.checks import FAMILIES
+    from kvconform.families import FAMILIES
 
     present = {r["family"] for r in results.values()}
     return [f for f in FAMILIES if f in present] + sorted(present - set(FAMILIES))
@@ -142,53 +142,45 @@ def _table(tr, title, header, rows):
         tr.write_line(fmt.format(name, *cells), red=failed, green=not failed)
 
 
-def write_terminal_matrix(tr, results: dict, session) -> None:
-    """Print the matrices: subjects × families, then models × subjects. Cells: passed/ran, xN xfailed, FN failed."""
+def write_terminal_matrix(tr, results: dict, digest) -> None:
+    """Print the matrices: subjects × families, then models × subjects. Cells: passed/ran, xN xfailed, FN failed.
+    ``digest``: the run's ``digest.RunDigest`` (the rows' order, the undeclared-kind hints), or None."""
     if not results:
         return
     tr.section("kvconform conformance matrix")
     fams = _families(results)
-    subjects = _ordered((r["subject"] for r in results.values()), _session_order(session, "subject"))
+    subjects = _ordered((r["subject"] for r in results.values()), _digest_order(digest, "subject"))
     _table(tr, "subjects × check families (passed/ran, xN = known faults xfailed, FN = failed):",
            ["subject", *fams], matrix(results, "subject", fams, "family", subjects))
     tr.write_line("")
     _table(tr, "models × subjects:", ["model", *subjects],
-           matrix(results, "model", subjects, "subject", _session_order(session, "model")))
+           matrix(results, "model", subjects, "subject", _digest_order(digest, "model")))
     failed = [r for r in results.values() if r["outcome"] in ("failed", "error")]
     if failed:
         tr.write_line("")
         tr.write_line(f"{len(failed)} non-conforming item(s); first: {failed[0]['nodeid']}", red=True)
-        for line in undeclared_kind_hints(results, session):
+        for line in undeclared_kind_hints(results, digest):
             tr.write_line(line, yellow=True)
-
-
-@functools.cache  # the catalogue is fixed for the process (installed packages, transformers release)
-def _builtin_names() -> frozenset:
-    from kvconform.subjects import builtin_subjects
-
-    return frozenset(s.name for s in builtin_subjects())
 
 
 UNDECLARED_FAMILIES = 3
 """Families an exact subject must fail in before the summary asks whether it is lossy by design."""
 
 
-def undeclared_kind_hints(results: dict, session) -> list[str]:
+def undeclared_kind_hints(results: dict, digest) -> list[str]:
     """One line per subject of the exact kind (no ``kvconform_lossy`` / ``_evicting`` / ``_press`` declaration, not
     built in) that failed items in at least ``UNDECLARED_FAMILIES`` check families. A quantized or compressing cache
     that does not declare it is held to the exact oracle and fails nearly every family, each message blaming the op
     where its error first showed (a new user's int8 cache: 27 failures in 8 families); none of those messages can
     know that the cache is lossy on purpose, so the summary asks once."""
-    from kvconform.subjects import kind_of
-
     lines = []
-    for spec in getattr(session, "subjects", ()):
-        name = spec.name
-        if kind_of(spec).name != "exact":
+    for subject in getattr(digest, "subjects", ()):
+        name = subject.name
+        if subject.kind != "exact" or subject.builtin:
             continue
         failed = [r for r in results.values() if r["subject"] == name and r["outcome"] in ("failed", "error")]
         families = sorted({r["family"] for r in failed})
-        if len(families) < UNDECLARED_FAMILIES or name in _builtin_names():
+        if len(families) < UNDECLARED_FAMILIES:
             continue
         lines.append(
             f"kvconform: {name} is checked as an exact cache and failed {len(failed)} item(s) in {len(families)} "
@@ -209,29 +201,30 @@ def _status(records) -> str:
     return "✅"
 
 
-def markdown(results: dict, session=None) -> str:
+def markdown(results: dict, digest=None) -> str:
     """The subjects × families matrix as a GitHub-flavoured Markdown table; each subject is marked ❌ (a failure),
     ✅ (items ran, none failed) or ⏭️ (all of its items skipped)."""
     fams = _families(results)
     lines = ["### kvconform conformance matrix", "", "| subject | " + " | ".join(fams) + " |",
              "|---" * (len(fams) + 1) + "|"]
-    for name, cells, _ in matrix(results, "subject", fams, "family", _session_order(session, "subject")):
+    for name, cells, _ in matrix(results, "subject", fams, "family", _digest_order(digest, "subject")):
         status = _status([r for r in results.values() if r["subject"] == name])
         lines.append(f"| {status} {name} | " + " | ".join(cells) + " |")
     lines += ["", "✅ items ran, none failed · ❌ a non-conforming item · ⏭️ every item skipped (nothing checked)"]
     return "\n".join(lines) + "\n"
 
 
-def write_markdown_summary(results: dict, path: str | None, session=None) -> None:
+def write_markdown_summary(results: dict, path: str | None, digest=None) -> None:
     """Append the Markdown matrix to ``path`` (``$GITHUB_STEP_SUMMARY``) when set."""
     if path and results:
         with open(path, "a", encoding="utf-8") as fh:
-            fh.write(markdown(results, session))
+            fh.write(markdown(results, digest))
 
 
-def write_json(path: str, results: dict, session) -> None:
-    """Write ``{"schema": 1, "environment": {...}, "results": [...]}`` atomically (temp file, then rename)."""
-    payload = {"schema": SCHEMA, "environment": session.environment(),
+def write_json(path: str, results: dict, digest) -> None:
+    """Write ``{"schema": 1, "environment": {...}, "results": [...]}`` atomically (temp file, then rename);
+    ``digest.environment`` is the environment."""
+    payload = {"schema": SCHEMA, "environment": digest.environment,
                "results": sorted(results.values(), key=lambda r: r["nodeid"])}
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvconform-", suffix=".json")
@@ -300,58 +293,46 @@ def write_selftest_summary(tr) -> None:
     tr.write_line(f"{'all':<12} {caught}/{total} caught ({100 * caught / total:.0f}%)", bold=True)
 
 
-def known_fault_findings(results: dict, session) -> tuple[list, dict]:
+def known_fault_findings(results: dict, digest) -> tuple[list, dict]:
     """What the run says about the known-faults list: ``(stale, passed)``.
 
-    ``stale``: ``KnownFault`` entries that apply to the installed transformers and the run's models but match no
-    planned item (``KVSession.stale_faults``). ``passed``: ``{label: [nodeid, ...]}`` of items expected to fail that
-    passed — XPASS, or under ``--kvconform-strict`` a pass of an item a known fault names; ``label`` is the entry
-    id, or ``"<subject>.expected_failures"`` when the xfail came from the subject's own ``CacheSpec``. A pass of a
-    self-consistency-judged subject on a fault of the model's code is not listed (``_shared_by_fresh_instance``).
+    ``stale``: ``{"id", "transformers", "source"}`` of the entries that apply to the installed transformers and the
+    run's models but match no planned item (``RunDigest.stale_faults``). ``passed``: ``{label: [nodeid, ...]}`` of
+    items expected to fail that passed — XPASS, or under ``--kvconform-strict`` a pass of an item a known fault
+    names; ``label`` is the entry id, or ``"<subject>.expected_failures"`` when the xfail came from the subject's own
+    ``CacheSpec``. A pass of a self-consistency-judged subject on a fault of the model's code is not listed
+    (``shared_by_fresh`` in ``RunDigest.known_faults``: the fresh instance it is compared with shares that fault).
     """
-    stale = session.stale_faults()
-    subjects = {s.name: s for s in session.subjects}
     passed: dict = {}
     for r in sorted(results.values(), key=lambda r: r["nodeid"]):
-        if r["outcome"] not in ("xpassed", "passed") or (r["outcome"] == "passed" and not session.strict):
+        if r["outcome"] not in ("xpassed", "passed") or (r["outcome"] == "passed" and not digest.strict):
             continue
-        subject = subjects.get(r["subject"])
-        own = getattr(subject, "expected_failures", None) or {}
-        if r["outcome"] == "xpassed" and (own.get(f"{r['check']}:{r['case']}") or own.get(r["check"])):
+        subject = digest.subject(r["subject"])
+        if r["outcome"] == "xpassed" and subject is not None and subject.expects_failure(r["check"], r["case"]):
             label = f"{r['subject']}.expected_failures"
         else:
-            fault = session.fault_entry(r["subject"], r["model"], r["check"], r["family"], r["case"])
-            if fault is None or _shared_by_fresh_instance(session, subject, r):
+            fault = digest.known_fault(r)
+            if fault is None or fault["shared_by_fresh"]:
                 continue
-            label = fault.id
+            label = fault["id"]
         passed.setdefault(label, []).append(r["nodeid"])
-    return stale, passed
+    return list(digest.stale_faults), passed
 
 
-def _shared_by_fresh_instance(session, subject, r) -> bool:
-    """Whether ``r``'s pass says nothing about its known fault: the subject is judged by self-consistency (lossy,
-    without a fake-quant twin: a fresh instance of its own class on the same model is the target) and the fault is
-    one of the model's code (it matches kvconform's ReferenceCache too), which that fresh instance shares."""
-    from kvconform.subjects import FRESH, kind_of
-
-    if kind_of(subject).target != FRESH:
-        return False
-    return session.fault_entry("ReferenceCache", r["model"], r["check"], r["family"], r["case"]) is not None
-
-
-def write_known_fault_summary(tr, results: dict, session) -> None:
+def write_known_fault_summary(tr, results: dict, digest) -> None:
     """Print one line per known-fault entry that matched no item (stale) and per entry whose items passed (XPASS),
     so that the list is kept as strict as the cases. Prints nothing when there is nothing to say."""
     if not results:
         return
-    stale, passed = known_fault_findings(results, session)
+    stale, passed = known_fault_findings(results, digest)
     if not stale and not passed:
         return
     tr.section("kvconform known faults")
     for fault in stale:
-        tr.write_line(f"stale: {fault.id!r} (transformers {fault.transformers}; {os.path.basename(fault.source)}) "
+        tr.write_line(f"stale: {fault['id']!r} (transformers {fault['transformers']}; "
+                      f"{os.path.basename(fault['source'])}) "
                       f"matched no item of this run's plan", yellow=True)
-    verb = "passed (strict)" if session.strict else "XPASS"
+    verb = "passed (strict)" if digest.strict else "XPASS"
     for label, nodeids in passed.items():
         tr.write_line(f"{verb}: {label!r}: {len(nodeids)} item(s) expected to fail passed, e.g. {nodeids[0]}",
                       yellow=True)

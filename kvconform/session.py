@@ -6,6 +6,7 @@ and ids contain no addresses). Models and oracles are built lazily, once per (mo
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass, field
 
@@ -243,6 +244,34 @@ class KVSession:
                 **({"architectures": [r for _, records in self.architectures for r in records]}
                    if self.architectures else {})}
 
+    def digest(self):
+        """The ``digest.RunDigest`` of this session: what the reports need (header, environment, subjects' facts,
+        the plan's items, the known faults that name them, the stale ones), as plain data. ~0.1 s for the default
+        run's 1,980 items."""
+        from kvconform.digest import RunDigest, SubjectFacts, item_key
+        from kvconform.subjects import FRESH, kind_of
+
+        builtin = _builtin_names()
+        subjects = [SubjectFacts(name=s.name, kind=kind_of(s).name, builtin=s.name in builtin,
+                                 fresh_target=kind_of(s).target == FRESH, source=getattr(s, "source", "builtin"),
+                                 expected_failures=sorted(s.expected_failures)) for s in self.subjects]
+        fresh = {s.name for s in subjects if s.fresh_target}
+        items, faults = {}, {}
+        for item in self.items():
+            d = item.describe()
+            items[item.id] = d
+            fault = self.fault_entry(**d)
+            if fault is not None:
+                shared = d["subject"] in fresh and self.fault_entry(**{**d, "subject": "ReferenceCache"}) is not None
+                faults[item_key(d["subject"], d["model"], d["check"], d["case"])] = {"id": fault.id,
+                                                                                    "shared_by_fresh": shared}
+        return RunDigest(
+            header=self.header_lines(), environment=self.environment(), subjects=subjects,
+            models=[m.name for m in self.models], model_specs={m.name: m.spec for m in self.models},
+            strict=self.strict, known_faults=faults, items=items, reproduce_args=list(self.reproduce_args),
+            stale_faults=[{"id": f.id, "transformers": f.transformers, "source": f.source}
+                          for f in self.stale_faults()])
+
     def header_lines(self) -> list[str]:
         env = self.environment()
         return [
@@ -300,6 +329,13 @@ class KVSession:
         why = ", ".join(f"{n} for {reason}" for reason, n in left.items() if n)
         return (f"kvconform checkpoint {model.name} ({', '.join(sorted(model.features))}): {applies} of "
                 f"{len(self.cases)} cases apply" + (f"; left out: {why}" if why else ""))
+
+
+@functools.cache  # the catalogue is fixed for the process (installed packages, transformers release)
+def _builtin_names() -> frozenset:
+    from kvconform.subjects import builtin_subjects
+
+    return frozenset(s.name for s in builtin_subjects())
 
 
 def _reference_spec():

@@ -47,12 +47,25 @@ SIGNALS = {"SegvCache": "SIGSEGV", "AbortingCache": "SIGABRT", "ExitingCache": "
            "OomKilledCache": "SIGKILL"}
 
 
+CONTROLLER_PROBE = textwrap.dedent('''
+    import sys
+
+    def pytest_unconfigure(config):
+        if not hasattr(config, "workerinput"):  # the xdist controller
+            heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "optimum", "hqq"))
+            with open("controller_imports.txt", "w") as fh:
+                fh.write(" ".join(heavy))
+''')
+"""A conftest.py that records which heavy packages the xdist controller imported."""
+
+
 @pytest.fixture(scope="module")
 def crashed_run(tmp_path_factory):
     """One default run (no -n: kvconform distributes by itself) of the four crashing subjects and ReferenceCache on
-    llama, two cases: ``(exit code, stdout, JSON records)``."""
+    llama, two cases: ``(exit code, stdout, JSON records)``. Its folder's conftest.py is ``CONTROLLER_PROBE``."""
     folder = tmp_path_factory.mktemp("crashes")
     (folder / "crashing.py").write_text(CRASHING)
+    (folder / "conftest.py").write_text(CONTROLLER_PROBE)
     args = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly",
             "--kvconform-model", "llama", "--kvconform-json", "r.json", "-k",
             "prefill_then_decode and (decode_explicit_positions or decode_implicit_positions)"]
@@ -63,11 +76,21 @@ def crashed_run(tmp_path_factory):
     env.pop("KVCONFORM_WORKERS", None)
     proc = subprocess.run(args, cwd=folder, capture_output=True, text=True, timeout=900, env=env)
     records = json.loads((folder / "r.json").read_text())["results"]
-    return proc.returncode, proc.stdout, records
+    return proc.returncode, proc.stdout, records, (folder / "controller_imports.txt").read_text()
+
+
+def test_the_controller_only_reports_from_the_digest_a_worker_wrote(crashed_run):
+    """The xdist controller of a default run builds no session: it reads the digest a worker wrote
+    (kvconform/digest.py) and never imports torch or transformers (building a session there took ~5 s of CPU on the
+    two cores the workers start on). Its header lines, crash messages, matrix and JSON come from that digest."""
+    code, out, records, controller_imports = crashed_run
+    assert controller_imports == ""
+    assert out.count("kvconform subjects: ") == 1
+    assert out.index("test session starts") < out.index("kvconform subjects: ") < out.index("conformance matrix")
 
 
 def test_each_crash_fails_its_items_with_subject_signal_and_last_op(crashed_run):
-    code, out, records = crashed_run
+    code, out, records, _ = crashed_run
     assert code == 1, out[-3000:]
     by_subject = {}
     for r in records:
@@ -88,7 +111,7 @@ def test_each_crash_fails_its_items_with_subject_signal_and_last_op(crashed_run)
 
 
 def test_the_session_survives_with_every_other_item_the_matrix_and_the_json(crashed_run):
-    code, out, records = crashed_run
+    code, out, records, _ = crashed_run
     reference = [r for r in records if r["subject"] == "ReferenceCache"]
     assert len(reference) == 2 and all(r["outcome"] == "passed" for r in reference), reference
     assert len(records) == 2 * (len(NAMES) + 1)
@@ -116,3 +139,27 @@ def test_the_json_report_is_written_as_items_finish(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:]
     records = json.loads((tmp_path / "r.json").read_text())["results"]
     assert [(r["subject"], r["outcome"]) for r in records] == [("ReferenceCache", "passed")]
+
+
+def test_workers_that_die_building_the_session_end_the_run_with_a_usage_error(tmp_path):
+    """A subject module that kills every process importing it (here: each xdist worker, as a native extension built
+    for another CPU would) ends the run at once with exit 4 naming how the workers ended, instead of pytest-xdist
+    replacing them without end (each replacement dies the same way)."""
+    (tmp_path / "dies_on_import.py").write_text(textwrap.dedent('''
+        import os
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            os._exit(3)
+        from transformers import DynamicCache
+
+        class NeverBuilt(DynamicCache):
+            pass
+    '''))
+    args = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly",
+            "--kvconform-model", "llama", "--kvconform-cache", "dies_on_import.py:NeverBuilt"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.pop("KVCONFORM_WORKERS", None)
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "every worker process ended while building the session" in proc.stderr, proc.stderr
+    assert "gw0: exit status 3" in proc.stderr and "--kvconform-cache dies_on_import.py:NeverBuilt" in proc.stderr
+    assert "replacing crashed worker" not in proc.stdout

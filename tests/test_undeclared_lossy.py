@@ -45,7 +45,7 @@ def _results(spec):
 def test_summary_asks_an_exact_subject_failing_widely_whether_it_is_lossy_by_design():
     session = build_session(caches=[Int8Undeclared], models=["llama"], checks=CHECKS)
     results = _results(Int8Undeclared)
-    hints = undeclared_kind_hints(results, session)
+    hints = undeclared_kind_hints(results, session.digest())
     assert len(hints) == 1, hints
     assert hints[0].startswith("kvconform: Int8Undeclared is checked as an exact cache and failed")
     assert "kvconform_lossy" in hints[0] and "(crop, logits, memory)" in hints[0], hints[0]
@@ -54,7 +54,7 @@ def test_summary_asks_an_exact_subject_failing_widely_whether_it_is_lossy_by_des
 def test_no_such_hint_for_a_declared_lossy_cache_or_a_built_in_subject():
     session = build_session(caches=[Int8ResidualCache], models=["llama"], checks=CHECKS)
     declared = _results(Int8ResidualCache)
-    assert not undeclared_kind_hints(declared, session)
+    assert not undeclared_kind_hints(declared, session.digest())
     # the same failures on a built-in exact subject: a transformers cache is not asked to declare anything
     as_builtin = {k: {**r, "subject": "DynamicCache", "outcome": "failed"} for k, r in declared.items()}
-    assert not undeclared_kind_hints(as_builtin, session)
+    assert not undeclared_kind_hints(as_builtin, session.digest())

@@ -405,23 +405,11 @@ class CheckContext:
 
 
 def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
-    """The ``reproduce:`` line of a failure message: a command that runs just this item again, under the same run
-    options — ``pytest --kvconform [--kvconform-cache SPEC] --kvconform-model MODEL [OPTIONS] -k "SELECTION"``.
-    ``options``: the run's own flags that change what an item does (``KVSession.reproduce_args``: case files,
-    strict, full tier, timeout, device, known-faults files). A subject given as a ``module:attr`` / ``file.py:attr``
-    spec is named with ``--kvconform-cache``; one declared in Python (conftest hook, ``parametrize_with_checks``,
-    ``check_cache``) is said to need that code."""
-    import shlex
+    """The ``reproduce:`` line of a failure message for ``subject`` (a ``CacheSpec``): ``digest.reproduce_line``
+    with its name and source (the controller of an xdist run, which holds no subjects, calls that directly)."""
+    from kvconform.digest import reproduce_line as line
 
-    args = ["pytest", "--kvconform"]
-    source = getattr(subject, "source", "builtin")
-    remote = source.startswith("remote code ")  # a repository's own cache: found again in its code
-    if ":" in source and not remote:
-        args += ["--kvconform-cache", shlex.quote(source)]
-    trust = ["--kvconform-trust-remote-code"] if remote and "--kvconform-trust-remote-code" not in options else []
-    args += ["--kvconform-model", shlex.quote(model_spec), *options, *trust, "-k", f'"{selection}"']
-    where = "" if source == "builtin" or ":" in source or remote else f"   (where your code declares {subject.name})"
-    return "reproduce: " + " ".join(args) + where
+    return line(getattr(subject, "source", "builtin"), subject.name, model_spec, selection, options)
 
 
 def run_check(name: str, ctx: CheckContext) -> dict:
