@@ -174,9 +174,9 @@ def undeclared_kind_hints(results: dict, digest) -> list[str]:
     where its error first showed (a new user's int8 cache: 27 failures in 8 families); none of those messages can
     know that the cache is lossy on purpose, so the summary asks once."""
     lines = []
-    for subject in getattr(digest, "subjects", ()):
-        name = subject.name
-        if subject.kind != "exact" or subject.builtin:
+    for facts in getattr(digest, "subjects", ()):
+        name = facts.name
+        if facts.kind != "exact" or facts.builtin:
             continue
         failed = [r for r in results.values() if r["subject"] == name and r["outcome"] in ("failed", "error")]
         families = sorted({r["family"] for r in failed})
