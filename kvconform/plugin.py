@@ -794,9 +794,24 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    if not is_active(config) or hasattr(config, "workerinput") or RESULTS_KEY not in config.stash:
+    if not is_active(config):
         return
-    _write_json_progress(config, final=True)
+    if hasattr(config, "workerinput"):
+        _freeze_worker_heap()
+        return
+    if RESULTS_KEY in config.stash:
+        _write_json_progress(config, final=True)
+
+
+def _freeze_worker_heap() -> None:
+    """xdist worker, at the end of its session: move every object to the collector's permanent generation
+    (``gc.freeze``). pytest's ``pytest_unconfigure`` then runs one full collection to report unraisable exceptions,
+    which in a worker walked the whole heap of torch, transformers and the models (~0.5 s, while the controller
+    waits for the worker to end) to report to nobody: the worker has sent its last event to the controller
+    (pytest-xdist's ``workerfinished``, right after this hook) and the controller reads no more."""
+    import gc
+
+    gc.freeze()
 
 
 def pytest_unconfigure(config):
