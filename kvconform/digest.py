@@ -21,10 +21,10 @@ USAGE_ERROR_FILE = "usage-error.txt"
 """A worker's usage error (exit 4), for the controller to raise, in a run's folder."""
 
 
-def item_key(subject: str, model: str, check: str, case: str) -> str:
-    """The key of an item in ``RunDigest.items`` and ``RunDigest.known_faults``: its names joined by tabs (names
-    may contain ``-``, which the item id uses as separator; none contains a tab)."""
-    return "\t".join((subject, model, check, case))
+def item_id(nodeid: str) -> str:
+    """The item id (``PlanItem.id``, the key of ``RunDigest.items`` and ``RunDigest.known_faults``) in a suite node
+    id: its parameter, ``test_conformance.py::test_conformance[<id>]``."""
+    return nodeid.partition("[")[2].removesuffix("]")
 
 
 @dataclass
@@ -67,7 +67,7 @@ class RunDigest:
         strict: ``--kvconform-strict``.
         stale_faults: known-fault entries that match no planned item (``KVSession.stale_faults``), each
             ``{"id", "transformers", "source"}``.
-        known_faults: ``item_key`` → ``{"id": entry id, "shared_by_fresh": bool}`` for every planned item a
+        known_faults: item id → ``{"id": entry id, "shared_by_fresh": bool}`` for every planned item a
             known-fault entry names (``KVSession.fault_entry``); ``shared_by_fresh``: the subject is compared with a
             fresh instance of itself and the entry matches kvconform's ReferenceCache there too (a fault of the
             model's code, which that instance shares, so a pass says nothing about it).
@@ -95,8 +95,8 @@ class RunDigest:
         return next((s for s in self.subjects if s.name == name), None)
 
     def known_fault(self, record: dict) -> dict | None:
-        """The ``known_faults`` entry of a result record (``subject``, ``model``, ``check``, ``case``), or None."""
-        return self.known_faults.get(item_key(record["subject"], record["model"], record["check"], record["case"]))
+        """The ``known_faults`` entry of a result record (its ``nodeid``), or None."""
+        return self.known_faults.get(item_id(record["nodeid"]))
 
     @classmethod
     def from_environment(cls, environment: dict) -> RunDigest:
@@ -130,11 +130,17 @@ class RunDigest:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and a rename."""
+    """Write ``text`` to ``path`` through a temp file in the same folder and a rename, so that a reader (the xdist
+    controller, a CI step reading a JSON report while the run goes on) sees the old file or the new one, never a
+    part. The file gets an ordinary file's mode (0666 less the umask; ``mkstemp`` makes 0600). Every file kvconform
+    writes whole goes through here: the JSON reports, a merged report, the run digest."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".kvconform-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -223,13 +223,9 @@ def main(argv=None) -> int:
 
 
 def _write_json(path: str, payload: dict) -> None:
-    import tempfile
+    from kvconform.digest import write_atomically
 
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".kvconform-", suffix=".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=1, ensure_ascii=False)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(payload, indent=1, ensure_ascii=False))
 
 
 if __name__ == "__main__":  # pragma: no cover

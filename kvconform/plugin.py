@@ -340,9 +340,7 @@ def _worker_gateways(config) -> list | None:
 def _died_building(config, gateways) -> str:
     """The usage error of a run whose every worker process ended while building the session, before any item
     existed: how each ended, what the session imports there, how to see the crash itself."""
-    from types import SimpleNamespace
-
-    ends = ", ".join(f"{g.id}: {_exit_text(SimpleNamespace(gateway=g))[1]}" for g in gateways)
+    ends = ", ".join(f"{g.id}: {_exit_text(g)[1]}" for g in gateways)
     caches = _opt(config, OPT_CACHE) or []
     imported = (f"the subjects' modules ({', '.join(f'--kvconform-cache {c}' for c in caches)}), " if caches else "")
     return (f"kvconform: every worker process ended while building the session, before any item ran ({ends}). "
@@ -948,12 +946,12 @@ def _crash_teardown(config) -> None:
         shutil.rmtree(rundir, ignore_errors=True)
 
 
-def _exit_text(worker) -> tuple[str, str]:
-    """``(short name, text)`` of how a crashed xdist worker process ended: the signal that killed it (SIGSEGV,
-    SIGABRT, SIGKILL…) or its exit status."""
+def _exit_text(gateway) -> tuple[str, str]:
+    """``(short name, text)`` of how a crashed xdist worker process (its execnet ``gateway``) ended: the signal that
+    killed it (SIGSEGV, SIGABRT, SIGKILL…) or its exit status."""
     import signal
 
-    popen = getattr(getattr(getattr(worker, "gateway", None), "_io", None), "popen", None)
+    popen = getattr(getattr(gateway, "_io", None), "popen", None)
     code = None
     if popen is not None:
         try:
@@ -984,9 +982,10 @@ def _plan_item(config, nodeid: str) -> tuple[str, dict] | None:
     digest = config.stash.get(DIGEST_KEY, None)
     if digest is None or "[" not in nodeid:
         return None
-    item_id = nodeid.partition("[")[2].removesuffix("]")
-    described = digest.items.get(item_id)
-    return None if described is None else (item_id, described)
+    from kvconform.digest import item_id
+
+    described = digest.items.get(item_id(nodeid))
+    return None if described is None else (item_id(nodeid), described)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -1005,7 +1004,7 @@ def pytest_handlecrashitem(crashitem, report, sched):
 
     worker = getattr(report, "node", None)
     worker_id = getattr(getattr(worker, "gateway", None), "id", "?")
-    name, how = _exit_text(worker)
+    name, how = _exit_text(getattr(worker, "gateway", None))
     rundir = getattr(config, "_kvconform_rundir", None)
     crumb = read_breadcrumbs(os.path.join(rundir, f"{worker_id}.crumb")) if rundir else None
     item_id, d = planned

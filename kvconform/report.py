@@ -224,21 +224,11 @@ def write_markdown_summary(results: dict, path: str | None, digest=None) -> None
 def write_json(path: str, results: dict, digest) -> None:
     """Write ``{"schema": 1, "environment": {...}, "results": [...]}`` atomically (temp file, then rename);
     ``digest.environment`` is the environment."""
+    from kvconform.digest import write_atomically
+
     payload = {"schema": SCHEMA, "environment": digest.environment,
                "results": sorted(results.values(), key=lambda r: r["nodeid"])}
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".kvconform-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=1, ensure_ascii=False)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, json.dumps(payload, indent=1, ensure_ascii=False))
 
 
 def json_path_problem(path: str) -> str | None:

@@ -248,13 +248,16 @@ class KVSession:
         """The ``digest.RunDigest`` of this session: what the reports need (header, environment, subjects' facts,
         the plan's items, the known faults that name them, the stale ones), as plain data. ~0.1 s for the default
         run's 1,980 items."""
-        from kvconform.digest import RunDigest, SubjectFacts, item_key
+        from kvconform.digest import RunDigest, SubjectFacts
         from kvconform.subjects import FRESH, kind_of
 
         builtin = _builtin_names()
-        subjects = [SubjectFacts(name=s.name, kind=kind_of(s).name, builtin=s.name in builtin,
-                                 fresh_target=kind_of(s).target == FRESH, source=getattr(s, "source", "builtin"),
-                                 expected_failures=sorted(s.expected_failures)) for s in self.subjects]
+        subjects = []
+        for spec in self.subjects:
+            kind = kind_of(spec)
+            subjects.append(SubjectFacts(name=spec.name, kind=kind.name, builtin=spec.name in builtin,
+                                         fresh_target=kind.target == FRESH, source=getattr(spec, "source", "builtin"),
+                                         expected_failures=sorted(spec.expected_failures)))
         fresh = {s.name for s in subjects if s.fresh_target}
         items, faults = {}, {}
         for item in self.items():
@@ -263,8 +266,7 @@ class KVSession:
             fault = self.fault_entry(**d)
             if fault is not None:
                 shared = d["subject"] in fresh and self.fault_entry(**{**d, "subject": "ReferenceCache"}) is not None
-                faults[item_key(d["subject"], d["model"], d["check"], d["case"])] = {"id": fault.id,
-                                                                                    "shared_by_fresh": shared}
+                faults[item.id] = {"id": fault.id, "shared_by_fresh": shared}
         return RunDigest(
             header=self.header_lines(), environment=self.environment(), subjects=subjects,
             models=[m.name for m in self.models], model_specs={m.name: m.spec for m in self.models},
