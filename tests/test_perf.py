@@ -33,17 +33,40 @@ def _faulty(name):
 
 
 # --------------------------------------------------------------------------------------------- measuring pieces
+def _spin(seconds):
+    """Work on the CPU for ``seconds`` of this process's CPU time (what a slow cache does; a sleep is waiting)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
 def test_interleaved_medians_rank_targets_side_by_side():
     from kvconform.timing import Target, measure_interleaved
 
     order = []
-    targets = [Target(name, run=lambda _, n=name, s=secs: (order.append(n), time.sleep(s)), units=2)
+    targets = [Target(name, run=lambda _, n=name, s=secs: (order.append(n), _spin(s)), units=2)
                for name, secs in (("fast", 0.002), ("slow", 0.02))]
-    timings = measure_interleaved(targets, repeats=5, warmup=1, threads=None)
+    timings = measure_interleaved(targets, repeats=5, warmup=1, threads=1)
     assert [len(t.seconds) for t in timings.values()] == [5, 5]  # warm-up round dropped
     assert order[:4] == ["fast", "slow", "slow", "fast"]  # the order rotates from round to round
     assert timings["slow"].median / timings["fast"].median > 4
     assert timings["fast"].median >= 0.001 - 1e-4  # per unit: 2 ms / 2 units
+
+
+def test_the_cpu_clock_counts_work_and_not_waiting_for_a_core():
+    """On CPU with one thread the speed family reads the process's CPU time: a target that waits (sleeps, as a
+    process does while another one holds the core) costs ~nothing, one that works costs its work. With several
+    threads (whose CPU times would add up) and on CUDA it reads the wall clock, which counts the wait."""
+    from kvconform.timing import Target, clock_for, measure_interleaved
+
+    assert clock_for("cpu", 1).name == "process CPU time" and clock_for("cpu", 1).read is time.process_time
+    assert clock_for("cpu", 2).read is time.perf_counter
+    assert clock_for("cuda", 1).read is time.perf_counter
+    targets = [Target("waits", run=lambda _: time.sleep(0.02)), Target("works", run=lambda _: _spin(0.02))]
+    cpu = measure_interleaved(targets, repeats=5, warmup=0, threads=1)
+    assert cpu["waits"].median < 0.005 <= 0.02 - 1e-4 <= cpu["works"].median
+    wall = measure_interleaved(targets, repeats=5, warmup=0, threads=2)
+    assert wall["waits"].median >= 0.02 - 1e-4 and wall["works"].median >= 0.02 - 1e-4
 
 
 def test_memory_counts_each_storage_once_and_dynamic_cache_exactly():
@@ -190,9 +213,10 @@ def test_speed_is_measured_under_xdist_and_skips_with_benchmark_disable(run_kvco
 
 # --------------------------------------------------------------------------------------------- confirmation
 def _long_context_stall(name, stalled_updates):
-    """A DynamicCache whose decode updates past 512 held tokens sleep 50 ms — only the first ``stalled_updates`` of
-    them (all of them when None): a load spike that hits the first measurement only, or a cache that is slow
-    for good. Counted per class, over every cache the item builds."""
+    """A DynamicCache whose decode updates past 512 held tokens work for 50 ms of CPU time (``_spin``: the speed
+    family reads CPU time, in which a sleep costs nothing) — only the first ``stalled_updates`` of them (all of them
+    when None): a disturbance that hits the first measurement only (a collection, another cache's warm-up), or a
+    cache that is slow for good. Counted per class, over every cache the item builds."""
     from transformers import DynamicCache
 
     state = {"stalls": 0}
@@ -201,7 +225,7 @@ def _long_context_stall(name, stalled_updates):
         if key_states.shape[-2] == 1 and self.get_seq_length(layer_idx) > 512 and (
                 stalled_updates is None or state["stalls"] < stalled_updates):
             state["stalls"] += 1
-            time.sleep(0.05)
+            _spin(0.05)
         return DynamicCache.update(self, key_states, value_states, layer_idx, *args, **kwargs)
 
     return type(name, (DynamicCache,), {"update": update})

@@ -3,11 +3,12 @@
 Every check times *targets* in interleaved rounds (``kvconform.timing.measure_interleaved``: each round runs every
 target once, in rotated order; medians of ``repeats`` ≥ 5 rounds after ``warmup`` rounds; one torch thread on CPU;
 ``torch.cuda.synchronize`` around each target on CUDA; through pytest-benchmark's ``pedantic`` when the suite has
-it). A target is "prefill ``context`` tokens (untimed setup), then ``steps`` single-token decode steps (timed)",
-reported per token. Budgets are ratios of targets measured in the same rounds, so the machine's speed and load
-cancel out; they are declared in the case files (``params``) and deliberately generous: a budget catches a cache
-doing O(context) work per token, not a 10 % regression (use ``--benchmark-autosave``/``--benchmark-compare-fail``
-for that).
+it). On CPU with one thread the clock is the process's CPU time, so the time a process waits for a core on a shared
+machine is in no round (``kvconform.timing.clock_for``); on CUDA it is the wall clock. A target is "prefill
+``context`` tokens (untimed setup), then ``steps`` single-token decode steps (timed)", reported per token. Budgets
+are ratios of targets measured in the same rounds, so the machine's speed cancels out; they are declared in the case
+files (``params``) and deliberately generous: a budget catches a cache doing O(context) work per token, not a 10 %
+regression (use ``--benchmark-autosave``/``--benchmark-compare-fail`` for that).
 
 * ``check_speed_vs_uncached`` — at context ≥ 512, decoding with the cache is ≥ ``min_speedup`` × faster per token
   than the uncached forward of the whole sequence (what a cache is for); a quantized cache (its layers declare
@@ -43,7 +44,7 @@ from kvconform.checks._diagnosis import fail_raised
 from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
                                      subject_call)
 from kvconform.outcomes import breadcrumb
-from kvconform.timing import Target, measure_interleaved
+from kvconform.timing import Target, clock_for, measure_interleaved
 
 DEFAULTS = {"context": 512, "short": 128, "long": 1024, "steps": 4, "uncached_steps": 1, "repeats": 5, "warmup": 1,
             "threads": 1}
@@ -177,7 +178,8 @@ def _measure(ctx, targets, extra, confirm=False):
                               "families' cases are short)",
                     ops_text=f"prefill({extra['prefill']}) timed" if "prefill" in extra else
                     f"prefill(context {contexts}, untimed) → decode×{int(_param(ctx, 'steps'))} timed")
-    timer = (f"timer: perf_counter{' + cuda.synchronize' if device.type == 'cuda' else ''} on {device.type}"
+    clock = clock_for(device, threads).name
+    timer = (f"timer: {clock}{' + cuda.synchronize' if device.type == 'cuda' else ''} on {device.type}"
              f"{f', {threads} thread' if threads else ''}; "
              + (f"confirmation: best of {repeats} interleaved rounds" if confirm else
                 f"medians of {repeats} interleaved rounds"
