@@ -6,9 +6,12 @@
 Each run starts ``--burners`` processes spinning ``while True: pass`` (each bounded by ``timeout --burn-seconds``),
 then ``pytest --kvconform -m kvconform_speed --kvconform-model llama --kvconform-model gpt2 --kvconform-json`` in an
 empty folder, then stops the burners. A *flip* is an item whose outcome is not the same in every run; a built-in
-subject must have none and never fail. With ``--faulty`` the slow faulty caches (``SLOW_FAULTY``: faulty_perf,
-faulty_prefill; and any ``--kvconform-cache`` given after ``--``) run too; they must fail in every run. Prints one
-line per run and a summary; exit 1 on a flip or on a faulty cache that passed. Uses the interpreter it is run with.
+subject must have none and never fail. With ``--faulty`` the slow faulty caches of ``kvconform/testing`` (every
+bundled faulty cache of the speed family: ``faulty_perf``, ``faulty_prefill``, ``lossy.Int8DequantPerToken``) run
+too, each of which must fail its target case (``FaultyCache.case``) in every run; a cache given with
+``--kvconform-cache`` after ``--`` must fail some item in every run. Prints one line per run and a summary; exit 1 on
+a flip of a built-in subject, a built-in failure, or a faulty cache not caught in every run. Uses the interpreter it
+is run with.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-SLOW_FAULTY = ("kvconform.testing.faulty_perf:DefragmentEveryStepCache",
-               "kvconform.testing.faulty_prefill:TokenLoopPrefillCache")
+
+
+def slow_faulty() -> dict[str, str]:
+    """``{cache spec: target case}`` of the bundled faulty caches of the speed family."""
+    from kvconform.testing import faulty_caches
+
+    return {f.spec: f.case for f in faulty_caches() if f.family == "speed"}
 
 
 def main(argv=None) -> int:
@@ -39,11 +47,12 @@ def main(argv=None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="kvconform-load-"))
     out.mkdir(parents=True, exist_ok=True)
     extra = list(args.pytest_args)
-    faulty_names = set()
+    targets: dict[str, str | None] = {a.rpartition(":")[2]: None for a in extra if ":" in a}  # subject → case
     if args.faulty:
-        for spec in SLOW_FAULTY:
+        for spec, case in slow_faulty().items():
             extra += ["--kvconform-cache", spec]
-    faulty_names |= {a.rpartition(":")[2] for a in extra if ":" in a}
+            targets[spec.rpartition(":")[2]] = case
+    faulty_names = set(targets)
     outcomes = collections.defaultdict(list)
     for run in range(args.runs):
         burners = [subprocess.Popen(["timeout", str(args.burn_seconds), sys.executable, "-c", "while True: pass"])
@@ -74,14 +83,26 @@ def main(argv=None) -> int:
         for outcome, m in seen:
             if "confirmation" in m and key[0] not in faulty_names:
                 print(f"confirmation overruled a first measurement: {' · '.join(key)}: {outcome}, first "
-                      f"{m.get('growth', m.get('speedup'))}, confirmation {m['confirmation']}")
-        faulty = key[0] in faulty_names
+                      f"{m.get('growth', m.get('speedup', m.get('prefill_ratio')))}, confirmation {m['confirmation']}")
+        if key[0] in faulty_names:
+            if len(kinds) > 1:  # reported, not judged: a faulty cache is judged by its target case below
+                print("faulty cache, outcome not the same in every run:", " · ".join(key), [o for o, _ in seen])
+            continue
         if len(kinds) > 1:
             flips.append((key, [o for o, _ in seen]))
-        if faulty and kinds != {"failed"} and kinds != {"skipped"}:  # skipped everywhere: not measurable here
-            bad.append((key, "faulty cache not caught in every run", [o for o, _ in seen]))
-        if not faulty and "failed" in kinds:
+        if "failed" in kinds:
             bad.append((key, "built-in subject failed", [o for o, _ in seen]))
+    for name, case in sorted(targets.items(), key=lambda kv: kv[0]):
+        runs = [[] for _ in range(args.runs)]  # per run: the outcomes of the items that catch it
+        for (subject, _, item_case), seen in outcomes.items():
+            if subject == name and (case is None or item_case == case):
+                for i, (o, _) in enumerate(seen):
+                    runs[i].append(o)
+        caught = ["failed" in run for run in runs]
+        what = f"its target case {case}" if case else "any item"
+        print(f"faulty {name}: caught by {what} in {sum(caught)} of {args.runs} runs")
+        if not all(caught) and any(runs):
+            bad.append(((name, "-", case or "*"), f"faulty cache not caught by {what} in every run", caught))
     ran = [k for k, seen in outcomes.items() if any(o in ("passed", "failed") for o, _ in seen)]
     print(f"items measured: {len(ran)} (of {len(outcomes)}); flips: {len(flips)}; "
           f"first measurements over budget that the confirmation overruled or confirmed: {confirmations}")
@@ -89,9 +110,6 @@ def main(argv=None) -> int:
         print("FLIP", " · ".join(key), seen)
     for key, why, seen in bad:
         print("BAD", " · ".join(key), why, seen)
-    for name in sorted(faulty_names):
-        got = [o for (s, _, _), seen in outcomes.items() if s == name for o, _ in seen]
-        print(f"faulty {name}: {collections.Counter(got)}")
     print(f"reports and logs: {out}")
     return 1 if flips or bad else 0
 
