@@ -217,6 +217,48 @@ def test_swap_rows_exchanges_rows_0_and_1(llama_ctx):
     assert judge(llama_ctx, steps).passed
 
 
+def test_beam_fork_takes_row_0_twice(llama_ctx):
+    """``beam_fork`` calls ``reorder_cache([0, 0, 2])`` (beam search keeping two continuations of beam 0): the
+    ``Runner``'s rows 0 and 1 both hold row 0's history, row 2 stays, and the two copies then decode different tokens
+    that match the oracle on DynamicCache."""
+    from kvconform.checks._interpreter import Runner
+    from kvconform.checks._judge import judge
+
+    runner = Runner(llama_ctx, llama_ctx.new_cache())
+    before = []
+    runner.observe(type("Before", (), {"before_op": lambda self, r, op, i: before.append(r.seq.clone())})())
+    steps = runner.run([Op("prefill", 6), Op("beam_fork"), Op("decode", 2)])
+    forked = steps[-1].seq
+    assert forked[0, :6].equal(before[1][0]) and forked[1, :6].equal(before[1][0]) and forked[2, :6].equal(before[1][2])
+    assert not forked[0, 6:].equal(forked[1, 6:])  # the copies diverge after the fork
+    assert steps[1].ops_before == ("beam_fork",)
+    assert judge(llama_ctx, steps).passed
+
+
+def test_beam_fork_case_passes_correct_caches_of_other_designs_and_fails_shared_pages():
+    """``beam_fork_padded`` passes on kvconform's reference cache, transformers' DynamicCache and StaticCache, a paged,
+    a lossy and an evicting cache, and fails on a paged cache whose reorder_cache shares the pages of a row taken
+    twice (``faulty_beam.RowPagedCache``, no copy-on-write), naming the fork; ``reorder_padded`` (a permutation) passes
+    on that cache, which is why the fork needs its own case."""
+    import kvconform
+    from kvconform.subjects import builtin_subjects
+    from kvconform.testing import evicting, faulty_beam, lossy, paged
+
+    subjects = {s.name: s for s in builtin_subjects()}
+    correct = [subjects[n] for n in ("ReferenceCache", "DynamicCache", "StaticCache")] + [
+        paged.PagedCache, lossy.Int8ResidualCache, evicting.SinkWindowCache]
+    results = {(r.subject, r.case): r for r in kvconform.check_cache(
+        [*correct, faulty_beam.RowPagedCache], models=["llama"], checks=["check_reorder_then_decode"],
+        cases=["beam_fork_padded", "reorder_padded"])}
+    for (subject, case), r in results.items():
+        if subject != "RowPagedCache":
+            assert r.outcome == "passed", (subject, case, r.message)
+    assert results[("RowPagedCache", "reorder_padded")].outcome == "passed"
+    faulty = results[("RowPagedCache", "beam_fork_padded")]
+    assert faulty.outcome == "failed", faulty.message
+    assert "beam_fork" in faulty.message and "did not give each new row its own copy" in faulty.message
+
+
 def test_swap_rows_case_passes_correct_caches_and_fails_a_faulty_beam_cache():
     """The batch case ``swap_rows_padded`` passes on ReferenceCache and DynamicCache and fails on a bundled faulty
     beam cache (reorder_cache moves the exact residual only), blaming the swap."""

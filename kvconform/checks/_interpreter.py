@@ -432,6 +432,26 @@ class Runner:
         self._rows(perm, op.name)
         self._mirror("op_swap_rows", op)
 
+    def op_beam_fork(self, op) -> None:
+        """``beam_fork``: ``reorder_cache(idx)`` with ``idx = [0, 0, 2, 3, …]``: row 0 is taken twice and row 1 is
+        dropped, as beam search's ``beam_idx`` holds one beam twice when both of its best continuations survive
+        (``generate(num_beams=…)`` calls ``reorder_cache`` with such indices). The decode steps after it feed the two
+        copies different tokens, so a cache whose copies still share storage (a page table pointing both rows at
+        one page, without copy-on-write) shows it.
+
+        Raises:
+            ValueError: fewer than two rows.
+        """
+        import torch
+
+        if self.batch < 2:
+            raise ValueError(f"op 'beam_fork' needs two rows, the batch has {self.batch} (case {self.ctx.case.id})")
+        index = torch.arange(self.batch)
+        index[1] = 0
+        self._call(op.label, lambda: self.cache.reorder_cache(index.to(self._device())))
+        self._rows(index, op.name)
+        self._mirror("op_beam_fork", op)
+
     def op_repeat(self, op) -> None:
         """``repeat R``: ``batch_repeat_interleave(R)``."""
         self.repeat(op.n, op.label)
