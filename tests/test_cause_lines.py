@@ -90,6 +90,13 @@ def test_measured_cause_kinds():
                  batch_sizes={"layers[0].keys": 4, "layers[1].keys": 2})
     assert rows.startswith("the cache holds tensors of batch sizes 2, 4 (layers[0].keys: 4, layers[1].keys: 2) "
                            "for a batch of 4 rows: repeat(2) did not resize"), rows
+    # a paged pool's first dimension counts pages: with keys/values of the batch's rows it is no batch mismatch
+    assert cause(RuntimeError("shape mismatch"), batch_sizes={"layers[0].k_pool": 8, "layers[1].k_pool": 6},
+                 public_batch={"layer 0.keys": 4, "layer 1.keys": 4}) is None
+    keys = cause(AttributeError("'NoneType' object has no attribute 'shape'"), keys_missing=["cross 0", "cross 1"],
+                 batch_sizes={"layers[0].k_pool": 8})
+    assert keys.startswith("cross 0 (and 1 more) holds tokens (get_seq_length() > 0) but answers None for "
+                           "layer.keys: transformers reads layer.keys"), keys
     # the same mismatch of sizes without a size error is not explained by the lengths
     assert cause(ValueError("unrelated"), kv_mismatch="update(...) returned keys of length 8") is None
 

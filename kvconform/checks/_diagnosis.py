@@ -228,7 +228,11 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     * an ``update()`` returned another number of keys than the cache should hold (an unbounded layer: the tokens
       fed; a bounded one: the ``kv_length`` its ``get_mask_sizes`` gave the mask);
     * ``get_mask_sizes`` sized the mask of an unbounded layer for another number of keys than the tokens held;
-    * the cache's tensors disagree on the batch size, or all differ from the batch's rows;
+    * a layer that holds tokens answers None for ``layer.keys`` (transformers reads it directly) and the forward
+      raised an AttributeError / TypeError;
+    * the cache's tensors disagree on the batch size, or all differ from the batch's rows (unless every layer's
+      ``keys`` / ``values`` has the batch's rows: then the other tensors' first dimension counts something else,
+      such as a paged pool's pages);
     * what the forward's ``UpdateWatch`` saw an ``update()`` do wrong (``update_fault``: another dtype returned…).
     """
     f = exc.facts
@@ -255,7 +259,22 @@ def measured_cause(exc: SubjectRaised) -> str | None:
                 return (f"get_mask_sizes(layer {layer_idx}) sized the attention mask for {kv_length} keys (offset "
                         f"{kv_offset}) for a cache that should hold {held} tokens: the mask and the keys cannot "
                         f"line up (get_seq_length() or a length counter is off)")
+    missing = f.get("keys_missing") or []
+    if missing and isinstance(exc.cause, (AttributeError, TypeError)):
+        returned_none = next((c for c in calls if len(c) > 2 and c[2] is None), None)
+        if returned_none is not None:
+            return (f"update(layer_idx={returned_none[0]}) returned no key tensor, and {missing[0]} answers None for "
+                    f"layer.keys although it holds tokens: update() must return the held keys and values "
+                    f"([batch, kv_heads, tokens, head_dim] each), and layer.keys / layer.values must answer them too")
+        return (f"{missing[0]}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} holds tokens "
+                f"(get_seq_length() > 0) but answers None for layer.keys: transformers reads layer.keys and "
+                f"layer.values directly, not only what update() returns (t5's and bart's cross-attention reuse "
+                f"layers[i].keys once the encoder's states are cached) — expose the held keys and values there, "
+                f"e.g. as properties")
     sizes, batch = f.get("batch_sizes", {}), f.get("batch")
+    public = f.get("public_batch") or {}
+    if public and set(public.values()) == {batch}:
+        sizes = {}  # keys/values have the batch's rows: the other tensors' first dimension is something else (pages)
     if sizes and (len(set(sizes.values())) > 1 or set(sizes.values()) != {batch}):
         shown = ", ".join(f"{name}: {b}" for name, b in list(sizes.items())[:3])
         since = next((op for op in reversed(f.get("trail", ())) if op.split("(")[0] in _BATCH_OPS), None)

@@ -428,7 +428,34 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
         facts["batch_sizes"] = {name: int(t.shape[0]) for name, t in tensors_of(cache).items() if t.dim() >= 3}
     except Exception:  # noqa: BLE001 - a cache too broken to walk: no batch measurement
         facts["batch_sizes"] = {}
+    facts["public_batch"], facts["keys_missing"] = public_kv_facts(cache)
     return facts
+
+
+def public_kv_facts(cache) -> tuple[dict, list]:
+    """What the layers answer as ``layer.keys`` / ``layer.values``, the tensors transformers itself reads (as
+    attributes or properties): ``({"layer 0.keys": dim 0, ...}, [labels of layers that hold tokens, by
+    get_seq_length(), but answer None or no tensor for keys])``. The first dimension of these is the batch by the
+    Cache contract; a layer's other tensors may be laid out otherwise (a paged pool's first dimension counts pages)."""
+    import torch
+
+    sizes, missing = {}, []
+    for label, layer in cache_layers(cache):
+        for attr in ("keys", "values"):
+            try:
+                t = getattr(layer, attr, None)
+            except Exception:  # noqa: BLE001 - a property that raises answers nothing
+                t = None
+            if isinstance(t, torch.Tensor) and t.dim() >= 3:
+                sizes[f"{label}.{attr}"] = int(t.shape[0])
+            elif attr == "keys":
+                try:
+                    holds = int(layer.get_seq_length()) > 0
+                except Exception:  # noqa: BLE001 - no length to read: no claim
+                    holds = False
+                if holds:
+                    missing.append(label)
+    return sizes, missing
 
 
 

@@ -158,6 +158,40 @@ class HalfStoreCache(Cache):
         super().__init__(layers=[_HalfStoreLayer() for _ in types])
 
 
+# ------------------------------------------------------------------------------------------ layer.keys
+class _KeysElsewhereLayer(DynamicLayer):
+    """Keeps its keys and values under its own names and returns them from ``update()``; ``layer.keys`` /
+    ``layer.values`` stay None."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.k_store, self.v_store = key_states, value_states
+        else:
+            self.k_store = torch.cat([self.k_store, key_states], dim=-2)
+            self.v_store = torch.cat([self.v_store, value_states], dim=-2)
+        # BUG: self.keys / self.values are never set: transformers reads them directly where it does not call
+        # update() (t5's and bart's cross-attention reuse layers[i].keys once the encoder's states are cached)
+        self.keys = self.values = None
+        return self.k_store, self.v_store
+
+    def get_seq_length(self) -> int:
+        return self.k_store.shape[-2] if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+
+class KeysElsewhereCache(Cache):
+    """Right wherever the model only calls ``update()`` (every decoder-only zoo model); an AttributeError on
+    'NoneType' in t5's and bart's cross-attention, which read ``layer.keys``."""
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config.get_text_config(decoder=True))
+        super().__init__(layers=[_KeysElsewhereLayer() for _ in types])
+
+
 FAULTY = [
     FaultyCache(
         name="shared_layer", attr="SharedLayerCache", module=__name__, family="logits",
@@ -174,6 +208,14 @@ FAULTY = [
         cause=r"the cache is wrong without any reorder: greedy generate\(\) on the same prompts .* so the fault is "
               r"not in reorder_cache\(\)",
         also_caught_by=_ALL_FAMILIES,
+    ),
+    FaultyCache(
+        name="keys_elsewhere", attr="KeysElsewhereCache", module=__name__, family="logits",
+        check="check_prefill_then_decode", model="t5", case="decode_implicit_positions",
+        message=("check_prefill_then_decode failed: KeysElsewhereCache on t5", "AttributeError"),
+        cause=r"holds tokens \(get_seq_length\(\) > 0\) but answers None for layer.keys: transformers reads "
+              r"layer.keys and layer.values directly",
+        also_caught_by=_ALL_FAMILIES,  # every item on t5 that decodes past its first forward raises
     ),
     FaultyCache(
         name="encoder_depth", attr="EncoderDepthCache", module=__name__, family="logits",
