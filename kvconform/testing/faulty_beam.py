@@ -82,6 +82,8 @@ class _RowPagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    get_max_cache_shape = get_max_length  # its name on transformers 5.5
+
     def reorder_cache(self, beam_idx) -> None:
         # BUG: each new row gets the page *list* of its source row, the pages themselves by reference: a row taken
         # twice shares its pages with its copy (a correct cache copies the pages of a row the second time the index
