@@ -112,11 +112,12 @@ _OPS = (
     OpSpec("beam_fork", rows="permute", capability="reorder", min_batch=2, runner="op_beam_fork",
            method="reorder_cache",
            fault="reorder_cache() with a beam index that holds one row twice (beam search keeping two continuations "
-                 "of one beam) did not give each new row its own copy: the two rows still share a part that one of "
-                 "them then overwrote (a page, a block or a buffer taken by reference without copy-on-write), or a "
-                 "row was not moved",
-           cause="reorder_cache() with a row taken twice left the two copies sharing a part of the cache (quantized "
-                 "part / residual / scales / a page) that one of them then changed"),
+                 "of one beam) did not move every tensor of every layer with its row, or left the two copies sharing "
+                 "a part that one of them then overwrote (a page, a block or a buffer taken by reference, without "
+                 "copy-on-write)",
+           cause="reorder_cache() with a row taken twice did not move every part of the cache with the rows "
+                 "(quantized part / residual / scales), or left the two copies sharing a part that one of them then "
+                 "changed"),
     OpSpec("repeat", count="required", label="repeat({n})", rows="resize", capability="batch_repeat",
            runner="op_repeat", method="batch_repeat_interleave", fuzz=(2, 2),
            fault="batch_repeat_interleave() did not repeat every tensor row by row ([b0, b0, b1, b1]: "

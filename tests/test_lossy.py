@@ -199,8 +199,8 @@ def test_lossy_declared_by_attribute_cachespec_and_hook_reach_the_same_path(run_
 
     plain = type("PlainReorderResidualOnly", (lossy.Int8ReorderResidualOnly,), {"kvconform_lossy": None})
     spec = CacheSpec("PlainReorderResidualOnly", plain, kind="lossy", budget=lossy.INT8_BUDGET)
-    by_spec = _run(spec, ["llama"], ["check_reorder_then_decode"])[0]
-    by_attr = _run(lossy.Int8ReorderResidualOnly, ["llama"], ["check_reorder_then_decode"])[0]
+    by_spec = _run(spec, ["llama"], ["check_reorder_then_decode"], cases=["reorder_padded"])[0]
+    by_attr = _run(lossy.Int8ReorderResidualOnly, ["llama"], ["check_reorder_then_decode"], cases=["reorder_padded"])[0]
     pytester.makeconftest(textwrap.dedent("""
         import kvconform
         from kvconform.testing import lossy
@@ -213,7 +213,7 @@ def test_lossy_declared_by_attribute_cachespec_and_hook_reach_the_same_path(run_
                                         budget=lossy.INT8_BUDGET)]
     """))
     result = run_kvconform("--kvconform-subject", "PlainReorderResidualOnly", "--kvconform-model", "llama",
-                           "-k", "reorder_then_decode", "--kvconform-json", "r.json")
+                           "-k", "reorder_then_decode and reorder_padded", "--kvconform-json", "r.json")
     assert result.ret == 1, result.stdout.str()
     (by_hook,) = [r for r in json.loads((pytester.path / "r.json").read_text())["results"]
                   if r["outcome"] != "skipped" and r["case"] == by_spec.case]

@@ -123,7 +123,7 @@ FAULTY = [
         name="beam_fork_shares_pages", attr="RowPagedCache", module=__name__, family="batch",
         check="check_reorder_then_decode", model="llama", case="beam_fork_padded",
         message=("check_reorder_then_decode failed: RowPagedCache on llama", "beam_fork → decode×3"),
-        cause=r"reorder_cache\(\) with a beam index that holds one row twice .* did not give each new row its own "
-              r"copy",
+        cause=r"reorder_cache\(\) with a beam index that holds one row twice .* left the two copies sharing a part "
+              r"that one of them then overwrote",
     ),
 ]
