@@ -439,22 +439,26 @@ def public_kv_facts(cache) -> tuple[dict, list]:
     Cache contract; a layer's other tensors may be laid out otherwise (a paged pool's first dimension counts pages)."""
     import torch
 
+    def answer(layer, attr):
+        try:
+            t = getattr(layer, attr, None)
+        except Exception:  # noqa: BLE001 - a property that raises answers nothing
+            return None
+        return t if isinstance(t, torch.Tensor) and t.dim() >= 3 else None
+
+    def holds_tokens(layer) -> bool:
+        try:
+            return int(layer.get_seq_length()) > 0
+        except Exception:  # noqa: BLE001 - no length to read: no claim
+            return False
+
     sizes, missing = {}, []
     for label, layer in cache_layers(cache):
-        for attr in ("keys", "values"):
-            try:
-                t = getattr(layer, attr, None)
-            except Exception:  # noqa: BLE001 - a property that raises answers nothing
-                t = None
-            if isinstance(t, torch.Tensor) and t.dim() >= 3:
-                sizes[f"{label}.{attr}"] = int(t.shape[0])
-            elif attr == "keys":
-                try:
-                    holds = int(layer.get_seq_length()) > 0
-                except Exception:  # noqa: BLE001 - no length to read: no claim
-                    holds = False
-                if holds:
-                    missing.append(label)
+        keys, values = answer(layer, "keys"), answer(layer, "values")
+        sizes.update({f"{label}.{attr}": int(t.shape[0]) for attr, t in (("keys", keys), ("values", values))
+                      if t is not None})
+        if keys is None and holds_tokens(layer):
+            missing.append(label)
     return sizes, missing
 
 

@@ -422,15 +422,7 @@ class Runner:
         Raises:
             ValueError: fewer than two rows.
         """
-        import torch
-
-        if self.batch < 2:
-            raise ValueError(f"op 'swap_rows' needs two rows, the batch has {self.batch} (case {self.ctx.case.id})")
-        perm = torch.arange(self.batch)
-        perm[[0, 1]] = perm[[1, 0]]
-        self._call(op.label, lambda: self.cache.reorder_cache(perm.to(self._device())))
-        self._rows(perm, op.name)
-        self._mirror("op_swap_rows", op)
+        self._reorder_rows(op, lambda index: index[[1, 0]])
 
     def op_beam_fork(self, op) -> None:
         """``beam_fork``: ``reorder_cache(idx)`` with ``idx = [0, 0, 2, 3, …]``: row 0 is taken twice and row 1 is
@@ -442,15 +434,24 @@ class Runner:
         Raises:
             ValueError: fewer than two rows.
         """
+        self._reorder_rows(op, lambda index: index[[0, 0]])
+
+    def _reorder_rows(self, op, first_two) -> None:
+        """``reorder_cache(index)`` for a beam op on rows 0 and 1: ``index`` is ``arange(batch)`` with its first two
+        entries replaced by ``first_two(index)`` (the other rows stay); the runner's rows and mirror follow.
+
+        Raises:
+            ValueError: fewer than two rows.
+        """
         import torch
 
         if self.batch < 2:
-            raise ValueError(f"op 'beam_fork' needs two rows, the batch has {self.batch} (case {self.ctx.case.id})")
+            raise ValueError(f"op {op.name!r} needs two rows, the batch has {self.batch} (case {self.ctx.case.id})")
         index = torch.arange(self.batch)
-        index[1] = 0
+        index[[0, 1]] = first_two(index)
         self._call(op.label, lambda: self.cache.reorder_cache(index.to(self._device())))
         self._rows(index, op.name)
-        self._mirror("op_beam_fork", op)
+        self._mirror(OPS[op.name].runner, op)
 
     def op_repeat(self, op) -> None:
         """``repeat R``: ``batch_repeat_interleave(R)``."""

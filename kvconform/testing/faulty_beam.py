@@ -113,10 +113,6 @@ class RowPagedCache(Cache):
         window = getattr(text, "sliding_window", None)
         super().__init__(layers=[_RowPagedLayer(window if t == "sliding_attention" else None) for t in types])
 
-    def reorder_cache(self, beam_idx) -> None:
-        for layer in self.layers:
-            layer.reorder_cache(beam_idx)
-
 
 FAULTY = [
     FaultyCache(
