@@ -182,14 +182,46 @@ def undeclared_kind_hints(results: dict, digest) -> list[str]:
         families = sorted({r["family"] for r in failed})
         if len(families) < UNDECLARED_FAMILIES:
             continue
-        lines.append(
-            f"kvconform: {name} is checked as an exact cache and failed {len(failed)} item(s) in {len(families)} "
-            f"families ({', '.join(families)}). If it quantizes, compresses or evicts keys/values by design, declare "
-            f"it — kvconform_lossy = {{\"kl_max\": ..., \"top1_min\": ...}} (or kvconform_evicting / "
-            f"kvconform_press) on the class or factory — and it is judged against a fresh instance of itself and a "
-            f"quality budget instead of the exact oracle (README: \"Lossy, evicting and paged caches\"). An exact "
-            f"cache failing this widely more likely stores or returns wrong keys/values: read its first failure.")
+        head = (f"kvconform: {name} is checked as an exact cache and failed {len(failed)} item(s) in "
+                f"{len(families)} families ({', '.join(families)}). ")
+        fewer, measured = _bytes_evidence([r for r in results.values() if r["subject"] == name])
+        if fewer is not None:
+            lines.append(
+                head + f"Its memory items measured {fewer:.2f}× the bytes of full-precision keys/values, as a cache "
+                f"that compresses does: if it quantizes, compresses or evicts by design, declare it — "
+                f"kvconform_lossy = {{\"kl_max\": ..., \"top1_min\": ...}} (or kvconform_evicting / "
+                f"kvconform_press) on the class or factory — and it is judged against a fresh instance of itself and "
+                f"a quality budget instead of the exact oracle (README: \"Lossy, evicting and paged caches\"). If "
+                f"it is meant to be exact, read its first failure: a declaration would hide the bug.")
+        elif measured:
+            lines.append(
+                head + "Its memory items measured the bytes of full-precision keys/values (nothing stored "
+                "compressed), so it is an exact cache with a bug, not a lossy one: read its first failure — "
+                "declaring it lossy would hide the bug.")
+        else:
+            lines.append(
+                head + "An exact cache failing this widely most likely stores or returns wrong keys/values: read its "
+                "first failure. Declare it lossy (kvconform_lossy) only if it compresses by design — to tell, run "
+                "its memory items (-m kvconform_memory): a compressing cache holds fewer bytes than full-precision "
+                "keys/values; one that holds as many is exact and has a bug a declaration would hide.")
     return lines
+
+
+def _bytes_evidence(records) -> tuple[float | None, bool]:
+    """What a subject's memory items measured: ``(the lowest held / full-precision bytes ratio below 0.9, or None;
+    whether any item measured bytes at all)``. The ratio reads ``bytes_held`` against ``bytes_full_precision``
+    (``bytes_formula`` where that is absent) of every item's metrics."""
+    fewer, measured = None, False
+    for r in records:
+        m = r.get("metrics") or {}
+        held, full = m.get("bytes_held"), m.get("bytes_full_precision") or m.get("bytes_formula")
+        if not isinstance(held, (int, float)) or not isinstance(full, (int, float)) or full <= 0:
+            continue
+        measured = True
+        ratio = held / full
+        if ratio < 0.9 and (fewer is None or ratio < fewer):
+            fewer = ratio
+    return fewer, measured
 
 
 def _status(records) -> str:

@@ -88,7 +88,7 @@ def test_measured_cause_kinds():
                            "that should hold 9 tokens"), mask
     rows = cause(RuntimeError("shape mismatch"), trail=["prefill(6)", "repeat(2)"],
                  batch_sizes={"layers[0].keys": 4, "layers[1].keys": 2})
-    assert rows.startswith("the cache holds tensors of batch sizes 2, 4 (layers[0].keys: 4, layers[1].keys: 2) "
+    assert rows.startswith("the cache holds tensors of batch sizes 2, 4 (layers[1].keys: 2, layers[0].keys: 4) "
                            "for a batch of 4 rows: repeat(2) did not resize"), rows
     # a paged pool's first dimension counts pages: with keys/values of the batch's rows it is no batch mismatch
     assert cause(RuntimeError("shape mismatch"), batch_sizes={"layers[0].k_pool": 8, "layers[1].k_pool": 6},

@@ -435,6 +435,10 @@ def run_check(name: str, ctx: CheckContext) -> dict:
                 cause = (f"likely cause: {cls_name} is abstract: it does not implement "
                          f"{', '.join(abstract)}, declared abstract by a base class; implement "
                          f"{'it' if len(abstract) == 1 else 'them'} in {cls_name}")
+            elif (read_only := _read_only_attribute(exc.cause)) is not None:
+                cause = (f"likely cause: the constructor assigns self.{read_only}, a read-only property of a base "
+                         f"class (transformers' Cache derives {read_only} from its layers): no keyword argument can "
+                         f"fix it — keep the value under another name, or let the base class derive it")
             else:
                 cause = ("likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
                          "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
@@ -447,6 +451,17 @@ def run_check(name: str, ctx: CheckContext) -> dict:
         except ConformanceError as err:
             raise SubjectNotBuilt(str(err), err.metrics) from None
     return ctx.metrics
+
+
+def _read_only_attribute(exc: BaseException) -> str | None:
+    """The attribute name of an ``AttributeError`` raised by assigning a property without a setter (Python ≥ 3.11:
+    "property 'batch_size' of 'X' object has no setter"; 3.10: "can't set attribute 'batch_size'"), else None."""
+    import re
+
+    if not isinstance(exc, AttributeError):
+        return None
+    m = re.search(r"property '(\w+)' of '[^']*' object has no setter|can't set attribute '(\w+)'", str(exc))
+    return (m.group(1) or m.group(2)) if m else None
 
 
 _DRIFT = MEMO.table("checks.oracle_drift")

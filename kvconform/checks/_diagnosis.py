@@ -41,8 +41,12 @@ def describe_exception(cause: BaseException) -> str:
     return f"{type(cause).__name__}: {first}{where}"
 
 
-def oracle_line(ctx, position_mode=None, driver=None) -> tuple[str, bool]:
-    """Run the same case (or ``driver``) on the reference subject; return (message line, model_at_fault)."""
+def oracle_line(ctx, position_mode=None, driver=None, at=None) -> tuple[str, bool]:
+    """Run the same case (or ``driver``) on the reference subject; return (message line, model_at_fault).
+
+    ``at``: the subject's failing ``Step``. The reference is compared like with like: when it fails only at a later
+    step than ``at`` (it was within the tolerance up to there), the fault at ``at`` is the subject's, and the line
+    says where the reference fails instead of blaming the model."""
     ref = ctx.reference
     if ref is None:
         return "", False
@@ -55,9 +59,13 @@ def oracle_line(ctx, position_mode=None, driver=None) -> tuple[str, bool]:
         v = run_and_judge(ctx, ref, position_mode, driver)
     except SubjectRaised as exc:
         return f"oracle: {ref.name} on the same case raised {describe_raise(exc)}", False
-    _, cmp = v.first_fail or v.worst  # type: ignore[misc]  # a judged run has a worst step
+    ref_step, cmp = v.first_fail or v.worst  # type: ignore[misc]  # a judged run has a worst step
     if v.passed:
         return f"oracle: {ref.name} on the same case: {cmp.max_abs:.1e} → the fault is in the subject", False
+    if at is not None and ref_step.index > at.index:
+        return (f"oracle: {ref.name} on the same case is within the tolerance up to {at.label}, where the subject "
+                f"fails, and fails only later, at {ref_step.label} ({cmp.max_abs:.1e}: the model's own fault there) "
+                f"→ the fault at {at.label} is in the subject"), False
     return (f"oracle: {ref.name} on the same case fails too ({cmp.max_abs:.1e}) → the fault is in the model, "
             f"not the cache"), True
 
@@ -71,7 +79,7 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
     step, cmp = verdict.first_fail
     b, offset = cmp.worst
     position = step.start + offset
-    ref_line, model_at_fault = oracle_line(ctx, position_mode, driver)
+    ref_line, model_at_fault = oracle_line(ctx, position_mode, driver, at=step)
     observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
     tol_text = ctx.tolerance().describe(cmp.floor)
     if step.index in verdict.widened:
@@ -95,11 +103,42 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
                             if getattr(step, "unmasked", None)
                             else f"{step.kv_mismatch} — {verdict.cause or cause_fn(step, cmp)}"
                             if getattr(step, "kv_mismatch", None)
-                            else verdict.cause or image_prefill_cause(ctx, step, cmp) or cause_fn(step, cmp)),
+                            else verdict.cause or image_prefill_cause(ctx, step, cmp)
+                            or before_ops_cause(ctx, step) or cause_fn(step, cmp)),
     ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol,
         "noise_floor": cmp.floor, "failed_at": step.label,
         "position": position, "model_at_fault": model_at_fault,
         **({"compared_with": verdict.target, "distance_to_oracle": own} if verdict.target else {})})
+
+
+def ops_after(ctx, step) -> tuple[list[str], list[str]]:
+    """``(labels of the case's ops that do not feed tokens and ran before step, those that had not run yet)``,
+    from the forwards each op makes (``OpSpec.forwards``): an op ran before the step of index ``i`` (the ``i``-th
+    forward, from 0) when at most ``i`` forwards precede it in the case."""
+    before, after, forwards = [], [], 0
+    for op in ctx.case.ops:
+        if op.spec.feeds:
+            forwards += op.spec.forwards(op.n)
+        elif forwards > step.index:
+            after.append(op.label)
+        else:
+            before.append(op.label)
+    return before, after
+
+
+def before_ops_cause(ctx, step) -> str | None:
+    """The likely cause of a step that failed before any of the case's other ops (crop, fork, reorder, reset…)
+    ran: the forwards themselves, never an op that had not happened (a family's reading names its op). None when
+    one of those ops ran before the step, or the case has none."""
+    before, after = ops_after(ctx, step)
+    if before or not after:
+        return None
+    shown = ", ".join(after[:3]) + (", ..." if len(after) > 3 else "")
+    where = ("a prefill into an empty cache" if step.index == 0 else
+             f"the forwards up to {step.label}")
+    return (f"the cache is already wrong at {step.label}, before {shown} ran (those ops are not the cause): "
+            f"{where} stores or returns wrong keys/values — compare what update() returns with the states it was "
+            f"given (a block or page boundary, a slice, a length counter)")
 
 
 def image_prefill_cause(ctx, step, cmp) -> str | None:
@@ -242,14 +281,19 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     if f.get("shared_layers"):
         return f["shared_layers"]
     held, layer_max, masks = f.get("held"), f.get("layer_max", []), f.get("mask_sizes", {})
-    if n_layers is not None and depth is not None and n_layers < depth and not _signature_error(exc.cause):
+    # an empty layer list read by an update() of the cache's own is no layer count: the cache keeps its storage
+    # elsewhere (and fills its layers lazily, if at all)
+    own_storage = n_layers == 0 and (not f.get("layers_updated", True) or bool(f.get("grows_layers")))
+    if n_layers is not None and depth is not None and n_layers < depth and not _signature_error(exc.cause) \
+            and not own_storage:
         missing = [c[0] for c in calls if isinstance(c[0], int) and c[0] >= n_layers]
         if missing or (isinstance(exc.cause, IndexError) and not f.get("grows_layers")):
             found = f"update(layer_idx={missing[0]}) found no layer {missing[0]}" if missing else \
                 f"{type(exc.cause).__name__} on a layer index"
+            source = (" (an encoder-decoder config's encoder_layers / num_layers is the encoder's depth)"
+                      if f.get("encoder_decoder") else " (num_hidden_layers of the text config is the decoder's)")
             return (f"the cache has {n_layers} layers, but the model's decoder has {depth} ({found}): the cache's "
-                    f"layer count differs from the decoder depth — it is sized from another count (an "
-                    f"encoder-decoder config's encoder_layers / num_layers is the encoder's depth)")
+                    f"layer count differs from the decoder depth — it is sized from another count{source}")
     if _size_error(exc.cause):
         if f.get("kv_mismatch"):
             return f["kv_mismatch"] + ": attention and its mask cannot line the keys up with the queries"
@@ -276,11 +320,17 @@ def measured_cause(exc: SubjectRaised) -> str | None:
     if public and set(public.values()) == {batch}:
         sizes = {}  # keys/values have the batch's rows: the other tensors' first dimension is something else (pages)
     if sizes and (len(set(sizes.values())) > 1 or set(sizes.values()) != {batch}):
-        shown = ", ".join(f"{name}: {b}" for name, b in list(sizes.items())[:3])
+        # the tensors off the batch's rows first: a batch op that skipped a layer leaves the others right
+        odd = [(name, b) for name, b in sizes.items() if b != batch]
+        shown = ", ".join(f"{name}: {b}" for name, b in (odd + [(n, b) for n, b in sizes.items() if b == batch])[:3])
         since = next((op for op in reversed(f.get("trail", ())) if op.split("(")[0] in _BATCH_OPS), None)
+        pinned = not since and batch not in set(sizes.values())
         return (f"the cache holds tensors of batch sizes {', '.join(str(b) for b in sorted(set(sizes.values())))} "
                 f"({shown}) for a batch of {batch} rows"
-                + (f": {since} did not resize every tensor of every layer alike" if since else ""))
+                + (f": {since} did not resize every tensor of every layer alike" if since else
+                   ": its storage was sized for another batch before any batch op — a batch size fixed at "
+                   "construction (a default, or a read-only batch_size) must follow the batch_size argument or "
+                   "the rows of the first forward" if pinned else ""))
     return f.get("update_fault")  # e.g. update() returned another dtype than it was given
 
 

@@ -419,7 +419,11 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
              "mask_sizes": dict(watch.mask_sizes if watch else {}),
              "cache_layers": len(layers) if isinstance(layers, (list, tuple)) else None,
              "grows_layers": getattr(target, "layer_class_to_replicate", None) is not None,
-             "decoder_depth": getattr(model, "decoder_depth", None)}
+             "decoder_depth": getattr(model, "decoder_depth", None),
+             "encoder_decoder": bool(getattr(model, "is_encoder_decoder", False)),
+             # transformers' own Cache.update reads self.layers; a cache's own update() may keep its storage elsewhere
+             "layers_updated": getattr(getattr(type(target), "update", None), "__module__", "")
+             == "transformers.cache_utils"}
     facts["shared_layers"] = shared_layers(cache)
     facts["update_fault"] = (watch.fault or watch.dtype_fault) if watch else None
     facts["layer_max"] = layer_max_lengths(cache)
@@ -428,6 +432,11 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
         facts["batch_sizes"] = {name: int(t.shape[0]) for name, t in tensors_of(cache).items() if t.dim() >= 3}
     except Exception:  # noqa: BLE001 - a cache too broken to walk: no batch measurement
         facts["batch_sizes"] = {}
+    if not facts["batch_sizes"] and not layers:  # no layers: the cache keeps its storage in attributes of its own
+        try:
+            facts["batch_sizes"] = {path: int(t.shape[0]) for path, t in held_tensor_items(cache) if t.dim() >= 3}
+        except Exception:  # noqa: BLE001 - a cache too broken to walk: no batch measurement
+            pass
     facts["public_batch"], facts["keys_missing"] = public_kv_facts(cache)
     return facts
 

@@ -375,11 +375,29 @@ def check_length_bookkeeping(ctx):
                  if "get_seq_length" in problems[0] else
                  "get_mask_sizes() and update() disagree on which keys the next forward sees — the attention mask "
                  "then hides the wrong positions" if "get_mask_sizes" in problems[0] else
-                 "get_max_length() changes over the cache's life")
+                 _max_length_cause(problems[0], book.max_first))
         ctx.fail([problems[0], *problems[1:3],
                   f"ops: {' → '.join(op.label for op in ops)}"
                   + (f"   (skipped: {', '.join(skipped)})" if skipped else ""),
                   "likely cause: " + cause], {"problems": problems[:5]})
+
+
+def _max_length_cause(problem: str, first) -> str:
+    """The likely cause of a ``get_max_length()`` problem (``problem``: the first one recorded; ``first``: the value
+    its first call returned, None when it never returned): a method that raises from its first call, one that
+    raises later, a first value that is no capacity, or a value that changes."""
+    name = compat.max_length_name()
+    if "raised" in problem:
+        if first is None:
+            return (f"{name}() raises from its first call: it is missing or broken for this cache, not changing "
+                    f"over its life — it should return -1 (unbounded) or the capacity in tokens (generate() and "
+                    f"the mask builders read it)")
+        return (f"{name}() answered {first} at first and raises after a later op: that op leaves the cache in a "
+                f"state its {name}() cannot read")
+    if first is not None and "should be -1" in problem:
+        return (f"{name}() returns {first} from its first call: neither -1 (unbounded) nor a capacity in tokens — "
+                f"a 0 or an unset field where the capacity should be")
+    return f"{name}() changes over the cache's life"
 
 
 # ------------------------------------------------------------------------------------------ crop refusal

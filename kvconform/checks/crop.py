@@ -188,6 +188,9 @@ def _judge_refusal(ctx, runner, rec, before):
         elif claims := recurrent_layers_claiming_crop(runner.cache):
             causes.append(_linear_claim(claims))
             why = ""
+        elif ctx.case.params.get("record") and (off := layers_not_recording(runner.cache)):
+            causes.append(_not_forwarded(off))
+            why = ""
         elif ctx.model.has_sliding:
             why = "is_croppable does not account for a sliding window already full with past recording off"
         else:
@@ -221,6 +224,31 @@ def recurrent_layers_claiming_crop(cache) -> list[str]:
     return out
 
 
+def layers_not_recording(cache) -> list[str]:
+    """Labels (``cache_layers``) of the layers with a past-recording flag (transformers' ``record_past``) that is
+    still False: after ``cache.activate_past_recording()`` every such layer should keep its past."""
+    from kvconform.checks._drive import cache_layers
+
+    out = []
+    for label, layer in cache_layers(cache):
+        try:
+            flag = getattr(layer, "record_past", None)
+        except Exception:  # noqa: BLE001 - a flag that cannot be read says nothing
+            flag = None
+        if flag is False:
+            out.append(label)
+    return out
+
+
+def _not_forwarded(layers: list[str]) -> str:
+    """The cause of a crop refused (or wrong) after ``activate_past_recording()`` that never reached the layers."""
+    shown = ", ".join(layers[:3]) + (f" (+{len(layers) - 3} more)" if len(layers) > 3 else "")
+    return (f"activate_past_recording() was called on the cache but did not reach its layers ({shown} still "
+            f"record_past = False): the cache (a wrapper, or an override of activate_past_recording) does not forward "
+            f"it to every layer, so their past is not kept and the crop cannot roll back — is_croppable is not the "
+            f"fault; forward activate_past_recording() to each layer")
+
+
 def _linear_claim(layers: list[str]) -> str:
     """The cause of a crop on layers that hold a recurrent state and say ``is_croppable`` True."""
     return (f"is_croppable is True on a linear-attention layer that holds a recurrent (SSM) state ({', '.join(layers)}"
@@ -234,6 +262,9 @@ def _cause(ctx, records, cache=None):
         if rec is None:
             return "the cache changed after a refused crop, or a later op corrupted it"
         claims = recurrent_layers_claiming_crop(cache) if cache is not None and rec.flag else []
+        off = layers_not_recording(cache) if cache is not None and ctx.case.params.get("record") else []
+        if off:
+            return f"{rec.label} did not round-trip: " + _not_forwarded(off)
         if claims:
             return (f"{rec.label} was accepted, but the recurrent state still holds the removed tokens: "
                     + _linear_claim(claims))

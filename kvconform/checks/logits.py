@@ -59,7 +59,9 @@ def _narrow_cause(ctx, cache) -> str | None:
     paths = ", ".join(p for p, _ in narrow[:2]) + (", ..." if len(narrow) > 2 else "")
     return (f"the cache stores keys/values as {'/'.join(kinds)} ({paths}), narrower than the model's "
             f"{str(ctx.model.dtype).removeprefix('torch.')}: every read gives them back rounded — store them in the "
-            f"dtype update() receives, or declare the cache lossy (kvconform_lossy) if the rounding is the design")
+            f"dtype update() receives. Only if the narrow dtype is the design (a memory saving: the memory items "
+            f"then measure fewer bytes than full-precision keys/values) declare the cache lossy (kvconform_lossy); "
+            f"a cache meant to be exact has a bug here that a declaration would hide")
 
 
 def _decode_cause(ctx, steps, cache=None):

@@ -246,6 +246,7 @@ class Checkpoint:
     tokens: int
     after_reset: bool = False
     layers: list = field(default_factory=list)
+    reported: int | None = None  # the cache's get_seq_length() there (None: it raised or is not an int)
 
     @property
     def held(self) -> int:
@@ -504,7 +505,7 @@ def check_memory_bytes(ctx):
 
     def measure(label, tokens, after_reset):
         layers = dict(cache_layers(cache))
-        raw.append((Checkpoint(label, tokens, after_reset),
+        raw.append((Checkpoint(label, tokens, after_reset, reported=_reported_length(cache)),
                     [(name, held_bytes(layer), layer, tokens) for name, layer in layers.items()]))
 
     probe = GrowthProbe()
@@ -557,11 +558,36 @@ def check_memory_bytes(ctx):
         f"whole cache: {_mib(cp.held)} held vs {_mib(cp.formula)} by the formula after S={cp.tokens} tokens",
         f"{label} held/formula after each op: {per_op}",
         f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
-        "likely cause: " + (_policy_cause(policy, label, checkpoints) or
+        "likely cause: " + (_length_cause(checkpoints) or _policy_cause(policy, label, checkpoints) or
                             _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows)),
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
         "layer_granularity": grain.describe()})
+
+
+def _reported_length(cache) -> int | None:
+    """``cache.get_seq_length()`` as an int, or None when it raises or answers something else."""
+    try:
+        return int(cache.get_seq_length())
+    except Exception:  # noqa: BLE001 - no length to read: no claim about it
+        return None
+
+
+def _length_cause(checkpoints) -> str | None:
+    """The likely cause of bytes over the bound when the cache's own length was already wrong there: the first
+    checkpoint whose ``get_seq_length()`` differs from the tokens held. After a ``reset()`` that kept its length
+    the next sequence is stored after the old one's positions, so it takes the storage of both — the old pages
+    may well have been freed. None when every checkpoint's length is right (or unreadable)."""
+    right = [cp.reported == cp.tokens for cp in checkpoints]
+    wrong = next((cp for cp, ok in zip(checkpoints, right) if cp.reported is not None and not ok), None)
+    if wrong is None or not wrong.after_reset or wrong.reported <= wrong.tokens:
+        return None
+    if not all(ok for cp, ok in zip(checkpoints, right) if not cp.after_reset):
+        return None  # a length that was never the tokens held (e.g. a state without a token count): no claim
+    return (f"reset() does not reset the length: after reset() → {wrong.op} get_seq_length() = {wrong.reported} "
+            f"where the cache should hold {wrong.tokens} tokens, so the new sequence is stored after the old "
+            f"one's {wrong.reported - wrong.tokens} positions and the layer holds storage for both (the old "
+            f"keys/values may well be freed) — reset() must set the length and any write offset back to 0")
 
 
 def _policy_cause(policy: Allocation, label: str, checkpoints) -> str | None:

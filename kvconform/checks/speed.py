@@ -415,10 +415,43 @@ def check_speed_prefill(ctx):
             *_both_rounds(first, second, subject, "uncached", "uncached"),
             f"ops: prefill({context}) into a fresh cache, timed; the uncached forward of the same {context} tokens "
             f"in the same rounds; batch {ctx.case.batch}",
-            "likely cause: the prefill does work per token in Python — update() loops over the new tokens (a "
-            "per-token copy, append or bookkeeping step) instead of one slice copy or cat per forward; decode steps "
-            "feed one token each, so the decode budgets cannot see it",
+            "likely cause: " + _prefill_loop_cause(ctx, tokens, context),
         ], {"prefill_ratio": ratio, "confirmation": ratio2})
+
+
+def _prefill_loop_cause(ctx, tokens, context: int) -> str:
+    """Why a cached prefill is slow, from what one untimed prefill of ``context`` tokens leaves in the first
+    attention layer: many tensors, each holding a few tokens, is a paged layout (then the Python loop is over its
+    pages, once per page of P tokens, not per token); one tensor per token is a per-token loop; else a general
+    per-token reading."""
+    import torch
+
+    from kvconform.checks._drive import cache_layers, held_tensor_items
+
+    generic = ("the prefill does work per token in Python — update() loops over the new tokens (a per-token copy, "
+               "append or bookkeeping step) instead of one slice copy or cat per forward; decode steps feed one token "
+               "each, so the decode budgets cannot see it")
+    m = ctx.model.model
+    try:
+        cache = ctx.subject.build(ctx.model, max_cache_len=context + 1, batch_size=ctx.case.batch)
+        with torch.no_grad(), subject_call(cache, m):
+            m(**forward_kwargs(m, cache, tokens[:, :context], 0))
+        layers = cache_layers(cache)
+        counts = [len([t for _, t in held_tensor_items(layer) if t.dim() >= 3]) for _, layer in layers[:1]]
+    except Exception:  # noqa: BLE001 - no measurement: the general reading
+        return generic
+    if not counts or counts[0] < 8:
+        return generic
+    n = counts[0]
+    per = context * 2 / n  # keys and values: tokens per tensor
+    if per >= 1.5:
+        return (f"the prefill loops in Python over the pages of its paged storage: after prefill({context}) its "
+                f"first layer holds {n} tensors (about {per:.0f} tokens each), and the prefill writes them one page "
+                f"at a time — one copy per page, not per token; write a prefill's pages with one batched copy "
+                f"(torch._foreach_copy_, or one index_copy_ into a page pool) instead of a Python loop")
+    return (f"the prefill loops in Python over the new tokens: after prefill({context}) its first layer holds {n} "
+            f"tensors, one per token — a per-token copy or append instead of one slice copy or cat per forward; "
+            f"decode steps feed one token each, so the decode budgets cannot see it")
 
 
 def _compiled_applies(subject, model, case, device="cpu"):
