@@ -27,3 +27,20 @@ def test_the_ssm_crop_fault_envelope_excludes_a_croppable_claim():
     assert fault.within({"max_abs": 0.03, "is_croppable": [False]})
     assert not fault.within({"max_abs": 0.03, "is_croppable": [True]})
     assert "is_croppable [True]" in fault.outside({"max_abs": 0.03, "is_croppable": [True]})
+
+
+def test_a_hybrid_layer_that_crops_silently_is_caught_by_the_default_tier():
+    """A recurrent state next to attention in one layer object (FalconH1's hybrid layer) that claims is_croppable and
+    crops only its keys/values: the default tier's crop_short runs on falcon_h1 (it used to run there only under
+    --kvconform-full), and transformers' own hybrid layer, which refuses the crop clearly, passes the same item."""
+    from kvconform.cases import load_cases
+
+    [case] = [c for c in load_cases() if c.id == "crop_short"]
+    assert "falcon_h1" in case.models, case.models
+    faulty, correct = (check_cache(spec, models=["falcon_h1"], checks=["check_crop_then_continue"],
+                                   cases=["crop_short"])
+                       for spec in ("kvconform.testing.faulty_linear:HybridSilentCropCache",
+                                    "transformers:DynamicCache"))
+    assert [r.outcome for r in faulty] == ["failed"], [r.message for r in faulty]
+    assert "is_croppable is True on a linear-attention layer" in faulty[0].message, faulty[0].message
+    assert [r.outcome for r in correct] == ["passed"], [r.message for r in correct]

@@ -13,7 +13,12 @@ default tier (``crop_linear_recording``); the bundled correct cache of the same 
 
 from __future__ import annotations
 
-from transformers.cache_utils import DynamicCache, LinearAttentionLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
+
+try:  # the hybrid layer of FalconH1 (a recurrent state and attention in one layer object); absent on old releases
+    from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+except ImportError:  # pragma: no cover - transformers < 5.6
+    LinearAttentionAndFullAttentionLayer = None
 
 from kvconform.testing import FaultyCache
 
@@ -75,6 +80,29 @@ class CroppableFlagLinearCache(DynamicCache):
         _with_linear_layers(self, _CroppableFlagLinearLayer)
 
 
+class _SilentHybridLayer(LinearAttentionAndFullAttentionLayer or object):  # type: ignore[misc]
+    # BUG: "crop is the attention part's job": claims a rollback and crops the keys/values only, silently keeping
+    # the conv and recurrent states that saw the removed tokens
+    is_croppable = True  # type: ignore[assignment]  # transformers' is a property
+
+    def crop(self, tokens_to_remove: int) -> None:
+        DynamicLayer.crop(self, tokens_to_remove)
+
+
+class HybridSilentCropCache(DynamicCache):
+    """``DynamicCache`` whose hybrid layers (a recurrent state next to attention in one layer object: FalconH1's
+    ``LinearAttentionAndFullAttentionLayer``) say ``is_croppable = True`` and crop only their keys/values. On the
+    zoo only falcon_h1 has such layers; its pure linear-attention models are untouched (they pass)."""
+
+    kvconform_capabilities = ("forward", "generate", "crop")
+
+    def __init__(self, config=None, **kwargs):
+        super().__init__(config=config)
+        for i, layer in enumerate(self.layers):
+            if LinearAttentionAndFullAttentionLayer is not None and type(layer) is LinearAttentionAndFullAttentionLayer:
+                self.layers[i] = _SilentHybridLayer(number_of_states=layer.number_of_states)
+
+
 class RefusingLinearCache(DynamicCache):
     """``DynamicCache`` whose linear-attention layers say ``is_croppable = False`` and refuse ``crop()`` clearly
     (the correct design of the same build as ``CroppableLinearCache``)."""
@@ -87,6 +115,13 @@ class RefusingLinearCache(DynamicCache):
 
 
 FAULTY = [
+    FaultyCache(
+        name="hybrid_silent_crop", attr="HybridSilentCropCache", module=__name__, family="crop",
+        check="check_crop_then_continue", model="falcon_h1", case="crop_short",
+        message=("check_crop_then_continue failed: HybridSilentCropCache on falcon_h1", "[failed at decode 1]"),
+        cause=r"crop\(-2\) was accepted, but the recurrent state still holds the removed tokens: is_croppable is True "
+              r"on a linear-attention layer that holds a recurrent \(SSM\) state",
+    ),
     FaultyCache(
         name="linear_croppable_noop", attr="CroppableLinearCache", module=__name__, family="crop",
         check="check_crop_then_continue", model="mamba", case="crop_short",
