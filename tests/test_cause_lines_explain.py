@@ -202,3 +202,24 @@ def test_a_kl_within_its_budget_reads_as_within_it():
     assert "but should be" not in lines[1], lines
     both = _budget_lines({"kl_mean": 5e-3, "top1": 0.5, "positions": 64}, 4e-3, 0.9, "declared")
     assert all("but should be" in line for line in both), both
+
+
+def test_the_padded_row_of_a_press_is_checked_where_the_press_compresses():
+    """A KnormPress-style press keeping a share of the padded width (``NormPress``): at a 12-token prefill with pads
+    [0, 3] it drops the same tokens from the padded row and from the row alone (the old single length passed it at
+    1e-15); the default lengths (12-15) reach 13, where it drops 4 and 3, and the cause says so. A correct press of
+    another design (kvconform's ``TailPress``, which refuses a padded prefill clearly) passes."""
+    import dataclasses
+
+    from kvconform.session import build_session
+
+    session = build_session(caches=[f"{FAULTY}:NormPress"], models=["llama"], checks=["check_padded_row_alone"])
+    [item] = [i for i in session.items() if not i.skip and i.subject.name == "NormPress"]
+    assert item.case.params["prefill"] == [12, 13, 14, 15], item.case.params
+    at_12 = dataclasses.replace(item, case=dataclasses.replace(item.case, params={**item.case.params, "prefill": 12}))
+    assert session.run(at_12)["max_abs"] < 1e-12  # what the single 12-token run measured: no difference
+    r = _failed("NormPress", "llama", "check_padded_row_alone", "padded_row_alone")
+    assert r.metrics["prefill"] == 13, r.metrics
+    assert "the cache keeps a share of the padded length, its 3 pads counted as prompt" in _cause_line(r.message)
+    assert _one("kvconform.testing.press:TailPress", "llama", "check_padded_row_alone",
+                "padded_row_alone").outcome == "passed"

@@ -401,24 +401,44 @@ def _run_identity(ctx, op, program, P, steps, untouched=None):
     return out
 
 
+PADDED_PREFILLS = (12, 13, 14, 15)
+"""The prefill lengths of ``check_padded_row_alone`` by default: four consecutive lengths, so that a press keeping a
+share of each row's prompt, rounded, keeps another count for the padded row than for the row alone at one of them at
+least (KnormPress at 25 % with pads [0, 3]: 3 and 3 tokens dropped at 12, 4 and 3 at 13) — at 12 alone such a press
+dropped the same tokens in both and passed at 4e-16."""
+
+
 @register("batch", needs=("forward",), judges=ALL_KINDS, applies=non_exact, params={
     "pads": Param(list, required=True, items=int, min=0, doc="left pad tokens per row (one per row of batch)"),
-    "prefill": Param(int, default=12, min=2, doc="prefill length, pads included"),
+    "prefill": Param((int, list), default=list(PADDED_PREFILLS), items=int, min=2,
+                     doc="prefill length(s), pads included: each is run on its own (a compressing cache keeps a share "
+                         "of the prompt rounded per length, so consecutive lengths meet every rounding)"),
     "decode": Param(int, default=3, min=1, doc="decode steps after the prefill"),
 }, ops=IGNORES_OPS)
 def check_padded_row_alone(ctx):
     """A left-padded batch (``params.pads``) run through the subject: each row's logits at every real position
     equal those of the same row run alone (batch 1, no pads, a fresh instance of the class), within the exact
-    noise floor of the case dtype."""
+    noise floor of the case dtype — at each prefill length of ``params.prefill`` in turn."""
+    params = ctx.case.params
+    pads = [int(p) for p in params["pads"]]
+    prefills = params.get("prefill", list(PADDED_PREFILLS))
+    prefills = [int(prefills)] if isinstance(prefills, int) else [int(p) for p in prefills]
+    if len(pads) != ctx.case.batch or not prefills or max(pads) >= min(prefills):
+        raise ValueError(f"case {ctx.case.id}: params.pads needs one count per row, each < prefill")
+    ctx.metrics.update(prefills=prefills)
+    for P in prefills:
+        if _padded_row_run(ctx, pads, P, int(params.get("decode", 3))):
+            return  # a clear refusal of the padded prefill: noted, nothing more to compare
+
+
+def _padded_row_run(ctx, pads, P: int, steps: int) -> bool:
+    """One run of ``check_padded_row_alone`` at prefill length ``P``; True when the subject refused the padded
+    prefill clearly (a note, not a failure). Raises ``ConformanceError`` on a difference or a raw error."""
     import torch
 
     from kvconform.oracle import compare_logits
 
-    params = ctx.case.params
-    pads = [int(p) for p in params["pads"]]
-    P, steps, B = int(params.get("prefill", 12)), int(params.get("decode", 3)), ctx.case.batch
-    if len(pads) != B or max(pads) >= P:
-        raise ValueError(f"case {ctx.case.id}: params.pads needs one count per row, each < prefill")
+    B = ctx.case.batch
     gen = case_generator(ctx.case, ctx.model.name)
     program = [_tokens(ctx, gen, P)] + [_tokens(ctx, gen, 1) for _ in range(steps)]
     mask = torch.ones(B, P, dtype=torch.long)
@@ -438,22 +458,27 @@ def check_padded_row_alone(ctx):
             if i == 0 and not isinstance(exc, RAW_ERRORS) and any(w in str(exc).lower() for w in PAD_WORDS):
                 ctx.metrics.update(note=f"refused a left-padded prefill clearly: {describe_exception(exc)}",
                                    refused=type(exc).__name__)
-                return
+                return True
             ctx.fail([f"{label} raised {describe_exception(exc)}", f"ops: {ops_text}   [raised at {label}]",
                       "likely cause: the cache does not take a left-padded batch with its attention mask"],
                      {"raised": type(exc).__name__, "failed_at": label})
+        if i == 0:
+            held_batch = _first_layer_slots(cache)
         seq = torch.cat([seq, tokens], dim=1)
     tol = ctx.tolerance()
-    worst = 0.0
+    worst = float(ctx.metrics.get("max_abs") or 0.0)
     for b, p in enumerate(pads):
         alone = ctx.subject.build(ctx.model, max_cache_len=ctx.max_cache_len, batch_size=1)
         row = seq[b:b + 1, p:]
         pos = 0
+        held_alone = None
         for i, tokens in enumerate(program):
             n = P - p if i == 0 else 1
             label = f"prefill({P})" if i == 0 else f"decode {i}"
             try:
                 want = forward(ctx.model, alone, row[:, pos:pos + n], pos, "explicit", first=pos == 0)
+                if i == 0:
+                    held_alone = _first_layer_slots(alone)
             except Exception as exc:  # noqa: BLE001 - the subject's failure on an unpadded row
                 ctx.fail([f"row {b} alone: {label} raised {describe_exception(exc)}",
                           f"ops: {ops_text}   [raised at {label}]",
@@ -472,6 +497,13 @@ def check_padded_row_alone(ctx):
                           f"worst at position={pos - n + cmp.worst[1]} (of the row without its pads)",
                           f"ops: {ops_text}   [failed at {label}]",
                           "likely cause: " + (
+                              f"after prefill({P}) the padded batch holds {held_batch} slots per row and the row "
+                              f"alone {held_alone} (of {P - p} real tokens): the cache keeps a share of the padded "
+                              f"length, its {p} pads counted as prompt, so the padded row loses other tokens than "
+                              f"the same row alone — compute what a row keeps from its own tokens (the attention "
+                              f"mask), not from the batch's width"
+                              if padded and held_batch is not None and held_alone is not None
+                              and held_batch < P and held_batch - p != held_alone else
                               "the left-padded row reads what it holds under the wrong mask columns or keeps its "
                               "pads: after the cache drops or compresses tokens, get_mask_sizes() must map each "
                               "held slot to its own position (the 2-D mask has one column per position seen), and a "
@@ -479,4 +511,20 @@ def check_padded_row_alone(ctx):
                               if padded else
                               "the row's logits depend on the other rows of the batch (a score, scale or selection "
                               "computed over the whole batch instead of per row)")],
-                         {"failed_at": label, "row": b, "pads": p})
+                         {"failed_at": label, "row": b, "pads": p, "prefill": P})
+    return False
+
+
+def _first_layer_slots(cache) -> int | None:
+    """The key slots the first attention layer of ``cache`` holds per row (``keys.shape[-2]``), or None where it
+    cannot be read (no layers, no key tensor)."""
+    import torch
+
+    try:
+        for layer in getattr(cache, "layers", None) or ():
+            keys = getattr(layer, "keys", None)
+            if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+                return int(keys.shape[-2])
+    except Exception:  # noqa: BLE001 - nothing measured
+        return None
+    return None

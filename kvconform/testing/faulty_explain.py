@@ -199,6 +199,55 @@ class RecordingNotForwardedCache(Cache):
         self.recording = True
 
 
+# ------------------------------------------------------------------------------------------ a norm press
+class _NormPressLayer(DynamicLayer):
+    """After the prefill keeps, per row and head, the ``int(n·(1 − ratio))`` keys of lowest norm in position order,
+    ``n`` the prefill's width — kvpress's KnormPress on a ``DynamicCache`` layer: slot ``j`` is read as position
+    ``j`` and ``get_seq_length()`` is the tokens held (kvpress's own length fault, which the press contract names;
+    explicit positions make the padded-row comparison independent of it)."""
+
+    ratio = 0.25
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        first = self.seen == 0
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.seen += key_states.shape[-2]
+        n = key_states.shape[-2]
+        if first and n > 1:
+            # BUG: the count kept is a share of the batch's width, pads included: a left-padded row keeps another
+            # number of its real tokens than the same row alone (the pads, of low norm, are kept as "tokens")
+            kept = int(n * (1 - self.ratio))
+            idx = key_states.norm(dim=-1).topk(kept, dim=-1, largest=False).indices.sort(dim=-1).values
+            gather = idx.unsqueeze(-1).expand(-1, -1, -1, key_states.shape[-1])
+            self.keys, self.values = key_states.gather(-2, gather), value_states.gather(-2, gather)
+        return keys, values
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen = 0
+
+
+class NormPress(Cache):
+    """A KnormPress-style press: exact on unpadded rows' own terms (compared with a fresh instance), but a
+    left-padded batch keeps ``int(n·0.75)`` slots of its padded width ``n`` per row. With pads [0, 3] at a 12-token
+    prefill the padded row and the row alone drop the same 3 tokens (9 → 9 slots, 9 → 6 real tokens kept) and agree
+    to 1e-15; at 13 the padded row drops 4 of its tokens and the row alone 3."""
+
+    kvconform_press = {"kl_max": 0.5, "top1_min": 0.3}
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_NormPressLayer() for _ in types])
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
 FAULTY = [
     FaultyCache(
         name="tail_slip_crop", attr="TailSlipCache", module=__name__, family="crop",
@@ -222,6 +271,14 @@ FAULTY = [
                  "decode 1", "→ the fault at prefill(12) is in the subject"),
         cause=r"the prefill itself is wrong",
         also_caught_by=_ALL_FAMILIES,
+    ),
+    FaultyCache(
+        name="norm_press_padded", attr="NormPress", module=__name__, family="batch",
+        check="check_padded_row_alone", model="llama", case="padded_row_alone",
+        message=("check_padded_row_alone failed: NormPress on llama", "prefill(13, rows left-padded by [0, 3])"),
+        cause=r"after prefill\(13\) the padded batch holds 9 slots per row and the row alone 7 \(of 10 real tokens\): "
+              r"the cache keeps a share of the padded length",
+        also_caught_by=_ALL_FAMILIES,  # and its length is kvpress's (the tokens held): the press contract names it
     ),
     FaultyCache(
         name="reset_keeps_length", attr="ResetKeepsLengthPagedCache", module=__name__, family="memory",
