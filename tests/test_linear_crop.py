@@ -32,7 +32,7 @@ def test_the_ssm_crop_fault_envelope_excludes_a_croppable_claim():
 def test_a_hybrid_layer_that_crops_silently_is_caught_by_the_default_tier():
     """A recurrent state next to attention in one layer object (FalconH1's hybrid layer) that claims is_croppable and
     crops only its keys/values: the default tier's crop_short runs on falcon_h1 (it used to run there only under
-    --kvconform-full), and transformers' own hybrid layer, which refuses the crop clearly, passes the same item."""
+    --kvconform-full), and the same build whose hybrid layer refuses the crop clearly passes the same item."""
     from kvconform.cases import load_cases
 
     [case] = [c for c in load_cases() if c.id == "crop_short"]
@@ -40,7 +40,7 @@ def test_a_hybrid_layer_that_crops_silently_is_caught_by_the_default_tier():
     faulty, correct = (check_cache(spec, models=["falcon_h1"], checks=["check_crop_then_continue"],
                                    cases=["crop_short"])
                        for spec in ("kvconform.testing.faulty_linear:HybridSilentCropCache",
-                                    "transformers:DynamicCache"))
+                                    "kvconform.testing.faulty_linear:RefusingHybridCache"))
     assert [r.outcome for r in faulty] == ["failed"], [r.message for r in faulty]
     assert "is_croppable is True on a linear-attention layer" in faulty[0].message, faulty[0].message
     assert [r.outcome for r in correct] == ["passed"], [r.message for r in correct]

@@ -466,10 +466,17 @@ def public_kv_facts(cache) -> tuple[dict, list]:
         keys, values = answer(layer, "keys"), answer(layer, "values")
         sizes.update({f"{label}.{attr}": int(t.shape[0]) for attr, t in (("keys", keys), ("values", values))
                       if t is not None})
-        if keys is None and holds_tokens(layer):
+        # a linear-attention layer holds states, not keys (no `keys` attribute at all): nothing is missing there
+        if keys is None and _has_keys_attribute(layer) and holds_tokens(layer):
             missing.append(label)
     return sizes, missing
 
+
+
+def _has_keys_attribute(layer) -> bool:
+    """Whether ``layer`` has a ``keys`` attribute or property at all (an attention layer's; a linear-attention
+    layer of transformers holds conv/recurrent states and has none)."""
+    return "keys" in getattr(layer, "__dict__", {}) or any("keys" in vars(k) for k in type(layer).__mro__)
 
 
 def unmasked_slots(cache, held: int, new_tokens: int, mask=None) -> str | None:

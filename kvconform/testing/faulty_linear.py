@@ -103,6 +103,31 @@ class HybridSilentCropCache(DynamicCache):
                 self.layers[i] = _SilentHybridLayer(number_of_states=layer.number_of_states)
 
 
+class _RefusingHybridLayer(LinearAttentionAndFullAttentionLayer or object):  # type: ignore[misc]
+    """FalconH1's hybrid layer that never claims a rollback and refuses ``crop`` clearly, before any change."""
+
+    is_croppable = False  # type: ignore[assignment]  # transformers' is a property
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Raises ``RuntimeError`` for any crop that would remove tokens (``crop(0)`` is a no-op)."""
+        if tokens_to_remove:
+            raise RuntimeError(f"{type(self).__name__} cannot crop({tokens_to_remove}): its recurrent (SSM) state "
+                               f"cannot be rewound; build a new cache and prefill the kept tokens instead")
+
+
+class RefusingHybridCache(DynamicCache):
+    """The correct design of the same build as ``HybridSilentCropCache``: its hybrid layers say
+    ``is_croppable = False`` and refuse ``crop()`` clearly."""
+
+    kvconform_capabilities = ("forward", "generate", "crop")
+
+    def __init__(self, config=None, **kwargs):
+        super().__init__(config=config)
+        for i, layer in enumerate(self.layers):
+            if LinearAttentionAndFullAttentionLayer is not None and type(layer) is LinearAttentionAndFullAttentionLayer:
+                self.layers[i] = _RefusingHybridLayer(number_of_states=layer.number_of_states)
+
+
 class RefusingLinearCache(DynamicCache):
     """``DynamicCache`` whose linear-attention layers say ``is_croppable = False`` and refuse ``crop()`` clearly
     (the correct design of the same build as ``CroppableLinearCache``)."""
