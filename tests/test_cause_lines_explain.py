@@ -162,8 +162,10 @@ def test_a_paged_prefill_loop_is_named_a_loop_over_pages_not_per_token():
     assert paged.startswith("the prefill loops in Python over the pages of its paged storage") and \
         "about 4 tokens each" in paged, paged
     per_token = cause(PerTokenListCache)
-    assert per_token.startswith("the prefill loops in Python over the new tokens"), per_token
-    assert cause(DynamicCache).startswith("the prefill does work per token in Python"), cause(DynamicCache)
+    assert per_token.startswith("the prefill does work per token in Python: after prefill(64) its first layer "
+                                "holds"), per_token
+    assert cause(DynamicCache).startswith("the prefill does work per token in Python — update() loops"), \
+        cause(DynamicCache)
 
 
 def _digest(name):

@@ -449,7 +449,7 @@ def _prefill_loop_cause(ctx, tokens, context: int) -> str:
                 f"first layer holds {n} tensors (about {per:.0f} tokens each), and the prefill writes them one page "
                 f"at a time — one copy per page, not per token; write a prefill's pages with one batched copy "
                 f"(torch._foreach_copy_, or one index_copy_ into a page pool) instead of a Python loop")
-    return (f"the prefill loops in Python over the new tokens: after prefill({context}) its first layer holds {n} "
+    return (f"the prefill does work per token in Python: after prefill({context}) its first layer holds {n} "
             f"tensors, one per token — a per-token copy or append instead of one slice copy or cat per forward; "
             f"decode steps feed one token each, so the decode budgets cannot see it")
 
