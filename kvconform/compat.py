@@ -292,6 +292,16 @@ def count_linear_tokens(layer, tokens: int | None) -> None:
         counter.add_(tokens)
 
 
+@functools.lru_cache(maxsize=None)
+def records_recurrent_states() -> bool:
+    """Whether the installed linear-attention layers can record recurrent states for ``crop``
+    (``activate_past_recording(recurrent_states_to_keep=N)``, 5.25 and later), read off the signature."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    method = getattr(LinearAttentionCacheLayerMixin, "activate_past_recording", None)
+    return method is not None and "recurrent_states_to_keep" in inspect.signature(method).parameters
+
+
 def layer_type_mappings():
     """``(DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING)`` of the installed transformers (layer type name →
     layer class), or None where the release has no such table (5.5.4: the types are mapped by an if/elif chain inside

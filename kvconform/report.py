@@ -294,18 +294,29 @@ def known_fault_findings(results: dict, digest) -> tuple[list, dict]:
     (``shared_by_fresh`` in ``RunDigest.known_faults``: the fresh instance it is compared with shares that fault).
     """
     passed: dict = {}
+    run_time: dict = {}  # entry id judged at run time → (whether any item showed it, the items that passed)
     for r in sorted(results.values(), key=lambda r: r["nodeid"]):
+        fault = digest.known_fault(r)
+        if fault is not None and fault.get("judged_at_run_time") and not fault["shared_by_fresh"]:
+            shown, passes = run_time.setdefault(fault["id"], [False, []])
+            run_time[fault["id"]][0] = shown or r["outcome"] in ("xfailed", "failed")
+            if r["outcome"] == "passed":
+                passes.append(r["nodeid"])
         if r["outcome"] not in ("xpassed", "passed") or (r["outcome"] == "passed" and not digest.strict):
             continue
         subject = digest.subject(r["subject"])
         if r["outcome"] == "xpassed" and subject is not None and subject.expects_failure(r["check"], r["case"]):
             label = f"{r['subject']}.expected_failures"
         else:
-            fault = digest.known_fault(r)
             if fault is None or fault["shared_by_fresh"]:
                 continue
             label = fault["id"]
         passed.setdefault(label, []).append(r["nodeid"])
+    # An entry judged at run time marks nothing before its items run, so a fault that stopped occurring shows as
+    # plain passes: it is XPASS when not one of the items it names failed (the fault was seen nowhere).
+    for fault_id, (shown, passes) in run_time.items():
+        if not shown and passes and fault_id not in passed:
+            passed[fault_id] = passes
     return list(digest.stale_faults), passed
 
 

@@ -266,7 +266,8 @@ class KVSession:
             fault = self.fault_entry(**d)
             if fault is not None:
                 shared = d["subject"] in fresh and self.fault_entry(**{**d, "subject": "ReferenceCache"}) is not None
-                faults[item.id] = {"id": fault.id, "shared_by_fresh": shared}
+                faults[item.id] = {"id": fault.id, "shared_by_fresh": shared,
+                                   "judged_at_run_time": fault.judged_at_run_time}
         return RunDigest(
             header=self.header_lines(), environment=self.environment(), subjects=subjects,
             models=[m.name for m in self.models], model_specs={m.name: m.spec for m in self.models},
