@@ -290,3 +290,13 @@ def test_a_page_path_that_cannot_be_written_is_refused_before_anything_runs(tmp_
                           text=True, timeout=300)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "--kvconform-html 'no_such_folder/p.html': folder" in proc.stderr
+
+
+def test_a_report_cut_short_says_so_at_the_top():
+    """A report that says it is incomplete (``complete: false``, with its counts) gets a banner naming them; a
+    complete one none."""
+    base = {"schema": 1, "environment": {}, "results": []}
+    page = html_report.render({**base, "complete": False, "planned": 10, "finished": 3})
+    assert 'id="kv-incomplete"' in page and "planned 10, finished 3" in page
+    assert 'id="kv-incomplete"' not in html_report.render({**base, "complete": True})
+    assert 'id="kv-incomplete"' not in html_report.render(base)
