@@ -181,7 +181,8 @@ class _Lines:
 
 
 def main(argv=None) -> int:
-    """``kvconform-merge --json OUT IN.json...``: write the merged report, print the matrix, append the Markdown
+    """``kvconform-merge [--json OUT] [--html PATH] IN.json...``: write the merged report (and its page), print the
+    matrix, append the Markdown
     matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed, 1 when any failed, 2 when
     the reports cannot be merged (the message names the file and the cause)."""
     from kvconform.report import OUTCOMES, json_path_problem, markdown, write_terminal_matrix
@@ -189,6 +190,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvconform-merge", description="Merge the JSON reports of a sharded "
                                      "kvconform run (--kvconform-shard I/N) into one report, matrix and step summary.")
     parser.add_argument("--json", dest="out", metavar="OUT", help="write the merged JSON report here")
+    parser.add_argument("--html", dest="html", metavar="PATH", help="write the merged conformance page here (one "
+                        "self-contained HTML file, as --kvconform-html writes for one run)")
     parser.add_argument("reports", nargs="+", metavar="IN.json", help="the shards' reports (--kvconform-json)")
     args = parser.parse_args(argv)
     try:
@@ -202,12 +205,18 @@ def main(argv=None) -> int:
         merged = merge_reports(loaded)
         if args.out and (problem := json_path_problem(args.out)):
             raise MergeError(f"--json {args.out!r}: {problem}")
+        if args.html and (problem := json_path_problem(args.html)):
+            raise MergeError(f"--html {args.html!r}: {problem}")
     except MergeError as exc:
         print(f"kvconform-merge: {exc}", file=sys.stderr)
         return 2
     results = {r["nodeid"]: r for r in merged["results"]}
     if args.out:
         _write_json(args.out, merged)
+    if args.html:
+        from kvconform.html_report import write_html
+
+        write_html(args.html, merged)
     from kvconform.digest import RunDigest
 
     order = RunDigest.from_environment(merged["environment"])

@@ -28,6 +28,7 @@ OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = ("kvconform_json", "kvconform_stri
 OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
 OPT_FAULTS, OPT_SUBJECT, OPT_SEED = "kvconform_known_faults", "kvconform_subject", "kvconform_fuzz_seed"
 OPT_TRUST, OPT_SHARD = "kvconform_trust_remote_code", "kvconform_shard"
+OPT_HTML = "kvconform_html"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
 
 SESSION_KEY = pytest.StashKey["object"]()
@@ -59,6 +60,9 @@ def pytest_addoption(parser):
                          "bundled one; repeatable")
     group.addoption("--kvconform-json", dest=OPT_JSON, default=None, metavar="PATH",
                     help="write the JSON report (schema 1) to PATH")
+    group.addoption("--kvconform-html", dest=OPT_HTML, default=None, metavar="PATH",
+                    help="write the conformance page to PATH: one self-contained HTML file (colour matrices, "
+                         "filters, every item's message and reproduce line)")
     group.addoption("--kvconform-strict", action="store_true", dest=OPT_STRICT, default=None,
                     help="ignore the bundled list of known upstream faults: they fail instead of xfail")
     group.addoption("--kvconform-full", action="store_true", dest=OPT_FULL, default=None,
@@ -88,6 +92,7 @@ def pytest_addoption(parser):
     parser.addini(OPT_FAULTS, "extra known-faults files (same as --kvconform-known-faults)", type="linelist",
                   default=[])
     parser.addini(OPT_JSON, "JSON report path (same as --kvconform-json)", default="")
+    parser.addini(OPT_HTML, "HTML page path (same as --kvconform-html)", default="")
     parser.addini(OPT_STRICT, "known upstream faults fail (same as --kvconform-strict)", type="bool", default=False)
     parser.addini(OPT_FULL, "run the heavier tier (same as --kvconform-full)", type="bool", default=False)
     parser.addini(OPT_SELFTEST, "run the selftest (same as --kvconform-selftest)", type="bool", default=False)
@@ -109,7 +114,7 @@ def _opt(config, name):
     return value
 
 
-_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON, OPT_FAULTS)
+_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON, OPT_FAULTS, OPT_HTML)
 
 
 def _from_ini(base, name: str, value: str) -> str:
@@ -136,7 +141,7 @@ _FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OP
           OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
           OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device",
           OPT_SEED: "--kvconform-fuzz-seed", OPT_TRUST: "--kvconform-trust-remote-code",
-          OPT_SHARD: "--kvconform-shard"}
+          OPT_SHARD: "--kvconform-shard", OPT_HTML: "--kvconform-html"}
 
 
 def _refuse_flags_without_kvconform(config) -> None:
@@ -610,9 +615,10 @@ def _check_usage(config) -> None:
     """
     from kvconform.report import json_path_problem
 
-    path = _opt(config, OPT_JSON)
-    if path and (problem := json_path_problem(path)):
-        raise pytest.UsageError(f"kvconform: --kvconform-json {path!r}: {problem}")
+    for option, flag in ((OPT_JSON, "--kvconform-json"), (OPT_HTML, "--kvconform-html")):
+        path = _opt(config, option)
+        if path and (problem := json_path_problem(path)):
+            raise pytest.UsageError(f"kvconform: {flag} {path!r}: {problem}")
     try:
         timeout = _timeout(config)
     except ValueError:
@@ -799,6 +805,19 @@ def pytest_sessionfinish(session, exitstatus):
         return
     if RESULTS_KEY in config.stash:
         _write_json_progress(config, final=True)
+        _write_html(config)
+
+
+def _write_html(config) -> None:
+    """``--kvconform-html PATH``: the page of the run's JSON report data (``html_report``), at the end of the run."""
+    path = _opt(config, OPT_HTML)
+    if path:
+        from kvconform.html_report import write_html
+        from kvconform.report import json_payload
+
+        with _JSON_LOCK:
+            payload = json_payload(config.stash[RESULTS_KEY], config.stash[DIGEST_KEY])
+        write_html(path, payload, config.stash[DIGEST_KEY])
 
 
 def _freeze_worker_heap() -> None:

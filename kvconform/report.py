@@ -221,14 +221,18 @@ def write_markdown_summary(results: dict, path: str | None, digest=None) -> None
             fh.write(markdown(results, digest))
 
 
+def json_payload(results: dict, digest) -> dict:
+    """The JSON report's data: ``{"schema": 1, "environment": {...}, "results": [...]}``, results sorted by node id;
+    ``digest.environment`` is the environment. What ``write_json`` writes and the HTML page reads."""
+    return {"schema": SCHEMA, "environment": digest.environment,
+            "results": sorted(results.values(), key=lambda r: r["nodeid"])}
+
+
 def write_json(path: str, results: dict, digest) -> None:
-    """Write ``{"schema": 1, "environment": {...}, "results": [...]}`` atomically (temp file, then rename);
-    ``digest.environment`` is the environment."""
+    """Write ``json_payload(results, digest)`` to ``path`` atomically (temp file, then rename)."""
     from kvconform.digest import write_atomically
 
-    payload = {"schema": SCHEMA, "environment": digest.environment,
-               "results": sorted(results.values(), key=lambda r: r["nodeid"])}
-    write_atomically(path, json.dumps(payload, indent=1, ensure_ascii=False))
+    write_atomically(path, json.dumps(json_payload(results, digest), indent=1, ensure_ascii=False))
 
 
 def json_path_problem(path: str) -> str | None:
