@@ -50,7 +50,12 @@ def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
     path = os.path.expanduser(spec)
     problem = zoo.checkpoint_problem(path)
     if problem == "no such folder" and os.sep not in spec and "/" not in spec:
-        problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
+        import difflib
+
+        close = difflib.get_close_matches(spec.lower(), zoo.ALL_NAMES, 1, cutoff=0.6)
+        problem = (f"not a zoo name{f' (did you mean {close[0]!r}?)' if close else ''} and not a checkpoint "
+                   f"folder; zoo names: {', '.join(zoo.ZOO_NAMES)} (and {', '.join(zoo.VLM_NAMES)}, the "
+                   f"vision-language models)")
     if problem:
         return f"--kvconform-model {spec!r}: {problem}"
     return remote.consent_problem(spec, path, trust_remote_code)
