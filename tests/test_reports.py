@@ -1,6 +1,6 @@
 """Reports people and CI dashboards read: JUnit XML from kvconform-merge, shards from the CI's own variables, and
-reports that never lose or misstate data (a report held by one run at a time, a report cut short says so, mistyped
-specs refused before any worker starts)."""
+reports that never lose or misstate data (a report held by one run at a time, a report cut short says so — in the
+JSON report, the terminal, the HTML page and the merge —, mistyped specs refused before any worker starts)."""
 
 import json
 import os
@@ -132,8 +132,8 @@ def test_merge_is_complete_only_when_every_shard_is(tmp_path, capsys):
     for name, payload in (("1.json", one), ("2.json", two), ("old.json", old)):
         paths[name] = tmp_path / name
         paths[name].write_text(json.dumps(payload))
-    code = merge.main(["--json", str(tmp_path / "m.json"), "--junitxml", str(tmp_path / "m.xml"),
-                       str(paths["1.json"]), str(paths["2.json"])])
+    code = merge.main(["--json", str(tmp_path / "m.json"), "--junitxml", str(tmp_path / "m.xml"), "--html",
+                       str(tmp_path / "m.html"), str(paths["1.json"]), str(paths["2.json"])])
     assert code == 1
     assert "INCOMPLETE: 2 of 5 planned items finished" in capsys.readouterr().err
     merged = json.loads((tmp_path / "m.json").read_text())
@@ -141,6 +141,7 @@ def test_merge_is_complete_only_when_every_shard_is(tmp_path, capsys):
     assert "2.json: interrupted (KeyboardInterrupt: Ctrl-C)" in merged["incomplete"]
     assert [m["complete"] for m in merged["environment"]["merged_from"]] == [True, False]
     assert _counts(ET.parse(tmp_path / "m.xml").getroot())["errors"] == 1
+    assert 'id="kv-incomplete"' in (tmp_path / "m.html").read_text()
     assert merge.main(["--json", str(tmp_path / "m2.json"), str(paths["1.json"]), str(paths["old.json"])]) == 0
     assert json.loads((tmp_path / "m2.json").read_text())["complete"] is True
 
@@ -285,7 +286,7 @@ def test_two_runs_never_write_one_report_and_an_interrupted_one_says_so(tmp_path
     says it is not complete, with its planned and finished counts; then the path is free again."""
     (tmp_path / "slow.py").write_text(SLOW_CACHE)
     report = tmp_path / "r.json"
-    first = _start(tmp_path, "--kvconform-json", "r.json")
+    first = _start(tmp_path, "--kvconform-json", "r.json", "--kvconform-html", "r.html")
     running = _wait_for(lambda: _running(report), proc=first)
     assert running["complete"] is False and "written while the run was going on" in running["incomplete"]
     assert (tmp_path / "r.json.lock").exists()
@@ -308,6 +309,8 @@ def test_two_runs_never_write_one_report_and_an_interrupted_one_says_so(tmp_path
     assert 2 <= data["finished"] == len(data["results"]) < data["planned"], {k: data[k] for k in ("planned",
                                                                                                    "finished")}
     assert "kvconform: INCOMPLETE: interrupted (SIGTERM)" in out
+    page = (tmp_path / "r.html").read_text()  # the page says so too
+    assert 'id="kv-incomplete"' in page and "interrupted (SIGTERM)" in page
     assert not (tmp_path / "r.json.lock").exists()
     print(f"second run refused in {refused_in:.1f} s")
 
