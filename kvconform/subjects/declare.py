@@ -5,7 +5,9 @@ expected failures)."""
 
 from __future__ import annotations
 
-from kvconform.subjects.spec import ALLOCATIONS, CAPABILITIES, KINDS, Budget, CacheSpec, SpecError, _check_names
+from kvconform.subjects.spec import (ALLOCATIONS, CAPABILITIES, KINDS, SUPPORTS, Budget, CacheSpec, SpecError,
+                                     _check_names)
+
 
 def declared_capabilities(obj, where: str) -> frozenset:
     """The ``kvconform_capabilities`` a Cache subclass or a factory function declares (default: all of
@@ -76,7 +78,40 @@ def _declared(obj, where: str) -> dict:
     """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
     kind, budget = declared_kind(obj, where)
     return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
-                page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where))
+                page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where),
+                supports=declared_supports(obj, where))
+
+
+def declared_supports(obj, where: str) -> frozenset | None:
+    """The ``kvconform_supports`` a Cache subclass or factory declares (names of ``SUPPORTS``: the layer types and
+    model kinds it supports), or None (every model).
+
+    Raises:
+        SpecError: not a non-empty collection of names, or a name outside ``SUPPORTS`` (closest named).
+    """
+    declared = getattr(obj, "kvconform_supports", None)
+    if declared is None:
+        return None
+    return check_supports(declared, f"{where}: kvconform_supports")
+
+
+def check_supports(declared, where: str) -> frozenset:
+    """``declared`` as a frozenset of ``SUPPORTS`` names.
+
+    Raises:
+        SpecError: a bare string, an empty or non-iterable value, a non-string item, or an unknown name (closest
+            named; the known names listed).
+    """
+    example = '{"full_attention", "sliding_attention"}'
+    try:
+        names = frozenset(declared) if not isinstance(declared, str) else None
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise SpecError(f"{where} must be a non-empty set of layer types and model kinds from {', '.join(SUPPORTS)}; "
+                        f"got {declared!r} (e.g. {example})")
+    _check_names(where, "layer types / model kinds", names, SUPPORTS)
+    return names
 
 
 def declared_allocation(obj, where: str) -> str | None:
@@ -142,6 +177,8 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
                         f"{page!r}")
     if spec.allocation is not None:
         _check_names(f"{where}: {spec.name}", "allocation", {spec.allocation}, ALLOCATIONS)
+    if spec.supports is not None:
+        check_supports(spec.supports, f"{where}: {spec.name}: supports")
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",

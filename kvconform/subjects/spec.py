@@ -17,6 +17,17 @@ CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_rep
                 "compile")
 """Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
 
+SUPPORT_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
+                       "linear_attention", "conv", "hybrid", "hybrid_sliding")
+"""The decoder layer types a subject may scope itself to (``CacheSpec.supports``): transformers' cache layer types
+(``get_layer_types_and_kwargs``), as every model's decoder layers are named."""
+
+SUPPORT_MODEL_KINDS = ("decoder_only", "encoder_decoder")
+"""The model kinds a subject may scope itself to (``CacheSpec.supports``)."""
+
+SUPPORTS = SUPPORT_LAYER_TYPES + SUPPORT_MODEL_KINDS
+"""Every name ``CacheSpec.supports`` / ``kvconform_supports`` may hold."""
+
 ALLOCATIONS = ("preallocated", "doubling")
 """Allocation policies a subject may declare besides token by token and pages (``CacheSpec.allocation``):
 ``preallocated`` — each bounded layer (``get_max_length() > 0``: a sliding window, a capacity) holds its whole
@@ -141,6 +152,11 @@ class CacheSpec:
             held bytes grow). The memory budget of an exact, non-preallocated layer then allows at most one page per
             row of slack above the formula (``page_size · B · H_kv · (D_k + D_v) · b`` bytes per layer). A Cache
             subclass or factory declares it with a ``kvconform_page_size = N`` attribute (``declared_page_size``).
+        supports: the layer types and model kinds the cache supports (names of ``SUPPORTS``: layer types of
+            ``SUPPORT_LAYER_TYPES``, model kinds of ``SUPPORT_MODEL_KINDS``), or None (every model). A model with a
+            decoder layer type outside the named layer types (when it names any), or of a model kind outside the
+            named kinds (when it names any), has its items skipped with that reason (``unsupported``). Declared with
+            ``kvconform_supports = {"full_attention", "sliding_attention"}``.
         allocation: how the cache allocates K/V when not token by token (``ALLOCATIONS``): ``"preallocated"`` (every
             bounded layer holds its capacity from the first token on: a fixed ring of a sliding layer's window, a
             capacity buffer), ``"doubling"`` (amortised doubling buffers: at most twice the tokens held), or None
@@ -164,6 +180,7 @@ class CacheSpec:
     notes: Mapping[str, str] = field(default_factory=dict)
     page_size: int | None = None
     allocation: str | None = None
+    supports: frozenset | None = None
 
     def __post_init__(self):
         budget = self.budget
@@ -171,6 +188,9 @@ class CacheSpec:
             # a dict is accepted for convenience: converted here, validated in validate_spec (once, with where it
             # came from); a dict that is not even shaped like a Budget is kept as given for validate_spec to report
             object.__setattr__(self, "budget", Budget(**budget))
+        supports = self.supports
+        if isinstance(supports, (set, list, tuple)) and all(isinstance(n, str) for n in supports):
+            object.__setattr__(self, "supports", frozenset(supports))  # validated in validate_spec
 
     def build_one(self, **available):
         """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``; ``model``
@@ -227,6 +247,27 @@ class CacheSpec:
         if context is not None:
             _attach(wrapper, context)
         return wrapper
+
+
+def unsupported(subject, model) -> str | None:
+    """Why ``subject`` (a ``CacheSpec``) does not serve ``model`` (a ``plan.ModelInfo`` or ``ZooModel``: its
+    ``layer_types`` and ``is_encoder_decoder``) by its ``supports`` declaration, or None (supported, or nothing
+    declared)."""
+    supports = getattr(subject, "supports", None)
+    if not supports:
+        return None
+    declared = ", ".join(sorted(supports))
+    kinds = set(supports) & set(SUPPORT_MODEL_KINDS)
+    kind = "encoder_decoder" if getattr(model, "is_encoder_decoder", False) else "decoder_only"
+    if kinds and kind not in kinds:
+        return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} is {kind.replace('_', '-')}, "
+                f"not judged")
+    types = set(supports) & set(SUPPORT_LAYER_TYPES)
+    other = sorted(set(getattr(model, "layer_types", ()) or ()) - types) if types else []
+    if other:
+        return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} has "
+                f"{', '.join(other)} layers, not judged")
+    return None
 
 
 def closest_name(name, known) -> str | None:
