@@ -412,12 +412,14 @@ def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
 }, ops=LONG_CONTEXT_RULE)
 def check_memory_bound(ctx):
     """An evicting subject holds no more than it declares: the bytes held after the case's long context are ≤
-    ``budget.tokens_max`` tokens' keys and values in each attention layer (``B·H_kv·(D_k + D_v)·b`` bytes a token,
+    ``budget.tokens_max`` tokens' keys and values in each attention layer (for a share, ``budget.held_bound`` of the
+    tokens seen: ``tokens_exact + ceil(keep_ratio · (seen − tokens_exact))``) (``B·H_kv·(D_k + D_v)·b`` bytes a token,
     measured on ``ReferenceCache`` fed the same ops) plus each layer's linear-attention states, plus ``slack_bytes``
     (default 256) per layer."""
-    tokens_max = int(ctx.subject.budget.tokens_max)
     slack = int(ctx.case.params["slack_bytes"])
     cache, tokens = _run_subject(ctx)
+    budget = ctx.subject.budget
+    tokens_max = int(budget.held_bound(tokens))  # tokens_max, or the share (keep_ratio) of the tokens seen
     layers = _reference_layers(ctx)
     token_bytes = sum(layer.token_bytes for layer in layers)
     states = sum(layer.state_bytes for layer in layers)
@@ -433,7 +435,8 @@ def check_memory_bound(ctx):
     per_layer = ", ".join(f"{label} {_mib(held_bytes(layer))}" for label, layer in cache_layers(cache))
     ctx.fail([
         f"held bytes = {_mib(held)} after {tokens} tokens, but should be ≤ {_mib(bound)} "
-        f"(budget.tokens_max = {tokens_max})",
+        + (f"(budget.tokens_max = {tokens_max})" if budget.keep_ratio is None else
+           f"({tokens_max} tokens: {budget.describe_bound()})"),
         f"bound: {tokens_max} tokens × {_mib(token_bytes)} a token over {len(attention)} attention layers "
         f"(2·B{B}·H_kv{H}·D{D}·{b}B each) + linear-attention states {_mib(states)} + slack {slack} B × "
         f"{len(layers)} layers",
@@ -443,6 +446,10 @@ def check_memory_bound(ctx):
         "likely cause: " + (f"the cache holds all {tokens} tokens' worth: nothing is evicted, or what is evicted is "
                             "still referenced (a list of old chunks, views pinning old buffers: see the largest "
                             "tensors)" if kept >= tokens - 0.5 else
+                            f"the cache keeps a larger share of the {tokens} tokens than it declares ({kept:.0f} "
+                            f"tokens' worth, {kept / max(tokens, 1):.2f} of them; declared keep_ratio "
+                            f"{budget.keep_ratio:g}), or evicted keys/values are still referenced"
+                            if budget.keep_ratio is not None else
                             "the cache keeps more than tokens_max tokens (a window larger than declared, or "
                             "evicted keys/values still referenced: a list of old chunks, views pinning old buffers)"),
     ])

@@ -48,12 +48,23 @@ def validate_kind(kind, budget, where: str) -> None:
                         f"{', ' + repr('tokens_max') + ': 68' if kind == 'evicting' else ''}}} (mean KL(oracle ‖ "
                         f"subject) in nats, top-1 agreement{', most tokens held' if kind == 'evicting' else ''})")
     budget = Budget.from_mapping(budget, where, kind)
-    if kind == "evicting" and budget.tokens_max is None:
+    if kind == "evicting" and budget.tokens_max is None and budget.keep_ratio is None:
         raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
-                        f"and attention layer, e.g. sinks + window)")
-    if kind in ("lossy", "press") and budget.tokens_max is not None:
-        raise SpecError(f"{where}: tokens_max is for evicting subjects; a {kind} subject has no token bound "
-                        f"(declare kind='evicting' if it never holds more than tokens_max tokens)")
+                        f"and attention layer, e.g. sinks + window) or keep_ratio (the share of the tokens past "
+                        f"tokens_exact it keeps, for a cache that evicts a share at every step)")
+    if kind == "evicting" and budget.tokens_exact is not None and budget.keep_ratio is None:
+        raise SpecError(f"{where}: tokens_exact goes with keep_ratio (a cache evicting a share of its tokens); a "
+                        f"cache with a fixed bound is exact up to tokens_max")
+    if kind == "evicting" and not budget.saves_memory:
+        raise SpecError(f"{where}: saves_memory is for lossy and press subjects; an evicting subject's memory is "
+                        f"bounded by its token bound")
+    extra = [k for k in ("tokens_max", "keep_ratio", "tokens_exact") if getattr(budget, k) is not None]
+    if kind in ("lossy", "press") and extra:
+        raise SpecError(f"{where}: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} for evicting subjects; a "
+                        f"{kind} subject has no token bound (declare kind='evicting' if it evicts tokens)")
+    if kind in ("lossy", "press") and not budget.saves_memory and budget.bytes_ratio_max is not None:
+        raise SpecError(f"{where}: saves_memory=False promises no memory saving, so bytes_ratio_max has nothing to "
+                        f"bound; drop one of them")
 
 
 def declared_kind(obj, where: str) -> tuple:

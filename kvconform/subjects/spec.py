@@ -60,8 +60,19 @@ class Budget:
         bytes_ratio_max: lossy and press, optional: the subject's held bytes after the long context divided by an exact
             cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the ratio must be < 1
             (compression must be real).
-        tokens_max: evicting only, required: the most tokens the cache holds per row and attention layer (e.g.
-            sinks + window); the held bytes are bounded by this many tokens' keys and values.
+        tokens_max: evicting only: the most tokens the cache holds per row and attention layer (e.g. sinks +
+            window); the held bytes are bounded by this many tokens' keys and values. Required unless
+            ``keep_ratio`` is given (then optional: a cap on top of the share).
+        keep_ratio: evicting only, in (0, 1]: a cache that evicts a *share* of its tokens at every step (H2O /
+            adaptive budgets: ``keep_ratio`` of the tokens past ``tokens_exact``) holds, per row and attention layer,
+            at most ``tokens_exact + ceil(keep_ratio · (seen − tokens_exact))`` tokens after ``seen`` tokens (every
+            token while ``seen ≤ tokens_exact``), and at most ``tokens_max`` where that is given too.
+        tokens_exact: evicting with ``keep_ratio`` only, default 0: the tokens seen before the cache evicts anything
+            (its exactness promise: judged against the oracle on every case that never makes it see more).
+        saves_memory: lossy and press, default True: whether the cache promises to hold fewer bytes than an exact
+            cache. False for a cache that rounds keys/values through a codec and stores the decoded floats (a
+            quality trade-off with no memory promise): its quality and self-consistency are judged, its held bytes
+            are not (``check_compression_real`` skips, saying so).
 
     Declared as ``CacheSpec(..., kind="lossy", budget=Budget(...))`` (or a dict with these keys), or on a Cache
     subclass / factory as ``kvconform_lossy = {"kl_max": ..., "top1_min": ...}`` / ``kvconform_evicting = {...}``.
@@ -71,6 +82,36 @@ class Budget:
     top1_min: float
     bytes_ratio_max: float | None = None
     tokens_max: int | None = None
+    keep_ratio: float | None = None
+    tokens_exact: int | None = None
+    saves_memory: bool = True
+
+    def held_bound(self, seen: int) -> int | None:
+        """The most tokens per row and attention layer an evicting cache declaring this budget may hold after
+        ``seen`` tokens (see ``tokens_max``, ``keep_ratio``), or None without a token bound."""
+        import math
+
+        if self.keep_ratio is None:
+            return self.tokens_max
+        exact = int(self.tokens_exact or 0)
+        bound = seen if seen <= exact else exact + math.ceil(float(self.keep_ratio) * (seen - exact) - 1e-9)
+        return bound if self.tokens_max is None else min(bound, int(self.tokens_max))
+
+    @property
+    def exact_limit(self) -> int | None:
+        """The most tokens an evicting cache declaring this budget may be fed while still exact (it evicts
+        nothing before): ``tokens_exact`` for a share (``keep_ratio``), else ``tokens_max``."""
+        return int(self.tokens_exact or 0) if self.keep_ratio is not None else self.tokens_max
+
+    def describe_bound(self) -> str:
+        """``"tokens_max = 64"`` / ``"16 + ceil(0.5 · (seen − 16)) (keep_ratio 0.5 past tokens_exact 16), at
+        most 32 (tokens_max)"`` for messages."""
+        if self.keep_ratio is None:
+            return f"tokens_max = {self.tokens_max}"
+        exact = int(self.tokens_exact or 0)
+        text = (f"{exact} + ceil({self.keep_ratio:g} · (seen − {exact})) (keep_ratio {self.keep_ratio:g} past "
+                f"tokens_exact {exact})")
+        return text + (f", at most {self.tokens_max} (tokens_max)" if self.tokens_max is not None else "")
 
     @classmethod
     def from_mapping(cls, value, where: str, subject_kind: str | None = None) -> "Budget":
@@ -85,7 +126,8 @@ class Budget:
 
         if isinstance(value, Budget):
             value = dataclasses.asdict(value)
-        keys = [k for k in BUDGET_KEYS if k != "tokens_max" or subject_kind in (None, "evicting")]
+        keys = [k for k in BUDGET_KEYS if k not in EVICTING_KEYS or subject_kind in (None, "evicting")]
+        keys = [k for k in keys if k != "saves_memory" or subject_kind != "evicting"]
         if not isinstance(value, Mapping):
             example = ("{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if subject_kind == "evicting" else "")
                        + "}")
@@ -98,11 +140,17 @@ class Budget:
             raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "
                             f"'top1_min': 0.8}}: mean KL(oracle ‖ subject) in nats and top-1 agreement)")
         ranges = {"kl_max": (float, 0, None), "top1_min": (float, 0, 1), "bytes_ratio_max": (float, 0, None),
-                  "tokens_max": (int, 1, None)}
+                  "tokens_max": (int, 1, None), "keep_ratio": (float, 0, 1), "tokens_exact": (int, 0, None)}
         for key, v in value.items():
-            kind, lo, hi = ranges[key]
-            if v is None and key in ("bytes_ratio_max", "tokens_max"):
+            if key == "saves_memory":
+                if not isinstance(v, bool):
+                    raise SpecError(f"{where}: budget saves_memory must be True or False; got {v!r}")
                 continue
+            kind, lo, hi = ranges[key]
+            if v is None and key in ("bytes_ratio_max", "tokens_max", "keep_ratio", "tokens_exact"):
+                continue
+            if key == "keep_ratio" and not isinstance(v, bool) and isinstance(v, (int, float)) and v <= 0:
+                raise SpecError(f"{where}: budget keep_ratio must be a number in (0, 1]; got {v!r}")
             ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, (int, float)))
             if not ok or v < lo or (hi is not None and v > hi):
                 want = "an int" if kind is int else "a number"
@@ -111,7 +159,9 @@ class Budget:
         return cls(**{k: value[k] for k in value})
 
 
-BUDGET_KEYS = ("kl_max", "top1_min", "bytes_ratio_max", "tokens_max")
+BUDGET_KEYS = ("kl_max", "top1_min", "bytes_ratio_max", "tokens_max", "keep_ratio", "tokens_exact", "saves_memory")
+EVICTING_KEYS = ("tokens_max", "keep_ratio", "tokens_exact")
+"""The budget keys of evicting subjects only."""
 
 
 class SpecError(ValueError, UsageError):
