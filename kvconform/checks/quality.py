@@ -64,6 +64,9 @@ def compressing(subject, model, case, device="cpu"):
     fake-quant twin), on models with attention layers (a Mamba-style model holds only fixed-size states: nothing for
     a key/value compressor to compress)."""
     kind = kind_of(subject)
+    if not kind.saves_memory:
+        return (f"{subject.name} promises no memory saving (saves_memory=False in its budget): its held bytes are not "
+                f"judged against an exact cache's; its quality (check_quality_budget) and self-consistency are")
     if kind.compresses:
         if "attention" not in model.features:
             return (f"{model.name} has no attention layers: no keys or values to compress (its linear-attention "
@@ -398,12 +401,62 @@ def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
                 f"quantization is real but its indices and sign bits are not packed, so they cost more than the "
                 f"values they replace (pack them: uint8 or bit-packed)")
     if full or uncompressed:
+        rounded = _stored_vs_exact(ctx, cache, full)
+        if rounded is not None:
+            path, delta = rounded
+            return (f"the codec runs but the cache stores its decoded output: the keys/values it holds{where} are "
+                    f"{dtype} tensors as large as an exact cache's, yet differ from the exact keys/values by up to "
+                    f"{delta:.2g} ({path}) — every token goes through the codec and the reconstructed floats are "
+                    f"kept, not the codes, so nothing is saved. Store the codes (indices, scales) and decode on read; "
+                    f"or, if the design promises no memory saving, declare it: saves_memory=False in the budget "
+                    f"(kvconform_lossy = {{..., 'saves_memory': False}})")
         return ("nothing is compressed: the cache holds what an exact cache holds" + (where if full else "") +
                 " — the compressor is never reached (an exact window longer than the case, or layers built before "
                 "the cache could install its own quantizing layers)")
     if ratio >= 1:
         return "the cache holds more than an exact one: its compressed form plus its buffers cost more"
     return "the cache compresses less than it declares (more bits, smaller groups or a longer exact window)"
+
+
+def _stored_vs_exact(ctx, cache, paths) -> tuple | None:
+    """Whether the full-size tensors ``cache`` holds at ``paths`` (``held_tensor_items`` paths) went through a codec:
+    each is compared with the keys/values of the same shape kvconform's exact ``ReferenceCache`` holds after the same
+    ops; returns ``(path, max|Δ|)`` of the tensor closest to an exact one when even that one is off by more than
+    float noise (1e-4 of the exact values' scale), else None (stored exactly: nothing went through a codec, or no
+    tensor to compare)."""
+    import torch
+
+    from kvconform.reference import ReferenceCache  # noqa: F401 - the reference the context builds
+
+    if not paths or ctx.reference is None:
+        return None
+    try:
+        ref = ctx.new_cache(ctx.reference)
+        drive(ctx, ref)
+    except Exception:  # noqa: BLE001 - no comparison without the reference: the general reading applies
+        return None
+    exact = []
+    for _, layer in cache_layers(ref):
+        for name in ("key_chunks", "value_chunks"):
+            chunks = [c for c in (getattr(layer, name, None) or []) if isinstance(c, torch.Tensor)]
+            if chunks:
+                exact.append(torch.cat(chunks, dim=-2).detach().double())
+    held = dict(held_tensor_items(cache))
+    best = None
+    for path in paths:
+        t = held.get(path)
+        if t is None:
+            continue
+        t = t.detach().double()
+        deltas = [(float((t - e).abs().max()), float(e.abs().max())) for e in exact if e.shape == t.shape]
+        if not deltas:
+            continue
+        delta, scale = min(deltas)
+        if delta <= 1e-4 * max(scale, 1.0):
+            return None  # one tensor is stored exactly: the codec does not touch what the cache keeps
+        if best is None or delta < best[1]:
+            best = (path, delta)
+    return best
 
 
 @register("quality", needs=("forward",), judges=ALL_KINDS, applies=evicting, params={
