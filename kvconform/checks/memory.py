@@ -64,7 +64,7 @@ from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
-from kvconform.checks._observe import FORWARD_OPS, run_observed
+from kvconform.checks._observe import FORWARD_OPS, measured_at_batch_one, run_observed
 from kvconform.memo import MEMO
 from kvconform.ops import op_names
 from kvconform.oracle import Tolerance
@@ -476,10 +476,19 @@ def not_inferred(series: list, capacities: list, token_bytes: int) -> str:
     else:
         why = ("no decode step showed the held bytes doubling and its keys are not a view of a larger buffer, so "
                "kvconform cannot see a buffer's capacity")
-    verdict = "a doubling buffer would explain it" if worst <= 2.0 + 1e-9 else "more than doubling would allow"
-    return (f"no allocation policy declared, none inferred ({why}); it holds up to {worst:.2f}× the formula: "
-            f"{verdict} — if the layer allocates amortised doubling buffers by design, declare "
+    if worst > 2.0 + 1e-9:
+        return (f"no allocation policy declared, none inferred ({why}); it holds up to {worst:.2f}× the formula, "
+                f"more than amortised doubling (≤ 2×) may hold, so no declared policy would explain it")
+    return (f"no allocation policy declared, none inferred ({why}); it holds up to {worst:.2f}× the formula, which "
+            f"a doubling buffer would explain — if the layer allocates amortised doubling buffers by design, declare "
             f"kvconform_allocation = \"doubling\" (CacheSpec allocation=\"doubling\")")
+
+
+def hint_applies(series: list, capacities: list, token_bytes: int) -> bool:
+    """Whether a failure of a layer with no allocation policy gets the ``not_inferred`` line: it holds at most
+    twice its formula (a doubling buffer would explain it), or its keys are a view of a larger buffer."""
+    worst = max((h / (t * token_bytes) for t, h, _ in series if t > 0 and token_bytes), default=0.0)
+    return worst <= 2.0 + 1e-9 or any(c for t, c in capacities if t > 0)
 
 
 def allocations(subject, raw: list, rows: list, shapes: dict, slack: int, capacities: dict | None = None) -> dict:
@@ -547,7 +556,8 @@ def check_memory_bytes(ctx):
     (full: S tokens, sliding: min(S, window), static: max_cache_len, linear: its states, quantized: its band).
 
     A subject that does not declare capability ``reset`` (``crop``) is measured up to the case's first ``reset``
-    (``crop``) op. A paged subject may hold one page per row and layer above the formula (see the module docstring:
+    (``crop``) op. A subject that raises at the case's batch (> 1) is measured at batch 1 as well
+    (``_observe.measured_at_batch_one``): its bytes get a verdict where it runs. A paged subject may hold one page per row and layer above the formula (see the module docstring:
     its ``page_size``, declared or inferred); the metrics ``granularity`` and ``page_tokens`` say which was used."""
     slack = int(ctx.case.params["slack_bytes"])
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
@@ -575,8 +585,12 @@ def check_memory_bytes(ctx):
     probe = GrowthProbe()
     try:
         run_memory_ops(ctx, cache, measure, observers=[probe])
-    except SubjectRaised as exc:
-        fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    except SubjectRaised as exc:  # a batch it cannot run: measured at batch 1 as well (measured_at_batch_one)
+        measured_at_batch_one(
+            ctx, exc, check_memory_bytes,
+            lambda c, e: fail_raised(c, e, "the cache does not support this sequence of calls (see the exception)"),
+            lambda m: f"{_mib(m.get('bytes_held', 0))} held vs {_mib(m.get('bytes_formula', 0))} by the formula "
+                      f"({m.get('ratio')}×) after S={m.get('tokens')} tokens")
     if not raw:
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
     grains = granularities(ctx.subject, probe.rows, shapes)
@@ -619,7 +633,8 @@ def check_memory_bytes(ctx):
     if (excess > 0 and not policy.policy and not exp.lossy and grain.tokens <= 1 and shape is not None
             and shape.token_bytes and "window=" not in exp.formula and "preallocated" not in exp.formula):
         series = [(tokens, h, layer) for c, layers in raw for name, h, layer, tokens in layers if name == label]
-        hint = "allocation: " + not_inferred(series, capacities.get(label, []), shape.token_bytes)
+        if hint_applies(series, capacities.get(label, []), shape.token_bytes):
+            hint = "allocation: " + not_inferred(series, capacities.get(label, []), shape.token_bytes)
     ctx.fail([
         observed + f" ({ratio:.2f}× the formula)",
         f"formula: {exp.formula}" + ("" if exp.lossy else f" (+ slack {slack} B)"),

@@ -31,6 +31,7 @@ from kvconform.checks import ALL_KINDS, OpRule, Param, register
 from kvconform.checks._drive import (SubjectRaised, cache_layers, held_bytes, held_tensor_items, largest_holdings,
                                      storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
+from kvconform.checks._observe import measured_at_batch_one
 from kvconform.memo import MEMO
 from kvconform.subjects import kind_of
 
@@ -297,14 +298,16 @@ def _reference_layers(ctx) -> list:
     return _REFERENCE[key]
 
 
-def _run_subject(ctx):
+def _run_subject(ctx, check, summary):
     """Run the case on a fresh subject cache; return ``(cache, tokens fed)``, failing the item if the subject
-    raises."""
+    raises — after measuring ``check`` at batch 1 as well where it raised at a larger batch
+    (``_observe.measured_at_batch_one``; ``summary(metrics)``: the batch-1 measurement in one phrase)."""
     cache = ctx.new_cache()
     try:
         steps = drive(ctx, cache)
     except SubjectRaised as exc:
-        fail_subject_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+        measured_at_batch_one(ctx, exc, check, lambda c, e: fail_subject_raised(
+            c, e, "the cache does not support this sequence of calls (see the exception)"), summary)
     return cache, int(steps[-1].seq.shape[1])
 
 
@@ -322,7 +325,9 @@ def check_compression_real(ctx):
     keys and values of a full-attention layer, the window of a sliding layer, the linear-attention states): ratio <
     1, and ≤ ``budget.bytes_ratio_max`` when the subject (or the case, ``params``) declares one. The ratio is of the
     case dtype's bytes (the built-in cases: float32)."""
-    cache, tokens = _run_subject(ctx)
+    cache, tokens = _run_subject(ctx, check_compression_real, lambda m: (
+        f"{_mib(m.get('bytes_held', 0))} held, {m.get('bytes_ratio')}× the {_mib(m.get('bytes_exact', 0))} an exact "
+        f"cache holds"))
     layers = _reference_layers(ctx)
     exact = sum(layer.exact_bytes for layer in layers)
     held = held_bytes(cache)
@@ -470,7 +475,8 @@ def check_memory_bound(ctx):
     measured on ``ReferenceCache`` fed the same ops) plus each layer's linear-attention states, plus ``slack_bytes``
     (default 256) per layer."""
     slack = int(ctx.case.params["slack_bytes"])
-    cache, tokens = _run_subject(ctx)
+    cache, tokens = _run_subject(ctx, check_memory_bound, lambda m: (
+        f"{_mib(m.get('bytes_held', 0))} held ≤ {_mib(m.get('bytes_bound', 0))} ({m.get('tokens_max')} tokens)"))
     budget = ctx.subject.budget
     tokens_max = int(budget.held_bound(tokens))  # tokens_max, or the share (keep_ratio) of the tokens seen
     layers = _reference_layers(ctx)
