@@ -557,8 +557,9 @@ def check_memory_bytes(ctx):
 
     A subject that does not declare capability ``reset`` (``crop``) is measured up to the case's first ``reset``
     (``crop``) op. A subject that raises at the case's batch (> 1) is measured at batch 1 as well
-    (``_observe.measured_at_batch_one``): its bytes get a verdict where it runs. A paged subject may hold one page per row and layer above the formula (see the module docstring:
-    its ``page_size``, declared or inferred); the metrics ``granularity`` and ``page_tokens`` say which was used."""
+    (``_observe.measured_at_batch_one``): its bytes get a verdict where it runs. A paged subject may hold one page
+    per row and layer above the formula (see the module docstring: its ``page_size``, declared or inferred); the
+    metrics ``granularity`` and ``page_tokens`` say which was used."""
     slack = int(ctx.case.params["slack_bytes"])
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
                   and op.name not in ctx.subject.capabilities]
