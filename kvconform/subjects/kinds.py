@@ -219,10 +219,13 @@ class SelfConsistent(Kind):
         name = self.subject.name
         if check.family == "generate":
             return (f"{name} is lossy: its greedy generate() is not compared token for token with the exact "
-                    f"model (a near-tie would flip a greedy token); its cache operations are judged by "
-                    f"self-consistency "
-                    f"(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family "
-                    f"(check_quality_budget against the float64 oracle)")
+                    f"model (a near-tie would flip a greedy token) but with kvconform's own greedy loop on a fresh "
+                    f"instance fed the same tokens (check_generate_self_consistent); its cache operations are "
+                    f"judged by self-consistency (logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by "
+                    f"the quality family (check_quality_budget against the float64 oracle)")
+        if check.name == "check_beam_search":
+            return (f"{name} is lossy: its beam search is not compared with the exact model's but with a fresh "
+                    f"instance fed each beam's tokens (check_beam_search_self_consistent)")
         if check.family in LOSSY_NOT_EXACT:
             return f"{name} is lossy: {LOSSY_NOT_EXACT[check.family]}"
         return _generate_tokens_reason(name, twin=False)

@@ -13,6 +13,12 @@ Faulty variants (pinned by ``tests/test_codec.py``):
   exact ones), but the decoded floats are kept, not the codes.
 * ``CodecNeverReached``: promises a saving, but its codec starts after 4,096 tokens (an "exact window" longer than
   any case): fails with "the compressor is never reached".
+* ``CodecLengthLags``: ``get_seq_length()`` leaves out the newest token ("the one still in the residual"): every
+  forward of kvconform's gets the same answer from a fresh instance (self-consistency cannot see it), but
+  ``generate()`` continuing the cache for a second turn feeds a token twice: caught by
+  ``check_generate_self_consistent``.
+* ``CodecStaleReorder``: ``reorder_cache`` skips the last layer: caught by ``check_beam_search_self_consistent``
+  (and by the batch family's reorder items).
 * ``CodecCoarse``: no memory promise, like ``CodecRoundTripCache``, but its codec keeps 3 levels (-1, 0, +1 times
   the scale) under the same budget: its quality is still judged, and fails.
 """
@@ -86,3 +92,20 @@ class CodecCoarse(CodecRoundTripCache):
     """FAULTY: a 3-level codec under the int8 codec's budget (no memory promise either)."""
 
     layer_class = _CoarseLayer
+
+
+class CodecLengthLags(CodecRoundTripCache):
+    """FAULTY: ``get_seq_length()`` is one less than the tokens fed (it counts only the tokens "out of the
+    residual")."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        held = super().get_seq_length(layer_idx)
+        return max(held - 1, 0)  # BUG: the newest token is not counted
+
+
+class CodecStaleReorder(CodecRoundTripCache):
+    """FAULTY: ``reorder_cache`` reorders every layer but the last."""
+
+    def reorder_cache(self, beam_idx):
+        for layer in self.layers[:-1]:  # BUG: the last layer keeps its old rows
+            layer.reorder_cache(beam_idx)
