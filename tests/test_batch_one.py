@@ -39,3 +39,21 @@ def test_a_one_row_lossy_cache_gets_its_compression_verdict_at_batch_one():
     assert r.outcome == "failed"
     assert "(fp32, batch 1), case compression_long" in r.message.splitlines()[0]
     assert "held bytes = 122,880 B after 240 tokens, 1.000× the 122,880 B an exact cache must hold" in r.message
+
+
+def test_a_cache_that_raises_at_batch_one_too_keeps_its_batch_two_failure():
+    from kvconform.subjects import CacheSpec
+    from kvconform.testing.single_row import SingleRowCache
+
+    class Broken(SingleRowCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if self.get_seq_length() >= 14:
+                raise RuntimeError("ring full")
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    [r] = check_cache(CacheSpec("Broken", Broken), models=["llama"], checks=["check_memory_bytes"],
+                      cases=["memory_decode"])
+    lines = r.message.splitlines()
+    assert lines[0].endswith("(fp32, batch 2), case memory_decode")
+    assert lines[1] == "  at batch 1 it raises too (RuntimeError at chunk(4)): no bytes measured"
+    assert "the subject raised ValueError: this cache serves one sequence at a time" in r.message

@@ -72,7 +72,8 @@ def measured_at_batch_one(ctx, exc, check, fail, summary) -> None:
 
     Raises:
         ConformanceError: the batch-1 bytes' failure, with a line saying that batch ``B`` raised; or, when batch 1 is
-            within its bound, the batch-``B`` failure with a line giving the batch-1 measurement.
+            within its bound, the batch-``B`` failure with a line giving the batch-1 measurement; or, when batch 1
+            raises too, the batch-``B`` failure saying so.
         SubjectRaised / CheckSkipped / ConformanceError: as ``fail`` when ``B`` is 1 or the context is already the
             batch-1 re-run.
     """
@@ -88,6 +89,14 @@ def measured_at_batch_one(ctx, exc, check, fail, summary) -> None:
     except AssertionError as err:
         if not hasattr(err, "metrics"):
             raise
+        if err.metrics.get("raised"):  # it raises at batch 1 too: no bytes to judge; the batch-B raise stands
+            again = f"{err.metrics['raised']} at {err.metrics.get('failed_at', '?')}"
+            try:
+                fail(ctx, exc)
+            except AssertionError as first:
+                if not hasattr(first, "metrics"):
+                    raise
+                raise _with_line(first, f"at batch 1 it raises too ({again}): no bytes measured") from None
         ctx.metrics.update(measured_batch=1, raised_at_batch=B)
         raise _with_line(err, f"measured at batch 1: at batch {B} the subject raised {raised} (its failure at batch "
                               f"{B} is this item's too; the bytes below are measured where it runs)",
