@@ -454,6 +454,11 @@ def _spare_capacity(series: list, capacities: list, token_bytes: int, slack: int
     slots = [c for t, c in capacities if t > 0]
     if not held or len(slots) != len(held) or any(c is None for c in slots):
         return None
+    try:
+        if compat.max_length(series[0][2]) > 0:
+            return None  # a bounded (sliding) layer holds its window, not a growing buffer
+    except Exception:  # noqa: BLE001 - an incomplete layer: no evidence
+        return None
     for (t, h), c in zip(held, slots):
         if not t < c <= 2 * t or abs(h - c * token_bytes) > slack:
             return None
