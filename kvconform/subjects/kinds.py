@@ -142,8 +142,8 @@ class Kind:
     def held_bound(self, seen: int) -> int | None:
         """The most tokens per row and attention layer it may hold after ``seen`` tokens (``Budget.held_bound``),
         or None."""
-        budget = getattr(self.subject, "budget", None)
-        return budget.held_bound(seen) if hasattr(budget, "held_bound") else None
+        held_bound = getattr(getattr(self.subject, "budget", None), "held_bound", None)
+        return held_bound(seen) if held_bound is not None else None
 
     # ------------------------------------------------------------------------------------------------ its twin
     @property
