@@ -17,7 +17,7 @@ from kvconform import compat
 from kvconform.checks import (ALL_KINDS, EXACT, IGNORES_OPS, LOSSY_FRESH, OP_PARAMS, CheckSkipped, OpRule, Param,
                               register)
 from kvconform.checks._drive import (SubjectRaised, case_generator, forward, generate, image_prompt,
-                                     random_tokens)
+                                     prefill_refusal, random_tokens, seq_length)
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
@@ -173,6 +173,12 @@ def fresh_only(subject, model, case, device="cpu"):
             "judged by check_beam_search against uncached beam search")
 
 
+def cache_before_any_token(cache) -> bool:
+    """Whether ``cache`` holds no token yet (``get_seq_length()`` 0 or undefined): a raise inside ``generate`` then came
+    at its first forward, the prefill."""
+    return not seq_length(cache)
+
+
 def _beam_prompts(ctx):
     """The seeded, left-padded prompts ``[B, P]`` and their mask of ``check_beam_search`` (``params.padding``; a VLM's
     image first), and the ops text's prompt part."""
@@ -221,6 +227,9 @@ def check_beam_search_self_consistent(ctx):
                                num_beams=beams, num_return_sequences=beams, early_stopping=False, length_penalty=0.0,
                                output_scores=True)
     except Exception as exc:  # noqa: BLE001
+        refusal = cache_before_any_token(cache) and prefill_refusal(ctx, SubjectRaised("prefill (generate)", exc))
+        if refusal:  # a clear refusal of the padded prompts, as the contract allows: nothing to judge here
+            raise CheckSkipped(refusal) from None
         missing = isinstance(exc, (AttributeError, NotImplementedError))
         ctx.fail([f"beam search raised {describe_exception(exc)}", f"ops: {ops_text}",
                   "likely cause: " + ("the cache has no working reorder_cache() (beam search calls it every step)"

@@ -247,6 +247,11 @@ def _self_consistent_cause(turn: int, step: int, reported, held, fed: int) -> st
     if turn == 1 and step == 0:
         return ("the first step already differs: generate() builds its first forward from the cache's "
                 "get_seq_length() / get_mask_sizes() before any token")
-    return ("generate() reads the cache between steps and gets another answer than the forwards: get_mask_sizes() "
-            "(its mask) or get_seq_length() do not describe what the cache holds, or the cache changes when "
+    if turn == 2 and step == 0:
+        return ("the second turn's first forward differs: continuing a warm cache, generate() feeds the tokens past "
+                "get_seq_length(), which must count every token the cache has seen (not the tokens it still holds "
+                "after compressing or evicting), and builds the mask from get_mask_sizes()")
+    return ("generate() reads the cache between steps and gets another answer than the forwards: get_seq_length() "
+            "(from which a continued turn takes the tokens still to feed: it must count the tokens seen, not those "
+            "still held) or get_mask_sizes() (its mask) do not describe the cache, or the cache changes when "
             "generate() calls it between forwards")
