@@ -47,4 +47,4 @@ def test_a_reorder_that_skips_a_layer_fails_beam_search():
 def test_exact_subjects_skip_the_self_consistent_checks():
     results = check_cache("kvconform.reference:ReferenceCache", models=["llama"], checks=CHECKS[:2])
     assert {r.outcome for r in results} == {"skipped"}
-    assert all("applies to lossy subjects without a fake-quant twin" in r.message for r in results)
+    assert all(r.message.startswith("applies to lossy subjects without a fake-quant twin") for r in results)

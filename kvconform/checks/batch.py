@@ -169,8 +169,9 @@ def fresh_only(subject, model, case, device="cpu"):
     own class (lossy without a twin, presses)."""
     if kind_of(subject).target == FRESH:
         return None
-    return ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'); exact subjects are "
-            "judged by check_beam_search against uncached beam search")
+    return ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'), whose beam search is "
+            "compared with a fresh instance of their class; an exact subject's is compared with uncached beam search "
+            "(check_beam_search)")
 
 
 def cache_before_any_token(cache) -> bool:
