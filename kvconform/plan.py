@@ -222,7 +222,8 @@ def external(spec: str) -> bool:
 
 def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> str | None:
     """Why an item that exists (``in_scope``) is skipped, or None: the one place that decides it (see
-    ARCHITECTURE.md, "Items"). In order: a capability the subject does not declare (with its ``notes``); the check's
+    ARCHITECTURE.md, "Items"). In order: a model outside what the subject declares it supports (``CacheSpec.supports``,
+    ``subjects.unsupported``); a capability the subject does not declare (with its ``notes``); the check's
     own rule (``@register(..., applies=rule)``, ``rule(subject, model, case, device=...) -> reason or None``:
     lossy-only checks, coverage checks tied to one subject, ...); the subject's kind, where the check does not judge
     it (``CheckInfo.judges``; ``Kind.not_judged``: e.g. a lossy subject is not held to the generate family's
@@ -231,8 +232,11 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     (optional backends and hardware); explicit ``position_ids`` on a model whose forward takes none.
     """
     from kvconform.compat import missing_requirement
-    from kvconform.subjects import kind_of
+    from kvconform.subjects import kind_of, unsupported
 
+    scoped = unsupported(subject, model)
+    if scoped:
+        return scoped
     missing = sorted(check.needs - subject.capabilities)
     if missing:
         note = getattr(subject, "notes", {}).get(missing[0])
