@@ -266,6 +266,42 @@ def linear_attention_protocol() -> str:
     return "slots" if "state_idx" in params else "single"
 
 
+def run_bookkeeping_init(base: type, layer, **kwargs) -> None:
+    """Run ``base.__init__`` (a transformers cache-layer mixin) on ``layer``, if ``base`` defines one: the fields the
+    installed release keeps its books in (counters, ``record_past``, ``device`` / ``dtype``, ...). A mixin without
+    an ``__init__`` of its own (``object.__init__`` takes no arguments) is skipped."""
+    if "__init__" in vars(base):
+        base.__init__(layer, **kwargs)
+
+
+def count_linear_tokens(layer, tokens: int | None) -> None:
+    """Keep a linear-attention layer's own token counter, where the installed release has one, in step with
+    ``tokens`` conv inputs added (negative: removed by a crop; None: reset to 0).
+
+    5.25 counts a linear layer's tokens in the layer (``cumulative_length_linear``, a 0-d int64 tensor that its
+    mixin's ``get_seq_length`` returns and ``increase_count`` / ``crop`` / ``reset`` keep) but advances it *inside*
+    ``LinearAttentionLayer.update_conv_state``, a storage method the reference replaces; this is that one line.
+    Releases without the counter (≤ 5.24) have nothing to keep.
+    """
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if not hasattr(counter, "zero_"):  # no counter (or not a tensor): nothing to keep
+        return
+    if tokens is None:
+        counter.zero_()
+    else:
+        counter.add_(tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def records_recurrent_states() -> bool:
+    """Whether the installed linear-attention layers can record recurrent states for ``crop``
+    (``activate_past_recording(recurrent_states_to_keep=N)``, 5.25 and later), read off the signature."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    method = getattr(LinearAttentionCacheLayerMixin, "activate_past_recording", None)
+    return method is not None and "recurrent_states_to_keep" in inspect.signature(method).parameters
+
+
 def layer_type_mappings():
     """``(DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING)`` of the installed transformers (layer type name →
     layer class), or None where the release has no such table (5.5.4: the types are mapped by an if/elif chain inside

@@ -67,10 +67,12 @@ class RunDigest:
         strict: ``--kvconform-strict``.
         stale_faults: known-fault entries that match no planned item (``KVSession.stale_faults``), each
             ``{"id", "transformers", "source"}``.
-        known_faults: item id → ``{"id": entry id, "shared_by_fresh": bool}`` for every planned item a
-            known-fault entry names (``KVSession.fault_entry``); ``shared_by_fresh``: the subject is compared with a
-            fresh instance of itself and the entry matches kvconform's ReferenceCache there too (a fault of the
-            model's code, which that instance shares, so a pass says nothing about it).
+        known_faults: item id → ``{"id": entry id, "shared_by_fresh": bool, "judged_at_run_time": bool}`` for every
+            planned item a known-fault entry names (``KVSession.fault_entry``); ``shared_by_fresh``: the subject is
+            compared with a fresh instance of itself and the entry matches kvconform's ReferenceCache there too (a
+            fault of the model's code, which that instance shares, so a pass says nothing about it);
+            ``judged_at_run_time``: the entry excuses a failure only after seeing it (``KnownFault.envelope`` or
+            ``evidence``), so its items run unmarked and a pass is recorded as a plain pass.
         items: item id → ``{"subject", "model", "check", "family", "case"}`` (``PlanItem.describe``), every planned
             item.
         reproduce_args: the run's own flags for a ``reproduce:`` line (``KVSession.reproduce_args``).

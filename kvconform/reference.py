@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from kvconform.compat import crop_tokens_to_remove, layer_types_and_kwargs, linear_attention_protocol
+from kvconform.compat import (count_linear_tokens, crop_tokens_to_remove, layer_types_and_kwargs,
+                              linear_attention_protocol, run_bookkeeping_init)
 
 try:  # not in every supported release (absent from 5.16)
     from transformers.cache_utils import DummyLayer
@@ -195,18 +196,34 @@ class ReferenceIndexedLayer(ReferenceAttentionLayer):
 class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixin):
     """Conv and recurrent states of one linear-attention (SSM) layer.
 
+    **Bookkeeping is transformers', storage is kvconform's.** The layer runs the installed release's own
+    ``LinearAttentionCacheLayerMixin.__init__`` and inherits every method of the mixin that only keeps books — the
+    token counter and ``increase_count`` / ``get_seq_length`` (5.25), ``record_past`` and what
+    ``activate_past_recording`` sets (``recurrent_states_to_keep``, 5.25), ``device`` / ``dtype`` — so a release that
+    adds such a field or method reaches the reference without a change here. What it overrides is where the states
+    live and how they are rewound: ``update_conv_state``, ``update_recurrent_state``, ``crop``, ``reset`` and the
+    batch ops (``BatchOpsMixin``). The one piece of bookkeeping that a release keeps *inside* a storage method — the
+    token counter that 5.25's ``LinearAttentionLayer.update_conv_state`` advances — goes through
+    ``compat.count_linear_tokens``. ARCHITECTURE.md ("The reference follows the protocol") states the rule.
+
     The protocol, as the Mamba / Mamba2 / Jamba / Bamba / FalconH1 mixers use it (``transformers.Cache`` reads the
     attribute names set in ``__init__`` directly):
 
     1. Prefill or chunked continuation (``seq_len > 1``), and every step while past recording is on: the model calls
        ``update_conv_state(x)`` with its conv input ``x`` ``[batch, channels, seq_len]`` and runs a causal conv
        over what it gets back, so the return value must be ``x`` with its real left context prepended. It then
-       calls ``update_recurrent_state(s)`` with the SSM state after the last token.
+       calls ``update_recurrent_state(s)`` with the SSM state after the last token — or, since 5.25, while
+       recording with ``recurrent_states_to_keep = N``, with the list of the states after each of the last N tokens.
     2. Single-token decode (and recording off): the model takes ``get_conv_state()`` ``[batch, channels, K]`` and
-       ``get_recurrent_state()`` and **updates both in place**, without calling ``update_*``. So the stored conv
-       state must hold exactly the last ``K = conv_kernel_size`` inputs (zeros before the first token), and the
-       stored tensors must be the cache's own (not views of the model's activations).
+       updates it **in place**, without calling ``update_conv_state`` (5.25 calls ``Cache.increase_count`` for the
+       token instead); the recurrent state is updated in place (up to 5.24) or handed to ``update_recurrent_state``
+       (5.25). So the stored conv state must hold exactly the last ``K = conv_kernel_size`` inputs (zeros before
+       the first token), and the stored tensors must be the cache's own (not views of the model's activations).
     3. ``get_*_state`` return None until the conv state of that slot was first written (``has_previous_state``).
+
+    Crop: the conv history is kept whole while recording, so conv-only layers rewind; a recurrent state rewinds only
+    to a length whose state was recorded (``activate_past_recording(recurrent_states_to_keep=N)``, 5.25), and
+    ``crop`` refuses anything else.
 
     Args:
         number_of_states: how many independent (conv, recurrent) slots the layer has (``state_idx``), usually 1.
@@ -216,6 +233,7 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
     supports_early_init = False
 
     def __init__(self, number_of_states: int = 1, **ignored_kwargs):
+        run_bookkeeping_init(LinearAttentionCacheLayerMixin, self, number_of_states=number_of_states)
         slots = range(number_of_states)
         self.number_of_states = number_of_states
         self.conv_states = dict.fromkeys(slots)  # slot -> [batch, channels, K] (all history while recording)
@@ -224,17 +242,34 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
         self.has_previous_state = dict.fromkeys(slots, False)
         self.is_conv_states_initialized = dict.fromkeys(slots, False)
         self.is_recurrent_states_initialized = dict.fromkeys(slots, False)
-        self.record_past = False  # read by the models through Cache.is_recording_past(layer_idx)
+        self.record_past = getattr(self, "record_past", False)  # read through Cache.is_recording_past(layer_idx)
+        self.tokens_fed = 0  # conv inputs given to update_conv_state (slot 0): the clock of the recorded states
+        self.recorded_states: dict = {slot: {} for slot in slots}  # slot -> {tokens_fed: recurrent state}
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
         """Nothing to allocate ahead of time: each state is stored when first written."""
 
-    def activate_past_recording(self) -> None:
-        """Keep the whole conv input history from now on, so that ``crop`` can rewind it.
+    def activate_past_recording(self, *args, **kwargs) -> None:
+        """Keep the whole conv input history from now on, so that ``crop`` can rewind it, and, where the release
+        asks for ``recurrent_states_to_keep = N > 0`` (5.25), the recurrent state after every token from now on.
 
-        While recording, the models route single-token decode through ``update_conv_state`` as well (step 1).
+        The release's own bookkeeping runs first (``LinearAttentionCacheLayerMixin.activate_past_recording``, with
+        whatever arguments it takes). A count of ``None`` is stored as 0 (no intermediate states): transformers 5.25
+        stores ``None``, and its mixers then compute ``min(None, seq_len)`` (known fault
+        ``linear-recording-none-count``). While recording, the models route single-token decode through
+        ``update_conv_state`` as well (step 1).
         """
+        LinearAttentionCacheLayerMixin.activate_past_recording(self, *args, **kwargs)
+        if getattr(self, "recurrent_states_to_keep", 0) is None:
+            self.recurrent_states_to_keep = 0
         self.record_past = True
+        if self._records_recurrent_states():  # the state now: where a crop of everything that follows goes back to
+            for slot, recorded in self.recorded_states.items():
+                held = self.is_recurrent_states_initialized[slot]
+                recorded[self.tokens_fed] = self.recurrent_states[slot].clone() if held else None
+
+    def _records_recurrent_states(self) -> bool:
+        return self.record_past and bool(getattr(self, "recurrent_states_to_keep", 0))
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
                           **kwargs) -> torch.Tensor:
@@ -258,18 +293,33 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
         self.conv_states[state_idx] = kept.clone()  # our own tensor: decode will mutate it in place
         self.is_conv_states_initialized[state_idx] = True
         self.has_previous_state[state_idx] = True
+        if state_idx == 0:
+            self.tokens_fed += conv_states.shape[-1]
+            count_linear_tokens(self, conv_states.shape[-1])
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Store the recurrent state after the last token (shape, dtype as the model gives); return the stored copy."""
-        self.recurrent_states[state_idx] = recurrent_states.clone()  # our own tensor: decode mutates it in place
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Store the recurrent state after the last token (shape, dtype as the model gives); return the stored copy.
+
+        ``recurrent_states`` is one tensor, or (5.25, recording with ``recurrent_states_to_keep = N``) the list of
+        the states after each of the last N tokens of the forward. While recording recurrent states, a copy of each
+        is kept under the token count it belongs to, for ``crop``.
+        """
+        states = [recurrent_states] if isinstance(recurrent_states, torch.Tensor) else list(recurrent_states)
+        if self._records_recurrent_states():
+            for back, state in enumerate(reversed(states)):
+                self.recorded_states[state_idx][self.tokens_fed - back] = state.clone()
+        self.recurrent_states[state_idx] = states[-1].clone()  # our own tensor: decode may mutate it in place
         self.is_recurrent_states_initialized[state_idx] = True
         return self.recurrent_states[state_idx]
 
     @property
     def is_croppable(self) -> bool:
-        """True once a conv state is held and no recurrent state is: a recurrent state cannot be rewound."""
-        return any(self.is_conv_states_initialized.values()) and not any(self.is_recurrent_states_initialized.values())
+        """True once a conv state is held and either no recurrent state is, or recurrent states are being recorded
+        (a recurrent state rewinds only to a recorded one; ``crop`` says when the one asked for is not)."""
+        if not any(self.is_conv_states_initialized.values()):
+            return False
+        return self._records_recurrent_states() or not any(self.is_recurrent_states_initialized.values())
 
     def get_max_length(self) -> int:
         """-1: a linear-attention layer has no sequence dimension, so no maximum length."""
@@ -277,11 +327,22 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
 
     get_max_cache_shape = get_max_length  # its name on transformers 5.5 (compat.LAYER_MAX_LENGTH_METHODS)
 
+    if hasattr(LinearAttentionCacheLayerMixin, "get_seq_length"):  # 5.25: the layer counts its tokens
+        def get_seq_length(self) -> int:
+            """Tokens seen, as an ``int``: the attention half's count in a hybrid layer (the next class in the
+            MRO), else the release's own counter (5.25 returns its live 0-d tensor, which the next forward
+            changes: known fault ``linear-live-length``)."""
+            return int(super().get_seq_length())
+
     def _crop_problem(self, tokens_to_remove: int) -> str | None:
         if tokens_to_remove == 0 or not any(self.is_conv_states_initialized.values()):
             return None
-        if any(self.is_recurrent_states_initialized.values()):
-            return "it holds a recurrent (SSM) state, which cannot be rewound"
+        for slot, held in self.is_recurrent_states_initialized.items():
+            if held and (self.tokens_fed + tokens_to_remove) not in self.recorded_states[slot]:
+                if not self.record_past:
+                    return "it holds a recurrent (SSM) state, which cannot be rewound"
+                return (f"it holds a recurrent (SSM) state and none was recorded for the length after crop("
+                        f"{tokens_to_remove}); activate_past_recording(recurrent_states_to_keep=N) keeps the last N")
         for slot, conv in self.conv_states.items():  # the next token needs K - 1 inputs of left context
             if conv is not None and conv.shape[-1] + tokens_to_remove < self.conv_kernel_size[slot] - 1:
                 removable = conv.shape[-1] - self.conv_kernel_size[slot] + 1
@@ -290,12 +351,13 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
         return None
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` conv inputs (0 is a no-op).
+        """Drop the last ``-tokens_to_remove`` conv inputs, and put back the recurrent state recorded at the length
+        left (0 is a no-op).
 
         Raises:
             ValueError: ``tokens_to_remove > 0``.
-            RuntimeError: a recurrent state is held, or the inputs to remove plus ``K - 1`` before them are not
-                all held (past recording was not active when they came).
+            RuntimeError: a recurrent state is held and none was recorded for the length left, or the inputs to
+                remove plus ``K - 1`` before them are not all held (past recording was not active when they came).
         """
         _check_crop_sign(tokens_to_remove)
         problem = self._crop_problem(tokens_to_remove)
@@ -306,6 +368,15 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
         for slot, conv in self.conv_states.items():
             if conv is not None:
                 self.conv_states[slot] = conv[..., : conv.shape[-1] + tokens_to_remove]
+        left = self.tokens_fed + tokens_to_remove
+        for slot, recorded in self.recorded_states.items():
+            if self.is_recurrent_states_initialized[slot]:
+                state = recorded[left]  # None: recording began before the first token, so nothing was held
+                self.recurrent_states[slot] = None if state is None else state.clone()
+                self.is_recurrent_states_initialized[slot] = state is not None
+            self.recorded_states[slot] = {at: state for at, state in recorded.items() if at <= left}
+        count_linear_tokens(self, tokens_to_remove)
+        self.tokens_fed = left
 
     def reset(self) -> None:
         """Forget all states (``record_past`` and the kernel sizes stay)."""
@@ -313,12 +384,18 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
             self.conv_states[slot] = self.recurrent_states[slot] = None
             self.has_previous_state[slot] = False
             self.is_conv_states_initialized[slot] = self.is_recurrent_states_initialized[slot] = False
+            self.recorded_states[slot] = {}
+        count_linear_tokens(self, None)
+        self.tokens_fed = 0
 
     def _map_batch(self, fn) -> None:
         for states in (self.conv_states, self.recurrent_states):
             for slot, state in states.items():
                 if state is not None:
                     states[slot] = fn(state)
+        for recorded in self.recorded_states.values():
+            for at, state in recorded.items():
+                recorded[at] = None if state is None else fn(state)
 
 
 class ReferenceHybridLayer(ReferenceLinearAttentionLayer, ReferenceAttentionLayer):
@@ -380,6 +457,10 @@ class ReferenceSingleStateLinearLayer(ReferenceLinearAttentionLayer):
         self.is_recurrent_states_initialized = False
         self.device = self.dtype = None
         self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        """Keep the whole conv input history from now on, so that ``crop`` can rewind a conv-only layer."""
+        self.record_past = True
 
     def update_conv_state(self, conv_states: torch.Tensor, **kwargs) -> torch.Tensor:
         """Store conv inputs; return the last ``K`` ``[batch, channels, K]`` (step 1: ``conv_states`` is that)."""
@@ -474,6 +555,20 @@ def make_reference_layer(layer_type: str, layer_kwargs: dict):
     if layer_type == "dummy" and DummyLayer is not None:
         return DummyLayer()
     raise ValueError(f"ReferenceCache has no layer for layer type {layer_type!r}")
+
+
+def unmodelled_layer_types(config) -> list[str]:
+    """The layer types of ``config``'s decoder (``compat.layer_types_and_kwargs``) that ``ReferenceCache`` has no
+    layer for, in first-seen order; ``[]`` when it models them all. A model with such a type cannot be judged (the
+    reference is what kvconform derives memory formulas and model-fault verdicts from), so it is refused up front."""
+    types, _ = layer_types_and_kwargs(config)
+    missing: list[str] = []
+    for layer_type in types:
+        known = (layer_type in ATTENTION_LAYER_TYPES + LINEAR_LAYER_TYPES + HYBRID_LAYER_TYPES
+                 or layer_type == INDEXED_LAYER_TYPE or (layer_type == "dummy" and DummyLayer is not None))
+        if not known and layer_type not in missing:
+            missing.append(layer_type)
+    return missing
 
 
 class ReferenceCache(Cache):

@@ -439,6 +439,8 @@ def run_check(name: str, ctx: CheckContext) -> dict:
                 cause = (f"likely cause: the constructor assigns self.{read_only}, a read-only property of a base "
                          f"class (transformers' Cache derives {read_only} from its layers): no keyword argument can "
                          f"fix it — keep the value under another name, or let the base class derive it")
+            elif isinstance(exc.cause, NotImplementedError):
+                cause = "likely cause: " + _not_supported(ctx, exc.cause)
             else:
                 cause = ("likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
                          "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
@@ -462,6 +464,26 @@ def _read_only_attribute(exc: BaseException) -> str | None:
         return None
     m = re.search(r"property '(\w+)' of '[^']*' object has no setter|can't set attribute '(\w+)'", str(exc))
     return (m.group(1) or m.group(2)) if m else None
+
+
+def _not_supported(ctx, exc) -> str:
+    """The cause line of a subject whose construction raised ``NotImplementedError`` (``exc``) on ``ctx.model``:
+    the cache does not support this model — naming the model's layer types its message names (else all of them) —
+    and the declaration that scopes it (``kvconform_supports``)."""
+    text = str(exc).lower()
+    model = ctx.model
+    types = sorted(set(getattr(model, "layer_types", ()) or ()))
+    named = [t for t in types if t.lower() in text or t.split("_")[0].lower() in text]
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    shown = named or types
+    what = f"{model.name}'s {', '.join(shown)} layers" if shown else model.name
+    if not named and model_type and model_type.lower() in text:
+        what = f"{model.name} ({model_type})"
+    supported = sorted({"full_attention", "sliding_attention"} - set(shown)) or ["full_attention"]
+    return (f"{ctx.subject.name} does not support {what} (its construction raised NotImplementedError, which is "
+            f"how a cache says so; no keyword argument would change it): scope the cache to what it supports — "
+            f"kvconform_supports = {{{', '.join(repr(n) for n in supported)}}} (layer types and model kinds; "
+            f"CacheSpec(supports=...)) — and these items are skipped with that reason")
 
 
 _DRIFT = MEMO.table("checks.oracle_drift")

@@ -447,6 +447,7 @@ def public_kv_facts(cache) -> tuple[dict, list]:
     get_seq_length(), but answer None or no tensor for keys])``. The first dimension of these is the batch by the
     Cache contract; a layer's other tensors may be laid out otherwise (a paged pool's first dimension counts pages)."""
     import torch
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
     def answer(layer, attr):
         try:
@@ -456,6 +457,8 @@ def public_kv_facts(cache) -> tuple[dict, list]:
         return t if isinstance(t, torch.Tensor) and t.dim() >= 3 else None
 
     def holds_tokens(layer) -> bool:
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin):
+            return False  # a linear-attention layer holds states, not keys (5.25 gives it a token count)
         try:
             return int(layer.get_seq_length()) > 0
         except Exception:  # noqa: BLE001 - no length to read: no claim

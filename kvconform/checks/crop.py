@@ -47,6 +47,25 @@ def _flag(cache):
     return None if value is None else bool(value)
 
 
+def _recording_call(cache, keep: int):
+    """``(label, call)`` that turns past recording on: ``activate_past_recording()``, or with ``keep > 0``
+    ``activate_past_recording(recurrent_states_to_keep=keep)`` (the recurrent states of the last ``keep`` tokens
+    recorded, so that a crop can rewind them: transformers 5.25).
+
+    Raises:
+        CheckSkipped: ``keep > 0`` and the installed transformers' linear-attention layers take no such count.
+    """
+    if not keep:
+        return "activate_past_recording()", lambda: cache.activate_past_recording()
+    if not compat.records_recurrent_states():
+        from kvconform.outcomes import CheckSkipped
+
+        raise CheckSkipped(f"transformers {compat.transformers_version()} records no recurrent states "
+                           "(activate_past_recording takes no recurrent_states_to_keep before 5.25)")
+    return (f"activate_past_recording(recurrent_states_to_keep={keep})",
+            lambda: cache.activate_past_recording(recurrent_states_to_keep=keep))
+
+
 def run_crop_case(ctx, cache, records=None):
     """Run the case's ops; the ``crop`` op is done with the policy above. Returns ``(runner, records)``; each crop
     appends a ``CropRecord`` to ``records`` (a list, filled even when a later op raises).
@@ -57,10 +76,13 @@ def run_crop_case(ctx, cache, records=None):
         SubjectRaised: a forward raised.
     """
     params = ctx.case.params
+    if params["record_states"]:
+        _recording_call(cache, params["record_states"])  # skipped before anything runs where no release records
     runner = Runner(ctx, cache)
     if params["record"] and hasattr(cache, "activate_past_recording"):
-        runner._call("activate_past_recording()", lambda: cache.activate_past_recording())
-        runner.trail.append("activate_past_recording()")
+        label, record = _recording_call(cache, params["record_states"])
+        runner._call(label, record)
+        runner.trail.append(label)
     records = [] if records is None else records
 
     def crop(runner, op):
@@ -296,7 +318,8 @@ def _crop_check(ctx):
                      + (measured or "its keys, length counter and get_mask_sizes() no longer agree") + ")")
         else:
             cause = measured or "the cache does not support this sequence of calls (see the exception)"
-        recording = "activate_past_recording() → " if ctx.case.params["record"] else ""
+        recording = _recording_call(cache, ctx.case.params["record_states"])[0] + " → " \
+            if ctx.case.params["record"] else ""
         ctx.fail([f"the subject raised {describe_exception(exc.cause)}",
                   f"ops: {recording}{ctx.case.ops_label()}   [raised at {exc.where}]", "likely cause: " + cause],
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})
@@ -316,6 +339,9 @@ def _driver(ctx, cache):
 CROP_PARAMS = {
     **OP_PARAMS,
     "record": Param(bool, default=False, doc="call activate_past_recording() before the first token"),
+    "record_states": Param(int, default=0, doc="with record: keep the recurrent states of the last N tokens "
+                           "(activate_past_recording(recurrent_states_to_keep=N), transformers 5.25 and later; "
+                           "skipped before)"),
     "positive": Param(bool, default=False, doc="call crop(+N) instead of crop(-N)"),
     "crop_beyond_held": Param(bool, default=False, doc="a crop removes more tokens than the cache holds, on purpose "
                               "(the edge case: empty the cache or refuse clearly); otherwise such a crop is an error "
