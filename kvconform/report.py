@@ -197,7 +197,7 @@ def undeclared_kind_hints(results: dict, digest) -> list[str]:
             f"families ({', '.join(families)}). If it quantizes, compresses or evicts keys/values by design, declare "
             f"it — kvconform_lossy = {{\"kl_max\": ..., \"top1_min\": ...}} (or kvconform_evicting / "
             f"kvconform_press) on the class or factory — and it is judged against a fresh instance of itself and a "
-            f"quality budget instead of the exact oracle (README: \"Lossy, evicting and paged caches\"). An exact "
+            f"quality budget instead of the exact oracle (docs/lossy-evicting-paged.md). An exact "
             f"cache failing this widely more likely stores or returns wrong keys/values: read its first failure.")
     return lines
 

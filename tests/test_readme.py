@@ -1,6 +1,7 @@
-"""README.md's example matrices and default-run counts are generated from a real run (ci/readme_examples.py); these
-tests hold the committed blocks to the current code, so that they cannot go stale. The real run's side is in
-tests/test_plugin.py (test_empty_folder_run_with_json_and_known_fault_xfail compares its own output with them)."""
+"""The example matrices and default-run counts of README.md and docs/ are generated from a real run
+(ci/readme_examples.py); these tests hold the committed blocks to the current code, so that they cannot go stale, and
+every copy of a block (README.md and the docs pages) to README.md's. The real run's side is in tests/test_plugin.py
+(test_empty_folder_run_with_json_and_known_fault_xfail compares its own output with them)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,18 @@ def test_the_generator_renders_a_report_into_the_readme_structure():
     new = mod.replace(text, rendered)
     assert mod.blocks(new)["matrix"] == rendered["matrix"]
     assert "ReferenceCache  1/1" in rendered["matrix"] and "DynamicCache    0/1 x1" in rendered["matrix"]
+
+
+def test_every_copy_of_a_generated_block_is_the_readmes_and_the_generator_rewrites_each():
+    """A block may sit in README.md and in docs pages (docs/index.md repeats the quick start): each copy equals
+    README.md's, and ``--write`` reaches every file that holds one (``files()``)."""
+    mod = readme_examples()
+    readme = mod.blocks((ROOT / "README.md").read_text())
+    assert set(readme) == {"matrix", "counts"}, sorted(readme)
+    copies = {path: mod.blocks(path.read_text()) for path in mod.files()}
+    assert ROOT / "docs" / "index.md" in copies and copies[ROOT / "docs" / "index.md"], "docs/index.md has no block"
+    for path, found in copies.items():
+        for name, content in found.items():
+            assert content == readme[name], f"{path.relative_to(ROOT)}: block {name} differs from README.md's"
+    holders = [p for p, found in copies.items() if found]
+    assert ROOT / "README.md" in holders and len(holders) >= 2, holders
