@@ -96,3 +96,36 @@ def test_every_copy_of_a_generated_block_is_the_readmes_and_the_generator_rewrit
             assert content == readme[name], f"{path.relative_to(ROOT)}: block {name} differs from README.md's"
     holders = [p for p, found in copies.items() if found]
     assert ROOT / "README.md" in holders and len(holders) >= 2, holders
+
+
+def test_the_generator_writes_and_checks_every_file_that_holds_a_block(tmp_path):
+    """``--write`` rewrites the blocks in README.md and in each docs page that holds one; ``--check`` exits 1 before
+    and 0 after (run on copies of the files, with a small report)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "ci").mkdir()
+    shutil.copy(ROOT / "ci" / "readme_examples.py", tmp_path / "ci")
+    shutil.copy(ROOT / "README.md", tmp_path)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    results = [{"nodeid": f"n{i}", "subject": s, "model": "llama", "check": "c", "family": "logits", "case": "k",
+                "outcome": o, "message": "", "metrics": {}}
+               for i, (s, o) in enumerate([("ReferenceCache", "passed"), ("DynamicCache", "failed")])]
+    (tmp_path / "report.json").write_text(json.dumps({"schema": 1, "results": results}))
+
+    def run(*args):
+        script, report = tmp_path / "ci" / "readme_examples.py", tmp_path / "report.json"
+        return subprocess.run([sys.executable, str(script), str(report), "--wall", "12", *args],
+                              capture_output=True, text=True)
+
+    before = run("--check")
+    assert before.returncode == 1 and "README.md" in before.stderr and "docs/index.md" in before.stderr, before.stderr
+    assert run("--write").returncode == 0
+    assert run("--check").returncode == 0
+    mod = readme_examples()
+    sentence = "about 10 s wall on 2 CPU cores for 2 items: 1 pass, 0 known upstream faults xfail, 1 fail, 0 skip"
+    for page in ("README.md", "docs/index.md"):
+        assert mod.blocks((tmp_path / page).read_text())["counts"].startswith(sentence), page
+    assert "DynamicCache    0/1 F1" in mod.blocks((tmp_path / "docs" / "reading-results.md").read_text())["matrix"]
