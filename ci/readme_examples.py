@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Generate README.md's example matrices and default-run counts from a real run, so that they cannot go stale.
+"""Generate the example blocks of README.md and docs/ (matrices, default-run counts) from a real run, kept fresh.
 
     python ci/readme_examples.py REPORT.json [--wall SECONDS] [--write | --check]
 
 REPORT.json is the ``--kvconform-json`` report of a default ``pytest --kvconform`` run in an empty folder. The
-README's blocks between ``<!-- readme_examples:NAME -->`` and ``<!-- /readme_examples:NAME -->`` are rendered from it
-with kvconform's own matrix code (``kvconform.report.matrix``): ``matrix`` (the two tables, cut to a few rows and
-columns) and ``counts`` (the sentence giving the run's items, outcomes and wall time — ``--wall`` from
-``ci/bench_loop.sh``). ``--write`` rewrites README.md; ``--check`` exits 1 when it differs; neither: print the blocks.
-``tests/test_readme.py`` checks the committed blocks against the current code and plan.
+blocks between ``<!-- readme_examples:NAME -->`` and ``<!-- /readme_examples:NAME -->`` in README.md and the pages of
+docs/ (``files()``; one block may sit in several files) are rendered from it with kvconform's own matrix code
+(``kvconform.report.matrix``): ``matrix`` (the two tables, cut to a few rows and columns) and ``counts`` (the sentence
+giving the run's items, outcomes and wall time — ``--wall`` from ``ci/bench_loop.sh``). ``--write`` rewrites those
+files; ``--check`` exits 1 when one differs; neither: print the blocks. ``tests/test_readme.py`` checks the committed
+blocks against the current code and plan, and that every copy of a block is the same.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def files() -> list[Path]:
+    """README.md and the pages of docs/: every file that may hold generated blocks."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
 SUBJECT_ROWS = ("ReferenceCache", "DynamicCache", "StaticCache", "QuantizedCache_hqq4")
 MODEL_ROWS = ("llama", "mistral", "jamba")
 MODEL_COLS = 4
@@ -35,7 +42,7 @@ def _lines(title, header, rows) -> list[str]:
 
 def render(results: list, wall: float | None = None) -> dict[str, str]:
     """``{block name: text}`` rendered from the JSON report's ``results``."""
-    sys.path.insert(0, str(README.parent))
+    sys.path.insert(0, str(ROOT))
     from kvconform.report import _families, matrix
 
     by_id = {r["nodeid"]: r for r in results}
@@ -86,17 +93,22 @@ def main(argv=None) -> int:
     mode.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     rendered = render(json.loads(Path(args.report).read_text())["results"], args.wall)
-    text = README.read_text()
-    new = replace(text, rendered)
-    if args.write:
-        README.write_text(new)
-    elif args.check:
-        if new != text:
-            print("README.md's generated blocks differ from the report; run with --write", file=sys.stderr)
-            return 1
-    else:
+    if not (args.write or args.check):
         for name, content in rendered.items():
             print(f"--- {name}\n{content}")
+        return 0
+    stale = []
+    for path in files():
+        text = path.read_text()
+        new = replace(text, rendered)
+        if new != text:
+            stale.append(path.relative_to(ROOT))
+            if args.write:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"the generated blocks of {', '.join(map(str, stale))} differ from the report; run with --write",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -201,7 +201,7 @@ def undeclared_kind_hints(results: dict, digest) -> list[str]:
                 f"that compresses does: if it quantizes, compresses or evicts by design, declare it — "
                 f"kvconform_lossy = {{\"kl_max\": ..., \"top1_min\": ...}} (or kvconform_evicting / "
                 f"kvconform_press) on the class or factory — and it is judged against a fresh instance of itself and "
-                f"a quality budget instead of the exact oracle (README: \"Lossy, evicting and paged caches\"). If "
+                f"a quality budget instead of the exact oracle (docs/lossy-evicting-paged.md). If "
                 f"it is meant to be exact, read its first failure: a declaration would hide the bug.")
         elif measured:
             lines.append(

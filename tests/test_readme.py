@@ -1,6 +1,7 @@
-"""README.md's example matrices and default-run counts are generated from a real run (ci/readme_examples.py); these
-tests hold the committed blocks to the current code, so that they cannot go stale. The real run's side is in
-tests/test_plugin.py (test_empty_folder_run_with_json_and_known_fault_xfail compares its own output with them)."""
+"""The example matrices and default-run counts of README.md and docs/ are generated from a real run
+(ci/readme_examples.py); these tests hold the committed blocks to the current code, so that they cannot go stale, and
+every copy of a block (README.md and the docs pages) to README.md's. The real run's side is in tests/test_plugin.py
+(test_empty_folder_run_with_json_and_known_fault_xfail compares its own output with them)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,51 @@ def test_the_generator_renders_a_report_into_the_readme_structure():
     new = mod.replace(text, rendered)
     assert mod.blocks(new)["matrix"] == rendered["matrix"]
     assert "ReferenceCache  1/1" in rendered["matrix"] and "DynamicCache    0/1 x1" in rendered["matrix"]
+
+
+def test_every_copy_of_a_generated_block_is_the_readmes_and_the_generator_rewrites_each():
+    """A block may sit in README.md and in docs pages (docs/index.md repeats the quick start): each copy equals
+    README.md's, and ``--write`` reaches every file that holds one (``files()``)."""
+    mod = readme_examples()
+    readme = mod.blocks((ROOT / "README.md").read_text())
+    assert set(readme) == {"matrix", "counts"}, sorted(readme)
+    copies = {path: mod.blocks(path.read_text()) for path in mod.files()}
+    assert ROOT / "docs" / "index.md" in copies and copies[ROOT / "docs" / "index.md"], "docs/index.md has no block"
+    for path, found in copies.items():
+        for name, content in found.items():
+            assert content == readme[name], f"{path.relative_to(ROOT)}: block {name} differs from README.md's"
+    holders = [p for p, found in copies.items() if found]
+    assert ROOT / "README.md" in holders and len(holders) >= 2, holders
+
+
+def test_the_generator_writes_and_checks_every_file_that_holds_a_block(tmp_path):
+    """``--write`` rewrites the blocks in README.md and in each docs page that holds one; ``--check`` exits 1 before
+    and 0 after (run on copies of the files, with a small report)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "ci").mkdir()
+    shutil.copy(ROOT / "ci" / "readme_examples.py", tmp_path / "ci")
+    shutil.copy(ROOT / "README.md", tmp_path)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    results = [{"nodeid": f"n{i}", "subject": s, "model": "llama", "check": "c", "family": "logits", "case": "k",
+                "outcome": o, "message": "", "metrics": {}}
+               for i, (s, o) in enumerate([("ReferenceCache", "passed"), ("DynamicCache", "failed")])]
+    (tmp_path / "report.json").write_text(json.dumps({"schema": 1, "results": results}))
+
+    def run(*args):
+        script, report = tmp_path / "ci" / "readme_examples.py", tmp_path / "report.json"
+        return subprocess.run([sys.executable, str(script), str(report), "--wall", "12", *args],
+                              capture_output=True, text=True)
+
+    before = run("--check")
+    assert before.returncode == 1 and "README.md" in before.stderr and "docs/index.md" in before.stderr, before.stderr
+    assert run("--write").returncode == 0
+    assert run("--check").returncode == 0
+    mod = readme_examples()
+    sentence = "about 10 s wall on 2 CPU cores for 2 items: 1 pass, 0 known upstream faults xfail, 1 fail, 0 skip"
+    for page in ("README.md", "docs/index.md"):
+        assert mod.blocks((tmp_path / page).read_text())["counts"].startswith(sentence), page
+    assert "DynamicCache    0/1 F1" in mod.blocks((tmp_path / "docs" / "reading-results.md").read_text())["matrix"]

@@ -46,7 +46,7 @@ def test_merge_junitxml_has_one_testcase_per_item_with_messages_reasons_and_know
     """A real run with a failure (a faulty cache), skips (CUDA-only subjects) and a known upstream fault's xfail: the
     JUnit XML of kvconform-merge parses back with the JSON report's counts, class = subject, name = item id, the
     failure's whole message, each skip's reason, each xfail's fault id. pytest's own --junitxml of the same run has
-    one testcase per item too, with kvconform's message (what the README says of a single run)."""
+    one testcase per item too, with kvconform's message (what docs/reports.md says of a single run)."""
     result = run_kvconform("--kvconform-model", "llama", "--kvconform-cache",
                            "kvconform.testing.faulty_logits:HiddenWindowCache", "-k",
                            "(HiddenWindowCache and decode_explicit) or (StaticCache and crop)",
@@ -399,7 +399,7 @@ def test_a_cache_module_that_fails_to_import_is_refused_before_the_session_is_bu
     ("pytest.ini", "[pytest]\nkvconform = true\nkvconform_model = llama gpt2\n"),
 ])
 def test_an_ini_twin_takes_several_values_one_per_line_or_as_a_toml_list(pytester, ini_file, text):
-    """What the README says of ini twins: one value per line (or a list in pyproject.toml); one line is one value."""
+    """What docs/flags.md says of ini twins: one value per line (or a list in pyproject.toml); one line is one value."""
     (pytester.path / ini_file).write_text(text)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q", "-k",
                                            "ReferenceCache and decode_explicit")

@@ -532,7 +532,7 @@ def check_encoder_decoder_subcaches(ctx):
 
 # ================================================================================= the evicting contract
 # The contract of an *evicting* cache (``kind="evicting"``, ``Budget.tokens_max``), checked past ``tokens_max``
-# (family ``contract``; see README, "Evicting caches").
+# (family ``contract``; see docs/lossy-evicting-paged.md, "Evicting caches").
 #
 # An evicting cache drops tokens (attention sinks + window, KV presses). Below ``tokens_max`` held tokens it is exact,
 # so the exact families' cases that stay below apply to it unchanged (``Kind.not_judged`` skips the

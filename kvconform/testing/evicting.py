@@ -1,5 +1,5 @@
 """SinkWindowCache: a correct *evicting* cache (StreamingLLM-style attention sinks + a recent window), written the
-way a cache author would, and the worked example of kvconform's evicting-cache contract (README, "Evicting caches").
+way a cache author would, and the worked example of kvconform's evicting-cache contract (docs/lossy-evicting-paged.md).
 
 Every attention layer keeps the first ``S`` tokens it was given (the "attention sinks") and the most recent ``W``
 tokens, and evicts the rest *after* each forward: the forward that brings the cache past ``S + W`` tokens still
