@@ -652,7 +652,7 @@ def check_memory_bytes(ctx):
         hint,
         f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
         "likely cause: " + (_length_cause(checkpoints) or _policy_cause(policy, label, checkpoints) or
-                            _ahead_of_need(raw, capacities, label, shape, slack) or
+                            (_ahead_of_need(raw, capacities, label, shape, slack) if grain.tokens <= 1 else None) or
                             _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows)),
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
