@@ -41,7 +41,7 @@ class DefaultDtypeBufferCache(Cache):
     """Allocates its key/value buffers with ``torch.tensor([], device=...)`` and no ``dtype``: float32 on every
     model. Exact on a float32 model; a bfloat16 / float16 model gets float32 keys back from ``update()``."""
 
-    kvconform_capabilities = ("forward",)
+    kvconform_capabilities = ("forward", "crop")  # DynamicLayer.crop is right for it: declared, so crop is judged
 
     def __init__(self, config=None, **kwargs):
         types, _ = layer_types_and_kwargs(config)
@@ -60,7 +60,7 @@ class UpcastKeysCache(Cache):
     """Stores keys/values in the model's dtype and returns them ``.float()``: a no-op on a float32 model, float32
     keys for a bfloat16 / float16 model's attention."""
 
-    kvconform_capabilities = ("forward",)
+    kvconform_capabilities = ("forward", "crop")  # DynamicLayer.crop is right for it: declared, so crop is judged
 
     def __init__(self, config=None, **kwargs):
         types, _ = layer_types_and_kwargs(config)
@@ -80,7 +80,7 @@ class BfloatForHalfCache(Cache):
     """Stores every 16-bit model's keys/values as bfloat16 and widens them back on the way out: exact for float32
     and bfloat16 models, rounded to bfloat16's 8-bit mantissa for a float16 model."""
 
-    kvconform_capabilities = ("forward",)
+    kvconform_capabilities = ("forward", "crop")  # DynamicLayer.crop is right for it: declared, so crop is judged
 
     def __init__(self, config=None, **kwargs):
         types, _ = layer_types_and_kwargs(config)
@@ -94,6 +94,7 @@ FAULTY = [
         message=("check_prefill_then_decode failed: DefaultDtypeBufferCache on llama (bf16, batch 2)",
                  "[raised at prefill(12)]"),
         cause=r"update\(layer_idx=0\) returned keys of dtype float32 for key/value states of dtype bfloat16",
+        also_caught_by=("crop",),  # bf16_crop_padded raises the same way
     ),
     FaultyCache(
         name="upcast_keys", attr="UpcastKeysCache", module=__name__, family="logits",
@@ -101,6 +102,7 @@ FAULTY = [
         message=("check_prefill_then_decode failed: UpcastKeysCache on llama (fp16, batch 2)",
                  "[raised at prefill(12)]"),
         cause=r"update\(layer_idx=0\) returned keys of dtype float32 for key/value states of dtype float16",
+        also_caught_by=("crop",),  # bf16_crop_padded raises the same way
     ),
     FaultyCache(
         name="bfloat_for_half", attr="BfloatForHalfCache", module=__name__, family="logits",
