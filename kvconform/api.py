@@ -15,6 +15,7 @@ class CheckResult:
     Attributes:
         id: the item id (``subject-model-check-case``), as in pytest.
         subject, model, check, family, case: the item's coordinates.
+        dtype, batch: the case's dtype (``"float32"``, ``"bfloat16"``, ...) and batch size.
         outcome: ``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed`` or ``error``.
         message: the failure message (ARCHITECTURE.md, "Failure messages"), the skip / xfail reason, or the exception
             for ``error``.
@@ -30,6 +31,8 @@ class CheckResult:
     outcome: str
     message: str = ""
     metrics: dict = field(default_factory=dict)
+    dtype: str = "float32"
+    batch: int = 0
 
 
 def _session(caches, models, checks, cases, strict, device, full):
@@ -65,7 +68,7 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
     session = _session(_as_list(cache), models, checks, cases, strict, device, full)
     results = []
     for item in session.items():
-        base = item.describe()
+        base = item.record()
         if item.skip:
             results.append(CheckResult(item.id, **base, outcome="skipped", message=item.skip))
             continue

@@ -73,8 +73,8 @@ class RunDigest:
             fault of the model's code, which that instance shares, so a pass says nothing about it);
             ``judged_at_run_time``: the entry excuses a failure only after seeing it (``KnownFault.envelope`` or
             ``evidence``), so its items run unmarked and a pass is recorded as a plain pass.
-        items: item id → ``{"subject", "model", "check", "family", "case"}`` (``PlanItem.describe``), every planned
-            item.
+        items: item id → ``{"subject", "model", "check", "family", "case", "dtype", "batch"}``
+            (``PlanItem.record``), every planned item.
         reproduce_args: the run's own flags for a ``reproduce:`` line (``KVSession.reproduce_args``).
     """
 

@@ -20,9 +20,29 @@ from typing import Callable
 
 DEFAULT_FACTOR = 10.0
 DEFAULT_ABS_MIN = 2e-5
+HALF_FACTOR = 5.0
+DTYPE_TOLERANCE = {
+    "float64": (DEFAULT_FACTOR, DEFAULT_ABS_MIN),
+    "float32": (DEFAULT_FACTOR, DEFAULT_ABS_MIN),
+    "bfloat16": (HALF_FACTOR, 3e-2),
+    "float16": (HALF_FACTOR, 4e-3),
+}
+"""``(k, abs_min)`` per case dtype (README "Low precision: bf16 and fp16" has the measurements). float32 (and float64):
+k = 10, abs_min = 2e-5. bfloat16 / float16 (transformers 5.24, the 14 zoo models, ReferenceCache / DynamicCache /
+StaticCache, left-padded decode and chunk cases): the uncached forward is 1.6e-2…4.4e-2 (bf16) and 1.5e-3…5.0e-3
+(fp16) from the float64 oracle, exact caches sit at ≤ 1.96× that floor (mamba, bf16) and the bundled faults that show
+at these dtypes at ≥ 11.7× (KeysAt2BitsCache, bf16); k = 5 leaves 2.5× above the exact caches and 2.3× below the
+faults. abs_min (≈ 2× the smallest floor measured) bounds a position whose uncached forward rounds onto the
+oracle."""
+
 DRIFT_MAX = 1e-4
 """The largest oracle drift taken for float32 rounding (``Tolerance.oracle_drift``): the smallest real fault measured
 on the zoo (Jamba's chunked continuation) starts here, so a larger drift is a fault of the model's cached path."""
+
+
+def dtype_tolerance(dtype: str) -> tuple[float, float]:
+    """``(k, abs_min)`` of a case dtype name (``"float32"``, ``"bfloat16"``, ...; ``DTYPE_TOLERANCE``)."""
+    return DTYPE_TOLERANCE.get(dtype, (DEFAULT_FACTOR, DEFAULT_ABS_MIN))
 
 
 @dataclass(frozen=True)

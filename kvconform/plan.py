@@ -151,6 +151,11 @@ class PlanItem:
         return {"subject": self.subject.name, "model": self.model.name, "check": self.check.name,
                 "family": self.check.family, "case": self.case.id}
 
+    def record(self) -> dict:
+        """``describe()`` plus the case's ``dtype`` (``"float32"``, ``"bfloat16"``, ...) and ``batch`` (rows): the
+        coordinates of the item's JSON record (``--kvconform-json``) and of the run digest."""
+        return {**self.describe(), "dtype": self.case.dtype, "batch": self.case.batch}
+
 
 def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
     """Whether the item exists at all. A case limited to some models (``models``; ``models_full`` under

@@ -595,7 +595,7 @@ def pytest_collection_modifyitems(session, config, items):
     for it in _suite_items(ours):
         if "kv_item" in it.callspec.params:
             # JSON, so that --junitxml properties are machine-readable (report.py decodes them)
-            it.user_properties.append((PROPERTY, encode_property(it.callspec.params["kv_item"].describe())))
+            it.user_properties.append((PROPERTY, encode_property(it.callspec.params["kv_item"].record())))
 
 
 # ------------------------------------------------------------------------------------------------------ running

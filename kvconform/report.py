@@ -152,12 +152,35 @@ def _table(tr, title, header, rows):
         tr.write_line(fmt.format(name, *cells), red=failed, green=not failed)
 
 
+_DTYPE_ORDER = ("float32", "float64", "bfloat16", "float16")
+
+
+def dtype_counts(results: dict) -> str:
+    """One line counting the items per case dtype, and how many of them ran (not skipped), e.g.
+    ``items per dtype: float32 1,950 (720 ran), bfloat16 40 (31 ran)``; empty when no record names its dtype (a
+    report written before records carried it)."""
+    counts: dict = {}
+    for r in results.values():
+        dtype = r.get("dtype")
+        if dtype is None:
+            continue
+        total, ran = counts.get(dtype, (0, 0))
+        counts[dtype] = (total + 1, ran + (r["outcome"] != "skipped"))
+    if not counts:
+        return ""
+    order = sorted(counts, key=lambda d: (_DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else len(_DTYPE_ORDER), d))
+    return "items per dtype: " + ", ".join(f"{d} {counts[d][0]:,} ({counts[d][1]:,} ran)" for d in order)
+
+
 def write_terminal_matrix(tr, results: dict, digest) -> None:
     """Print the matrices: subjects × families, then models × subjects. Cells: passed/ran, xN xfailed, FN failed.
     ``digest``: the run's ``digest.RunDigest`` (the rows' order, the undeclared-kind hints), or None."""
     if not results:
         return
     tr.section("kvconform conformance matrix")
+    dtypes = dtype_counts(results)
+    if dtypes:
+        tr.write_line(dtypes)
     fams = _families(results)
     subjects = _ordered((r["subject"] for r in results.values()), _digest_order(digest, "subject"))
     _table(tr, "subjects × check families (passed/ran, xN = known faults xfailed, FN = failed):",

@@ -285,7 +285,7 @@ class KVSession:
         items, faults = {}, {}
         for item in self.items():
             d = item.describe()
-            items[item.id] = d
+            items[item.id] = item.record()
             fault = self.fault_entry(**d)
             if fault is not None:
                 shared = d["subject"] in fresh and self.fault_entry(**{**d, "subject": "ReferenceCache"}) is not None

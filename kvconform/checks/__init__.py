@@ -351,11 +351,12 @@ class CheckContext:
     fuzz_seed: int | None = None
 
     def tolerance(self):
-        from kvconform.oracle import DEFAULT_ABS_MIN, DEFAULT_FACTOR, Tolerance
+        from kvconform.oracle import Tolerance, dtype_tolerance
 
-        factor = (self.case.tolerance_factor or DEFAULT_FACTOR) * self.subject.tolerance_factor
+        k, abs_min = dtype_tolerance(self.case.dtype)
+        factor = (self.case.tolerance_factor or k) * self.subject.tolerance_factor
         model = self.model
-        return Tolerance(factor, self.case.abs_min if self.case.abs_min is not None else DEFAULT_ABS_MIN,
+        return Tolerance(factor, self.case.abs_min if self.case.abs_min is not None else abs_min,
                          oracle_drift=_DRIFT.get(id(model), 0.0), drift_source=lambda: oracle_drift(model))
 
     @property

@@ -710,11 +710,14 @@ def quant_params(layer) -> tuple | None:
 
 
 def narrow_stored(cache, dtype) -> list:
-    """``[(path, dtype)]`` of the floating tensors ``cache`` holds with fewer bits than ``dtype`` (the model's), e.g.
-    keys kept as bfloat16 for a float32 model; empty when every floating tensor is at least as wide. Integer tensors
-    (indices, packed codes) are not counted: they are a quantized cache's compressed form, not a narrowed copy."""
+    """``[(path, dtype)]`` of the floating tensors ``cache`` holds less precisely than ``dtype`` (the model's: a larger
+    ``torch.finfo(...).eps``), e.g. keys kept as bfloat16 for a float32 model, or for a float16 one (the same 16 bits,
+    3 mantissa bits fewer); empty when every floating tensor is at least as precise. Integer tensors (indices, packed
+    codes) are not counted: they are a quantized cache's compressed form, not a narrowed copy."""
     import torch
 
-    want = torch.finfo(dtype).bits if dtype.is_floating_point else 0
+    if not dtype.is_floating_point:
+        return []
+    want = torch.finfo(dtype).eps
     return [(path, t.dtype) for path, t in held_tensor_items(cache)
-            if t.is_floating_point() and t.numel() > 1 and torch.finfo(t.dtype).bits < want]
+            if t.is_floating_point() and t.numel() > 1 and torch.finfo(t.dtype).eps > want]

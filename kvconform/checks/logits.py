@@ -117,6 +117,32 @@ def _run(ctx, cause_for):
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
         fail_verdict(ctx, verdict, cause_for(ctx, steps, cache), driver=run_recorded)
+    _judge_half_store(ctx, cache, verdict)
+
+
+def _judge_half_store(ctx, cache, verdict) -> None:
+    """At a 16-bit case dtype, an exact subject that holds its keys/values less precisely than the model computes
+    (bfloat16 storage on a float16 model: 3 mantissa bits fewer) fails even within the logit tolerance: there its
+    rounding (measured 2.7× the fp16 noise floor on llama) is too close to the dtype's own noise for the logits to
+    resolve, yet every read returns rounded keys. float32 and float64 cases judge it by the logits alone (there the
+    same fault is 1e4× the noise floor)."""
+    import torch
+
+    if ctx.kind.name != "exact" or ctx.model.dtype not in (torch.bfloat16, torch.float16):
+        return
+    cause = _narrow_cause(ctx, cache)
+    if cause is None:
+        return
+    cmp = verdict.worst[1] if verdict.worst else None
+    within = (f"max|Δlogit| = {cmp.max_abs:.1e} is within the {ctx.case.dtype} tolerance {cmp.tol:.1e} (noise floor "
+              f"{cmp.floor:.1e}), " if cmp is not None else "")
+    ctx.fail([f"{within}but an exact cache must give back the keys/values update() was given, and this one holds them "
+              f"less precisely than the model's {str(ctx.model.dtype).removeprefix('torch.')}",
+              f"ops: {ctx.case.ops_label()}",
+              "likely cause: " + cause],
+             {"max_abs": cmp.max_abs if cmp is not None else None,
+              "tolerance": cmp.tol if cmp is not None else None,
+              "noise_floor": cmp.floor if cmp is not None else None, "narrow_store": True})
 
 
 RECORD = Param(bool, default=False, doc="call activate_past_recording() before the first op (no crop follows)")
