@@ -182,9 +182,11 @@ class _Lines:
 
 def main(argv=None) -> int:
     """``kvconform-merge --json OUT IN.json...``: write the merged report, print the matrix, append the Markdown
-    matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed, 1 when any failed, 2 when
-    the reports cannot be merged (the message names the file and the cause)."""
-    from kvconform.report import OUTCOMES, json_path_problem, markdown, write_terminal_matrix
+    matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed, 1 when any failed, 3 when
+    kvconform's own code failed on an item (outcome ``internal``, listed as kvconform's own gaps), 2 when the reports
+    cannot be merged (the message names the file and the cause)."""
+    from kvconform.report import (OUTCOMES, json_path_problem, markdown, own_gaps, reference_gaps,
+                                  write_terminal_matrix)
 
     parser = argparse.ArgumentParser(prog="kvconform-merge", description="Merge the JSON reports of a sharded "
                                      "kvconform run (--kvconform-shard I/N) into one report, matrix and step summary.")
@@ -206,6 +208,7 @@ def main(argv=None) -> int:
         print(f"kvconform-merge: {exc}", file=sys.stderr)
         return 2
     results = {r["nodeid"]: r for r in merged["results"]}
+    reference_gaps(results)  # the reference and DynamicCache may have run in different shards
     if args.out:
         _write_json(args.out, merged)
     from kvconform.digest import RunDigest
@@ -219,7 +222,9 @@ def main(argv=None) -> int:
     if summary and results:
         with open(summary, "a", encoding="utf-8") as fh:
             fh.write(markdown(results, order))
-    return 1 if counts["failed"] or counts["error"] else 0
+    for line in own_gaps(results, order):
+        print(f"kvconform-merge: {line}")
+    return 3 if counts["internal"] else 1 if counts["failed"] or counts["error"] else 0
 
 
 def _write_json(path: str, payload: dict) -> None:

@@ -301,12 +301,12 @@ def sliding_window_slots(ctx, cache, seq) -> str | None:
     import torch
     from transformers import DynamicCache
 
-    from kvconform.checks._drive import forward_kwargs
+    from kvconform.checks._drive import forward_kwargs, layer_list
 
     if ctx.model.is_encoder_decoder or not ctx.model.sliding_window or cache is None:
         return None
     types, kwargs = compat.layer_types_and_kwargs(ctx.model.config)
-    layers = getattr(cache, "layers", None) or []
+    layers = layer_list(cache)
     sliding = [i for i, t in enumerate(types) if t in ("sliding_attention", "chunked_attention") and i < len(layers)]
     held = {}
     for i in sliding:

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from kvconform import compat
 from kvconform.checks import EXACT, LOSSY_TWIN, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, read_attr
 # counting bytes lives in _drive (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
 from kvconform.checks._interpreter import Runner
@@ -157,13 +157,14 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
     except Exception:  # noqa: BLE001 - an incomplete layer: treat as unbounded
         capacity = -1
     note = ""
-    declared_len = getattr(layer, "max_cache_len", None)
+    declared_len = read_attr(layer, "max_cache_len")
     if capacity < 0 and isinstance(declared_len, int) and declared_len > 0:
         # transformers 5.24: LinearAttentionAndStaticFullAttentionLayer (StaticCache on FalconH1) preallocates
         # max_cache_len but its get_max_length() resolves to the linear mixin's -1
         capacity, note = declared_len, "; get_max_length() says -1"
-    preallocates = (bool(getattr(layer, "is_compileable", False)) or policy == "preallocated") and capacity > 0
-    if preallocates and policy == "preallocated" and not getattr(layer, "is_compileable", False):
+    compileable = read_attr(layer, "is_compileable", False) is True
+    preallocates = (compileable or policy == "preallocated") and capacity > 0
+    if preallocates and policy == "preallocated" and not compileable:
         note += "; a ring / buffer of its whole capacity, allocation preallocated"
     if capacity < 0:
         held, rule = tokens, f"S={tokens}"
