@@ -251,6 +251,31 @@ def layer_items(cache) -> list:
         return []
 
 
+def layers_problem(cache) -> str | None:
+    """Why ``cache.layers`` (its self-attention half's) gives kvconform no layer to read, or None when it does (or
+    the cache holds no layer yet): ``"cache.layers raised RuntimeError: ..."``, ``"cache.layers is None"``,
+    ``"cache.layers is an int, not a list of layer objects"``, ``"cache.layers is a generator the cache holds
+    (reading it would consume it)"``. For failure messages that count a cache without readable layers as one
+    block."""
+    target = self_half(cache)
+    try:
+        layers = getattr(target, "layers", None)
+    except Exception as exc:  # noqa: BLE001 - the subject's property raised: that is the answer
+        text = str(exc).strip().splitlines()
+        return f"cache.layers raised {type(exc).__name__}: {text[0][:120] if text else ''}"
+    if layers is None:
+        return "cache.layers is None" if hasattr(target, "layers") else "the cache has no layers attribute"
+    if layer_items(target) or (isinstance(layers, (list, tuple, dict)) and not layers):
+        return None
+    from kvconform.outcomes import with_article
+
+    try:
+        iter(layers)
+    except Exception:  # noqa: BLE001
+        return f"cache.layers is {with_article(type(layers).__name__)}, not a list of layer objects"
+    return f"cache.layers is {with_article(type(layers).__name__)} the cache holds (reading it would consume it)"
+
+
 def layer_list(cache) -> list:
     """The layers of ``cache`` (``layer_items`` without the indices)."""
     return [layer for _, layer in layer_items(cache)]
@@ -685,12 +710,13 @@ def _is_wrapper_subclass(t) -> bool:
     return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
 
 
-def held_tensor_items(obj, max_depth: int = 8) -> list:
+def held_tensor_items(obj, max_depth: int = 8, skip=()) -> list:
     """``[(path, tensor)]`` for every plain tensor reachable from ``obj``'s attributes (lists, tuples, sets, dicts,
     objects with ``__dict__``/``__slots__``), in traversal order; ``path`` is how it was reached
     (``layers[0]._quantized_keys._data``). Wrapper tensor subclasses are replaced by their inner tensors;
     ``nn.Module``s, transformers configs, classes, functions (closures) and generators are not entered (a cache may
-    refer to its model or config: their weights are not the cache's). Each object is visited once."""
+    refer to its model or config: their weights are not the cache's). Each object is visited once; the objects in
+    ``skip`` are not entered (a layer's reference back to its cache or to a sibling layer: ``layer_bytes``)."""
     import torch
 
     try:
@@ -698,7 +724,7 @@ def held_tensor_items(obj, max_depth: int = 8) -> list:
     except ImportError:  # pragma: no cover
         PretrainedConfig = ()  # type: ignore[misc,assignment]
     opaque = _opaque_types()
-    out, seen = [], set()
+    out, seen = [], {id(x) for x in skip if x is not obj}
 
     def visit(x, path, depth):
         if x is None or isinstance(x, (int, float, str, bytes, bool, torch.dtype, torch.device)):
@@ -739,9 +765,9 @@ def held_tensor_items(obj, max_depth: int = 8) -> list:
     return out
 
 
-def held_tensors(obj, max_depth: int = 8) -> list:
+def held_tensors(obj, max_depth: int = 8, skip=()) -> list:
     """Every plain tensor reachable from ``obj`` (``held_tensor_items`` without the paths)."""
-    return [t for _, t in held_tensor_items(obj, max_depth)]
+    return [t for _, t in held_tensor_items(obj, max_depth, skip)]
 
 
 def _storage_key(t) -> tuple:
@@ -767,9 +793,18 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def held_bytes(obj) -> int:
-    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object."""
-    return storage_bytes(held_tensors(obj))
+def held_bytes(obj, skip=()) -> int:
+    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object (not entering ``skip``)."""
+    return storage_bytes(held_tensors(obj, skip=skip))
+
+
+def layer_bytes(cache) -> dict:
+    """``{label: bytes}`` held by each layer of ``cache`` (``cache_layers``), each counted without entering the
+    cache, its halves or the other layers: a layer that keeps a reference to its cache (or a sibling) is not charged
+    for what they hold."""
+    layers = cache_layers(cache)
+    others = [cache, *(half for _, half in cache_halves(cache)), *(layer for _, layer in layers)]
+    return {label: held_bytes(layer, skip=others) for label, layer in layers}
 
 
 def largest_holdings(obj, n: int = 3) -> list:
@@ -808,11 +843,12 @@ def quant_params(layer) -> tuple | None:
     ``Fp8QuantizedLayer`` → ``(8, None, 0)`` (one per-tensor scale, no residual); ``QuantizedLayer`` (quanto, hqq)
     → ``(nbits, q_group_size, residual_length)``.
     """
-    if hasattr(layer, "fp8_dtype"):
+    if read_attr(layer, "fp8_dtype", _MISSING) is not _MISSING:
         return (8, None, 0)
-    nbits = getattr(layer, "nbits", None)
-    if isinstance(nbits, int):
-        return (nbits, getattr(layer, "q_group_size", None), int(getattr(layer, "residual_length", 0) or 0))
+    nbits = read_attr(layer, "nbits")
+    if isinstance(nbits, int) and not isinstance(nbits, bool):
+        residual = read_attr(layer, "residual_length", 0)
+        return (nbits, read_attr(layer, "q_group_size"), residual if isinstance(residual, int) else 0)
     return None
 
 
