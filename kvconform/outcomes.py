@@ -170,7 +170,8 @@ def _place(frame, lineno: int) -> str:
     module = str(frame.f_globals.get("__name__") or "")
     if module.partition(".")[0] == "kvconform":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return f"{os.path.relpath(os.path.abspath(path), root)}:{lineno} in {frame.f_code.co_name}"
+        where = f"{module} ({path})" if path[:1] == "<" else os.path.relpath(os.path.abspath(path), root)
+        return f"{where}:{lineno} in {frame.f_code.co_name}"
     path = "/".join(path.replace("\\", "/").split("/")[-2:])
     try:
         this = frame.f_locals.get("self")

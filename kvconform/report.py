@@ -395,7 +395,7 @@ def own_gaps(results: dict, digest=None) -> list[str]:
     for r in internal:
         by_place.setdefault(r["metrics"].get("kvconform_internal", "?"), []).append(r)
     for place, records in sorted(by_place.items(), key=lambda kv: -len(kv[1])):
-        what = records[0]["metrics"].get("internal_error")
+        what = next((r["metrics"]["internal_error"] for r in records if r["metrics"].get("internal_error")), None)
         subjects = sorted({r["subject"] for r in records})
         lines.append(f"  {len(records)} item(s): {place}" + (f": {what}" if what else "")
                      + f" (subjects: {', '.join(subjects[:4])}{' …' if len(subjects) > 4 else ''}); "
