@@ -155,6 +155,43 @@ def frame_owner(frame) -> str:
     return "subject"
 
 
+_REFUSED_CALL = ("got an unexpected keyword argument", "required positional argument", "required keyword-only",
+                 "positional argument but", "positional arguments but", "got multiple values for argument")
+
+
+def refused_callee_owner(exc: BaseException, frame) -> str | None:
+    """Whose function refused a call made in ``frame`` by its signature (a ``TypeError`` such as ``"Cache.update()
+    got an unexpected keyword argument 'kwargs'"``, raised in the caller's frame before the callee runs): the
+    ``frame_owner``-style owner (``"kvconform"``, ``"library"``, ``"subject"``) of the callee found among the frame's
+    local values (a function, or a method of a local object's class, of that qualified name), or None when ``exc`` is
+    no such refusal or the callee is not found."""
+    import re
+    import sys
+
+    if not isinstance(exc, TypeError) or not any(w in str(exc) for w in _REFUSED_CALL):
+        return None
+    m = re.match(r"([\w.<>]+)\(\)", str(exc))
+    if not m:
+        return None
+    qualname = m.group(1)
+    method = qualname.rsplit(".", 1)[-1]
+    try:
+        values = list(frame.f_locals.values())
+    except Exception:  # noqa: BLE001
+        return None
+    for value in values:
+        for candidate in (value, getattr(type(value), method, None)):
+            fn = getattr(candidate, "__func__", candidate)
+            if getattr(fn, "__qualname__", None) != qualname:
+                continue
+            module = str(getattr(fn, "__module__", "") or "")
+            top = module.partition(".")[0]
+            if top == "kvconform":
+                return "subject" if module.startswith("kvconform.testing") else "kvconform"
+            return "library" if top in LIBRARY_PACKAGES or top in sys.stdlib_module_names else "subject"
+    return None
+
+
 def _frames(exc: BaseException) -> list:
     out, tb = [], exc.__traceback__
     while tb is not None:
@@ -204,6 +241,8 @@ def own_fault(exc: BaseException, through_subject_call: bool = False) -> dict | 
     if "subject" in owners or "kvconform" not in owners:
         return None
     last = max(i for i, o in enumerate(owners) if o == "kvconform")
+    if last == len(frames) - 1 and refused_callee_owner(exc, frames[-1][0]) not in (None, "kvconform"):
+        return None  # kvconform called the subject's (or transformers') function, whose signature refused the call
     if through_subject_call and any(str(f.f_globals.get("__name__") or "").startswith("transformers")
                                     and frame_owner(f) != "kvconform" for f, _ in frames[last + 1:]):
         return None

@@ -16,13 +16,13 @@ from kvconform.reference import ReferenceAttentionLayer
 from kvconform.report import OUTCOMES, REFERENCE_GAP, matrix, own_gaps, reference_gaps
 
 
-def in_kvconform(fn, *args):
-    """Call ``fn(*args)`` from a frame of a kvconform module (as kvconform's checks call into code) and return the
-    exception it raised, its traceback starting in that frame."""
+def in_kvconform(fn, *args, **kwargs):
+    """Call ``fn(*args, **kwargs)`` from a frame of a kvconform module (as kvconform's checks call into code) and
+    return the exception it raised, its traceback starting in that frame."""
     namespace = {"__name__": "kvconform.checks._planted_by_test"}
-    exec("def run(fn, *args):\n    try:\n        fn(*args)\n    except Exception as exc:  # noqa: BLE001\n"
-         "        return exc\n", namespace)
-    return namespace["run"](fn, *args)
+    exec("def run(fn, *args, **kwargs):\n    try:\n        fn(*args, **kwargs)\n"
+         "    except Exception as exc:  # noqa: BLE001\n        return exc\n", namespace)
+    return namespace["run"](fn, *args, **kwargs)
 
 
 def subject_code(x):
@@ -206,3 +206,23 @@ def test_internal_errors_are_reported_once_and_the_session_goes_on(pytester, run
 
 def test_an_internal_error_is_never_excused_as_a_known_fault():
     assert not isinstance(KVConformInternalError("m"), AssertionError)  # the xfail of a known fault: AssertionError
+
+
+def test_a_call_refused_by_the_subjects_signature_is_the_subjects():
+    """kvconform (its update watch, its op interpreter) calls the subject's method; a signature that refuses the call
+    raises in kvconform's frame before the subject's code runs — still the subject's (adaptivekv 0.1.0's update()
+    refuses transformers 5.24's kwargs=)."""
+
+    class OldSignature:
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            return key_states, value_states
+
+    exc = in_kvconform(OldSignature().update, 1, 2, 0, kwargs={})
+    assert isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc)
+    assert [frame_owner(tb.tb_frame) for tb in _tb(exc)] == ["kvconform"]  # the subject's code never ran
+    assert own_fault(exc, through_subject_call=True) is None and own_fault(exc) is None
+
+    from kvconform.outcomes import with_article
+
+    exc = in_kvconform(with_article, "a", "b")  # kvconform's own function refusing kvconform's call: kvconform's
+    assert isinstance(exc, TypeError) and own_fault(exc) is not None
