@@ -192,6 +192,17 @@ def refused_callee_owner(exc: BaseException, frame) -> str | None:
     return None
 
 
+def _reference_frame(frame) -> bool:
+    """A frame of ``kvconform.reference`` or of a method running on an object of one of its classes."""
+    if frame.f_globals.get("__name__") == _REFERENCE_MODULE:
+        return True
+    try:
+        this = frame.f_locals.get("self")
+    except Exception:  # noqa: BLE001
+        return False
+    return this is not None and type(this).__module__ == _REFERENCE_MODULE
+
+
 def _frames(exc: BaseException) -> list:
     out, tb = [], exc.__traceback__
     while tb is not None:
@@ -229,9 +240,13 @@ def own_fault(exc: BaseException, through_subject_call: bool = False) -> dict | 
     * ``through_subject_call`` False (an exception that escaped a check: no kvconform code turned it into a verdict):
       kvconform's — its code called something that raised and did not handle it;
     * ``through_subject_call`` True (an exception raised inside a call kvconform makes *on the subject*: a forward
-      with its cache, ``crop``, ``generate``...): kvconform's only when no transformers frame runs after the innermost
-      kvconform frame — kvconform's reference cache (or an inherited transformers method running on it) or its own
-      wrappers raised, not the model's or a built-in subject's code.
+      with its cache, ``crop``, ``generate``...): kvconform's only when the innermost frames are kvconform's and
+      among them runs its reference cache (its code, or a transformers method it inherits) — not the model's or a
+      built-in subject's code, and not kvconform's glue around the call (a method the subject lacks, an answer of
+      the wrong type: the subject's, as the checks report).
+
+    A ``TypeError`` of a call the callee's signature refused, raised in kvconform's frame before the callee runs, is
+    the callee's (``refused_callee_owner``) unless the callee is kvconform's.
 
     Returns ``{"place": "kvconform/checks/_drive.py:219 in tensors_of", "raised_in": place of the innermost frame
     (None when it is the same), "what": "TypeError: first line"}``.
@@ -243,9 +258,15 @@ def own_fault(exc: BaseException, through_subject_call: bool = False) -> dict | 
     last = max(i for i, o in enumerate(owners) if o == "kvconform")
     if last == len(frames) - 1 and refused_callee_owner(exc, frames[-1][0]) not in (None, "kvconform"):
         return None  # kvconform called the subject's (or transformers') function, whose signature refused the call
-    if through_subject_call and any(str(f.f_globals.get("__name__") or "").startswith("transformers")
-                                    and frame_owner(f) != "kvconform" for f, _ in frames[last + 1:]):
-        return None
+    if through_subject_call:
+        # inside a call on the subject only kvconform's reference cache (its code, or a transformers method it
+        # inherits) raising is kvconform's: kvconform's glue around the call (compat.crop calling a crop the subject
+        # lacks, int() of its answer) reports on the subject, as the checks expect
+        tail = len(frames)
+        while tail > 0 and owners[tail - 1] == "kvconform":
+            tail -= 1
+        if tail == len(frames) or not any(_reference_frame(f) for f, _ in frames[tail:]):
+            return None
     text = str(exc).strip().splitlines()
     inner = frames[-1]
     return {"place": _place(*frames[last]),
