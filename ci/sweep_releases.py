@@ -41,7 +41,7 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RELEASES = ("5.5.4", "5.9.0", "5.13.1", "5.16.1", "5.20.2", "5.24.0")
+RELEASES = ("5.5.4", "5.9.0", "5.13.1", "5.16.1", "5.20.2", "5.24.0", "5.25.0")
 """The supported releases CI sweeps: the oldest, the newest and one every few minor releases between."""
 SUPPORTED = ">=5.5,<6"
 PINNED_DEPS = ("huggingface-hub", "tokenizers", "safetensors")

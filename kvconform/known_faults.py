@@ -405,6 +405,12 @@ class FaultIndex:
 
     def find(self, subject: str, model: str, check: str, case: str, family: str | None = None):
         """The first entry (in file order) matching this item on the index's version, or None."""
+        return next(iter(self.find_all(subject, model, check, case, family)), None)
+
+    def find_all(self, subject: str, model: str, check: str, case: str, family: str | None = None) -> list:
+        """Every entry matching this item on the index's version, in file order (several faults of one release
+        can name the same item: the first gives the item its reason, a failure is excused by any whose envelope
+        holds it)."""
         fields = dict(subject=subject, model=model, check=check, case=case)
         if family is not None:
             fields["family"] = family
@@ -413,13 +419,14 @@ class FaultIndex:
             entries = self._entries(key, value)
             candidates = entries if candidates is None else candidates & entries
             if not candidates:
-                return None
+                return []
+        found = []
         for i in sorted(candidates):
             if i not in self._applies:
                 self._applies[i] = self.faults[i].applies_to(self.version)
             if self._applies[i]:
-                return self.faults[i]
-        return None
+                found.append(self.faults[i])
+        return found
 
 
 def match(faults, version, subject: str, model: str, check: str, case: str, family: str | None = None) -> str | None:

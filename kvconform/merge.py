@@ -13,9 +13,11 @@ Considered and not used: pytest-split (0.11, maintained) balances by durations i
 full run (``.test_durations``) and knows nothing of model builds; pytest-shard (0.1.2, 2020) hashes node ids, which
 is deterministic but neither balanced nor grouped by model.
 
-Merging. ``kvconform-merge --json OUT IN.json...``: the union of the shards' results (schema 1; an item reported by
-two shards must have the same outcome), the environment of the shards (which must agree on kvconform, transformers,
-torch and device), and a check that the shards given are all of ``1..N`` of one split.
+Merging. ``kvconform-merge --json OUT [--junitxml OUT.xml] IN.json...``: the union of the shards' results (schema 1;
+an item reported by two shards must have the same outcome), the environment of the shards (which must agree on
+kvconform, transformers, torch and device), a check that the shards given are all of ``1..N`` of one split, and the
+run's state: complete only when every shard's report is (``merged_progress``). ``--junitxml`` writes the merged
+report as JUnit XML (``junit.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,88 @@ def parse_shard(text: str) -> tuple[int, int]:
     i, n = int(index), int(count)
     if not 1 <= i <= n:
         raise ValueError(f"--kvconform-shard {text!r}: I must be between 1 and N (got {i} of {n})")
+    return i, n
+
+
+SHARD_VARIABLES = (
+    # (CI, index variable, count variable, index of the first job)
+    ("GitLab CI (a job with parallel: N)", "CI_NODE_INDEX", "CI_NODE_TOTAL", 1),
+    ("Buildkite (a step with parallelism: N)", "BUILDKITE_PARALLEL_JOB", "BUILDKITE_PARALLEL_JOB_COUNT", 0),
+)
+"""The variables in which a CI that runs one job many times in parallel tells each job its share (``--kvconform-shard
+auto``). GitHub Actions has none: its matrix passes ``I/N`` explicitly."""
+K8S_INDEX = "JOB_COMPLETION_INDEX"
+"""A Kubernetes indexed Job's 0-based completion index; the count (``.spec.completions``) is not exported, so it is
+given as ``--kvconform-shard auto/N``."""
+
+
+def resolve_shard(text: str, environ=None) -> tuple[int, int, str]:
+    """``--kvconform-shard`` → ``(I, N, where)``: ``"I/N"`` as given (``parse_shard``), or ``"auto"`` /
+    ``"auto/N"`` read from the CI's own variables (``SHARD_VARIABLES``; a Kubernetes indexed Job's
+    ``JOB_COMPLETION_INDEX`` with the count from ``auto/N``). ``where`` says where the share came from (``""`` for
+    ``I/N``), e.g. ``"GitLab CI: CI_NODE_INDEX=2, CI_NODE_TOTAL=4"``. 1 ≤ I ≤ N, 1-based whatever the CI counts from.
+
+    Raises:
+        ValueError: not ``I/N``, ``auto`` or ``auto/N``; ``auto`` where no CI variable is set (naming every variable
+            read, and GitHub Actions' matrix as the way there); a variable that is not an integer or out of range;
+            half of a pair set; an ``auto/N`` whose N differs from the CI's count; two CIs' variables that disagree.
+    """
+    text = str(text).strip()
+    if not text.startswith("auto"):
+        return (*parse_shard(text), "")
+    env = os.environ if environ is None else environ
+    rest = text[len("auto"):]
+    given = None
+    if rest:
+        if not rest.startswith("/") or not rest[1:].strip().isdigit() or int(rest[1:]) < 1:
+            raise ValueError(f"--kvconform-shard {text!r}: expected auto, auto/N (N ≥ 1: the number of jobs) or I/N")
+        given = int(rest[1:])
+    found = []
+    for ci, index_var, count_var, first in SHARD_VARIABLES:
+        index, count = env.get(index_var, "").strip(), env.get(count_var, "").strip()
+        if not index:
+            continue  # GitLab sets CI_NODE_TOTAL=1 in every job, CI_NODE_INDEX only under parallel:
+        if not count:
+            raise ValueError(f"--kvconform-shard auto: {index_var}={index!r} is set but {count_var} is not "
+                             f"({ci} sets both)")
+        found.append((_share(text, ci, index_var, index, count_var, count, first), ci, index_var, index,
+                      count_var, count))
+    k8s = env.get(K8S_INDEX, "").strip()
+    if k8s:
+        if given is None:
+            raise ValueError(f"--kvconform-shard auto: {K8S_INDEX}={k8s!r} (a Kubernetes indexed Job) does not say "
+                             f"how many jobs there are: give their number, --kvconform-shard auto/N with N the "
+                             f"Job's .spec.completions")
+        found.append((_share(text, "Kubernetes indexed Job", K8S_INDEX, k8s, None, str(given), 0),
+                      "Kubernetes indexed Job", K8S_INDEX, k8s, None, str(given)))
+    if not found:
+        read = "; ".join(f"{ci}: {i} and {n} ({'1' if first else '0'}-based)" for ci, i, n, first in SHARD_VARIABLES)
+        raise ValueError(
+            f"--kvconform-shard {text}: no CI variable says this job's share. Read: {read}; a Kubernetes indexed Job: "
+            f"{K8S_INDEX} (0-based) with --kvconform-shard auto/N. GitHub Actions exports no such variable: pass the "
+            f"matrix's values, --kvconform-shard ${{{{ matrix.shard }}}}/N. Elsewhere give I/N (e.g. 2/4)")
+    shares = {share for share, *_ in found}
+    if len(shares) > 1:
+        said = ", ".join(f"{ci.split(' (')[0]} says {i}/{n}" for (i, n), ci, *_ in found)
+        raise ValueError(f"--kvconform-shard {text}: the CI variables disagree ({said}); give I/N")
+    (index, count), ci, index_var, index_value, count_var, count_value = found[0]
+    if given is not None and given != count:
+        raise ValueError(f"--kvconform-shard {text}: {ci.split(' (')[0]} runs {count} jobs "
+                         f"({count_var}={count_value}), not {given}")
+    where = f"{ci.split(' (')[0]}: {index_var}={index_value}" + (f", {count_var}={count_value}" if count_var else
+                                                                  f", {count} jobs from auto/{count}")
+    return index, count, where
+
+
+def _share(text, ci, index_var, index, count_var, count, first) -> tuple[int, int]:
+    """One CI's ``(I, N)``, 1-based, from its variables' values (``first``: the index of its first job)."""
+    what = f"{index_var}={index!r}, " + (f"{count_var}={count!r}" if count_var else f"N={count}")
+    if not index.isdigit() or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--kvconform-shard {text}: {ci}: {what}: expected non-negative integers")
+    i, n = int(index) - first + 1, int(count)
+    if not 1 <= i <= n:
+        raise ValueError(f"--kvconform-shard {text}: {ci}: {what}: the index is outside the {n} jobs "
+                         f"({index_var} counts from {first})")
     return i, n
 
 
@@ -145,10 +229,29 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     _check_complete(shards, len(reports))
     environment = {k: v for k, v in first.get("environment", {}).items() if k != "shard"}
     environment.update(subjects=subjects, models=models,
-                       merged_from=[{"path": p, "shard": (d.get("environment") or {}).get("shard")}
-                                    for p, d in reports])
-    return {"schema": 1, "environment": environment,
+                       merged_from=[{"path": p, "shard": (d.get("environment") or {}).get("shard"),
+                                     **_progress(d)} for p, d in reports])
+    return {"schema": 1, **merged_progress(reports), "environment": environment,
             "results": sorted(results.values(), key=lambda r: r["nodeid"])}
+
+
+def _progress(payload: dict) -> dict:
+    from kvconform.report import progress_of
+
+    return progress_of(payload)
+
+
+def merged_progress(reports: list[tuple[str, dict]]) -> dict:
+    """The merged report's state (``report.run_progress``'s keys): complete only when every report is; planned and
+    finished summed (planned None when a report does not know its own); ``incomplete`` names each report that is not
+    complete and why."""
+    from kvconform.report import run_progress
+
+    states = [(path, _progress(payload)) for path, payload in reports]
+    planned = None if any(s["planned"] is None for _, s in states) else sum(s["planned"] for _, s in states)
+    finished = sum(s["finished"] for _, s in states)
+    cut = [f"{path}: {s['incomplete'] or 'not complete'}" for path, s in states if not s["complete"]]
+    return run_progress(planned, finished, "; ".join(cut) if cut else None)
 
 
 def _check_complete(shards: dict, given: int) -> None:
@@ -181,16 +284,24 @@ class _Lines:
 
 
 def main(argv=None) -> int:
-    """``kvconform-merge --json OUT IN.json...``: write the merged report, print the matrix, append the Markdown
-    matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed, 1 when any failed, 3 when
-    kvconform's own code failed on an item (outcome ``internal``, listed as kvconform's own gaps), 2 when the reports
-    cannot be merged (the message names the file and the cause)."""
+    """``kvconform-merge [--json OUT] [--html PATH] [--junitxml OUT.xml] IN.json...``: write the merged report (and
+    its page, ``html_report.write_html``, and its JUnit XML, ``junit.write_junit``), print the matrix, append the
+    Markdown matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed and every report is
+    complete, 1 when any item failed or a report is not complete (interrupted or killed: its ``complete`` is false;
+    the merged report says so too), 3 when kvconform's own code failed on an item (outcome ``internal``, listed as
+    kvconform's own gaps), 2 when the reports cannot be merged (the message names the file and the cause). One
+    report alone is merged as it is (a single run's JUnit XML)."""
     from kvconform.report import (OUTCOMES, json_path_problem, markdown, own_gaps, reference_gaps,
                                   write_terminal_matrix)
 
     parser = argparse.ArgumentParser(prog="kvconform-merge", description="Merge the JSON reports of a sharded "
                                      "kvconform run (--kvconform-shard I/N) into one report, matrix and step summary.")
     parser.add_argument("--json", dest="out", metavar="OUT", help="write the merged JSON report here")
+    parser.add_argument("--html", dest="html", metavar="PATH", help="write the merged conformance page here (one "
+                        "self-contained HTML file, as --kvconform-html writes for one run)")
+    parser.add_argument("--junitxml", dest="junit", metavar="OUT.xml",
+                        help="write the merged report as JUnit XML (one testcase per item: class = subject, name = "
+                             "item id) for CI dashboards")
     parser.add_argument("reports", nargs="+", metavar="IN.json", help="the shards' reports (--kvconform-json)")
     args = parser.parse_args(argv)
     try:
@@ -202,8 +313,9 @@ def main(argv=None) -> int:
             except (OSError, ValueError) as exc:
                 raise MergeError(f"{path}: cannot read it: {exc}") from None
         merged = merge_reports(loaded)
-        if args.out and (problem := json_path_problem(args.out)):
-            raise MergeError(f"--json {args.out!r}: {problem}")
+        for flag, out in (("--json", args.out), ("--html", args.html), ("--junitxml", args.junit)):
+            if out and (problem := json_path_problem(out)):
+                raise MergeError(f"{flag} {out!r}: {problem}")
     except MergeError as exc:
         print(f"kvconform-merge: {exc}", file=sys.stderr)
         return 2
@@ -211,6 +323,14 @@ def main(argv=None) -> int:
     reference_gaps(results)  # the reference and DynamicCache may have run in different shards
     if args.out:
         _write_json(args.out, merged)
+    if args.html:
+        from kvconform.html_report import write_html
+
+        write_html(args.html, merged)
+    if args.junit:
+        from kvconform.junit import write_junit
+
+        write_junit(args.junit, merged)
     from kvconform.digest import RunDigest
 
     order = RunDigest.from_environment(merged["environment"])
@@ -218,13 +338,22 @@ def main(argv=None) -> int:
     counts = {o: sum(r["outcome"] == o for r in results.values()) for o in OUTCOMES}
     print(f"kvconform-merge: {len(results)} items from {len(loaded)} report(s): "
           + ", ".join(f"{n} {o}" for o, n in counts.items() if n))
+    if not merged["complete"]:
+        planned = merged["planned"] if merged["planned"] is not None else "an unknown number of"
+        print(f"kvconform-merge: INCOMPLETE: {merged['finished']} of {planned} planned items finished; "
+              f"{merged['incomplete']}. The merged report says complete: false", file=sys.stderr)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary and results:
         with open(summary, "a", encoding="utf-8") as fh:
             fh.write(markdown(results, order))
+            if not merged["complete"]:
+                fh.write(f"\n**INCOMPLETE**: {merged['finished']} of {merged['planned'] or '?'} planned items "
+                         f"finished ({merged['incomplete']}).\n")
     for line in own_gaps(results, order):
         print(f"kvconform-merge: {line}")
-    return 3 if counts["internal"] else 1 if counts["failed"] or counts["error"] else 0
+    if counts["internal"]:
+        return 3
+    return 1 if counts["failed"] or counts["error"] or not merged["complete"] else 0
 
 
 def _write_json(path: str, payload: dict) -> None:

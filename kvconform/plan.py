@@ -50,7 +50,12 @@ def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
     path = os.path.expanduser(spec)
     problem = zoo.checkpoint_problem(path)
     if problem == "no such folder" and os.sep not in spec and "/" not in spec:
-        problem = f"not a zoo name ({', '.join(zoo.ZOO_NAMES)}) and not a checkpoint folder"
+        import difflib
+
+        close = difflib.get_close_matches(spec.lower(), zoo.ALL_NAMES, 1, cutoff=0.6)
+        problem = (f"not a zoo name{f' (did you mean {close[0]!r}?)' if close else ''} and not a checkpoint "
+                   f"folder; zoo names: {', '.join(zoo.ZOO_NAMES)} (and {', '.join(zoo.VLM_NAMES)}, the "
+                   f"vision-language models)")
     if problem:
         return f"--kvconform-model {spec!r}: {problem}"
     return remote.consent_problem(spec, path, trust_remote_code)
@@ -217,7 +222,8 @@ def external(spec: str) -> bool:
 
 def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> str | None:
     """Why an item that exists (``in_scope``) is skipped, or None: the one place that decides it (see
-    ARCHITECTURE.md, "Items"). In order: a capability the subject does not declare (with its ``notes``); the check's
+    ARCHITECTURE.md, "Items"). In order: a model outside what the subject declares it supports (``CacheSpec.supports``,
+    ``subjects.unsupported``); a capability the subject does not declare (with its ``notes``); the check's
     own rule (``@register(..., applies=rule)``, ``rule(subject, model, case, device=...) -> reason or None``:
     lossy-only checks, coverage checks tied to one subject, ...); the subject's kind, where the check does not judge
     it (``CheckInfo.judges``; ``Kind.not_judged``: e.g. a lossy subject is not held to the generate family's
@@ -226,8 +232,11 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     (optional backends and hardware); explicit ``position_ids`` on a model whose forward takes none.
     """
     from kvconform.compat import missing_requirement
-    from kvconform.subjects import kind_of
+    from kvconform.subjects import kind_of, unsupported
 
+    scoped = unsupported(subject, model)
+    if scoped:
+        return scoped
     missing = sorted(check.needs - subject.capabilities)
     if missing:
         note = getattr(subject, "notes", {}).get(missing[0])

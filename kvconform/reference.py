@@ -557,6 +557,20 @@ def make_reference_layer(layer_type: str, layer_kwargs: dict):
     raise ValueError(f"ReferenceCache has no layer for layer type {layer_type!r}")
 
 
+def unmodelled_layer_types(config) -> list[str]:
+    """The layer types of ``config``'s decoder (``compat.layer_types_and_kwargs``) that ``ReferenceCache`` has no
+    layer for, in first-seen order; ``[]`` when it models them all. A model with such a type cannot be judged (the
+    reference is what kvconform derives memory formulas and model-fault verdicts from), so it is refused up front."""
+    types, _ = layer_types_and_kwargs(config)
+    missing: list[str] = []
+    for layer_type in types:
+        known = (layer_type in ATTENTION_LAYER_TYPES + LINEAR_LAYER_TYPES + HYBRID_LAYER_TYPES
+                 or layer_type == INDEXED_LAYER_TYPE or (layer_type == "dummy" and DummyLayer is not None))
+        if not known and layer_type not in missing:
+            missing.append(layer_type)
+    return missing
+
+
 class ReferenceCache(Cache):
     """The simplest correct cache: every token's keys/values kept, SSM states kept as the models expect.
 

@@ -68,8 +68,11 @@ def decode_property(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 
-def record_report(results: dict, report, props: dict) -> None:
-    """Fold one ``TestReport`` into ``results`` (nodeid → record). Later phases refine earlier ones."""
+def record_report(results: dict, report, props: dict, digest=None) -> None:
+    """Fold one ``TestReport`` into ``results`` (nodeid → record). Later phases refine earlier ones. With the run's
+    ``digest``, an xfailed or xpassed item that a known upstream fault names gets ``metrics["known_fault"]`` (the
+    entry's id; not when the subject's own ``expected_failures`` xfailed it), so that reports read from the JSON
+    alone (``kvconform-merge --junitxml``) can name the fault."""
     outcome = _outcome(report)
     if outcome is None:
         return
@@ -80,8 +83,15 @@ def record_report(results: dict, report, props: dict) -> None:
     previous = results.get(report.nodeid)
     if previous is not None and previous["outcome"] in ("failed", "error", "internal") and outcome == "error":
         return  # a teardown error does not hide the call's failure
-    results[report.nodeid] = {"nodeid": report.nodeid, **info, "outcome": outcome,
-                              "message": _message(report, outcome), "metrics": metrics}
+    record = {"nodeid": report.nodeid, **info, "outcome": outcome, "message": _message(report, outcome),
+              "metrics": metrics}
+    if digest is not None and outcome in ("xfailed", "xpassed"):
+        subject = digest.subject(record.get("subject", ""))
+        fault = digest.known_fault(record)
+        if fault is not None and not (subject is not None and subject.expects_failure(record.get("check", ""),
+                                                                                      record.get("case", ""))):
+            metrics["known_fault"] = fault["id"]
+    results[report.nodeid] = record
 
 
 def _cell(records) -> tuple[str, bool]:
@@ -234,14 +244,132 @@ def write_markdown_summary(results: dict, path: str | None, digest=None) -> None
             fh.write(markdown(results, digest))
 
 
-def write_json(path: str, results: dict, digest) -> None:
-    """Write ``{"schema": 1, "environment": {...}, "results": [...]}`` atomically (temp file, then rename);
-    ``digest.environment`` is the environment."""
+def json_payload(results: dict, digest, progress: dict | None = None) -> dict:
+    """The JSON report's data: ``{"schema": 1, "complete", "planned", "finished", "incomplete", "environment": {...},
+    "results": [...]}``, results sorted by node id; ``digest.environment`` is the environment (``{}`` for a ``digest``
+    of None: a report written before the run's session is known). ``progress``: the run's state (``run_progress``);
+    without it the report says it is complete with every record finished. What ``write_json`` writes and the HTML
+    page reads."""
+    progress = progress or run_progress(len(results), len(results), None)
+    return {"schema": SCHEMA, **progress, "environment": digest.environment if digest is not None else {},
+            "results": sorted(results.values(), key=lambda r: r["nodeid"])}
+
+
+def write_json(path: str, results: dict, digest, progress: dict | None = None) -> None:
+    """Write ``json_payload(results, digest, progress)`` to ``path`` atomically (temp file, then rename)."""
     from kvconform.digest import write_atomically
 
-    payload = {"schema": SCHEMA, "environment": digest.environment,
-               "results": sorted(results.values(), key=lambda r: r["nodeid"])}
-    write_atomically(path, json.dumps(payload, indent=1, ensure_ascii=False))
+    write_atomically(path, json.dumps(json_payload(results, digest, progress), indent=1, ensure_ascii=False))
+
+
+def run_progress(planned: int | None, finished: int, incomplete: str | None) -> dict:
+    """The state a report carries beside its results (schema 1; a report without these keys was written by an
+    earlier version): ``complete`` (every planned item has its result and the run ended by
+    itself), ``planned`` (the items selected to run, after ``-k`` / ``-m`` / ``--kvconform-shard``; None before
+    collection), ``finished`` (items with a result) and ``incomplete`` (why not complete, a sentence; None when
+    complete)."""
+    complete = incomplete is None and planned is not None and finished >= planned
+    if not complete and incomplete is None:
+        incomplete = f"{finished} of {planned if planned is not None else 'an unknown number of'} items finished"
+    return {"complete": complete, "planned": planned, "finished": finished, "incomplete": incomplete}
+
+
+def progress_of(payload: dict) -> dict:
+    """A report's state (``run_progress``'s keys). A report of an earlier version, without them, counts as complete
+    with its results finished (it carried no state to say otherwise)."""
+    finished = len(payload.get("results") or ())
+    if "complete" not in payload:
+        return run_progress(finished, finished, None)
+    return {"complete": bool(payload.get("complete")), "planned": payload.get("planned"),
+            "finished": payload.get("finished", finished), "incomplete": payload.get("incomplete")}
+
+
+class ReportLocked(Exception):
+    """Another run is writing the same JSON report; ``str`` names it and the fix."""
+
+
+class ReportLock:
+    """A lock on a JSON report's path, held for a run (``PATH.lock`` beside the report), so that two runs never
+    write one report: the second run's results would replace the first's without a word.
+
+    The lock is ``flock`` on the lock file (released by the kernel when the process ends, even by SIGKILL, so a
+    killed run leaves no stale lock); the file holds the holder's pid, host, start time and command line, which the
+    refusal names. Where ``fcntl`` is missing (Windows) the file is created exclusively instead, and a file left by
+    a killed run is named in the refusal to be deleted.
+    """
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.lock_path = self.path + ".lock"
+        self._fd: int | None = None
+
+    def acquire(self, command: str = "") -> None:
+        """Take the lock for this process.
+
+        Raises:
+            ReportLocked: another run holds it (naming its pid, host, start time and command, and the fix).
+        """
+        import datetime
+        import socket
+
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command[:1000],
+                           "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")})
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not on Linux or macOS
+            fcntl = None
+        for _ in range(20):
+            if fcntl is None:  # pragma: no cover
+                try:
+                    fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+                except FileExistsError:
+                    raise ReportLocked(self._refusal(stale_possible=True)) from None
+            else:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o666)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    raise ReportLocked(self._refusal()) from None
+                try:  # the holder before us may have removed the file after we opened it: lock the one there now
+                    same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+            os.write(fd, info.encode())
+            self._fd = fd
+            return
+        raise ReportLocked(self._refusal())  # pragma: no cover - the file kept being replaced under us
+
+    def release(self) -> None:
+        """Remove the lock file and let the lock go (nothing when not held)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.lock_path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def _refusal(self, stale_possible: bool = False) -> str:
+        try:
+            with open(self.lock_path, encoding="utf-8") as fh:
+                other = json.loads(fh.read() or "{}")
+        except (OSError, ValueError):
+            other = {}
+        who = (f"pid {other.get('pid', '?')} on {other.get('host', '?')}, started {other.get('started', '?')}"
+               + (f": {other['command']}" if other.get("command") else ""))
+        stem, ext = os.path.splitext(os.path.basename(self.path))
+        text = (f"another kvconform run is writing this report now ({who}), and the results of one run would replace "
+                f"the other's. Give this run a report of its own (e.g. --kvconform-json {stem}-2{ext or '.json'}; "
+                f"kvconform-merge --json puts the reports of one plan's shards together), or wait for that run to end")
+        if stale_possible:  # pragma: no cover - without fcntl
+            text += f"; if no such run is going on, delete {self.lock_path}"
+        return text
 
 
 def json_path_problem(path: str) -> str | None:

@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 
-SURVEY_VERSION = 1
+SURVEY_VERSION = 2
 
 
 def _cache_path() -> str:
@@ -65,6 +65,24 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
+def reference_gap(config) -> str:
+    """Why kvconform cannot judge caches on a model of ``config``: its decoder has layer types that kvconform's
+    ``ReferenceCache`` does not model (``reference.unmodelled_layer_types``) — kvconform's own gap, named with the
+    installed transformers, never a failure of a subject; ``""`` when there is none."""
+    from kvconform.compat import transformers_version
+    from kvconform.reference import unmodelled_layer_types
+
+    try:
+        missing = unmodelled_layer_types(config)
+    except Exception as exc:  # noqa: BLE001 - layer types that cannot be read: the reference cannot be built either
+        return f"kvconform's gap: the layer types of its cache cannot be read ({_first_line(exc)})"
+    if not missing:
+        return ""
+    return (f"kvconform's gap: its layer type{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
+            f"(transformers {transformers_version()}) {'have' if len(missing) > 1 else 'has'} no layer in "
+            f"kvconform's ReferenceCache yet, so no cache can be judged on it; report it to kvconform's issue tracker")
+
+
 def examine(model_type: str, causality_gap, tolerance: float) -> dict:
     """Build ``model_type`` tiny and judge it (module docstring). Returns ``{"model_type", "name", "built",
     "reason"}`` plus, when built, ``"layer_types"``, ``"accepts_position_ids"``, ``"params"`` and ``"gap"``.
@@ -86,6 +104,9 @@ def examine(model_type: str, causality_gap, tolerance: float) -> dict:
         cache_kwarg(zm.model)
     except TypeError:
         return {**record, "reason": f"{type(zm.model).__name__}.forward takes no cache (no KV cache to check)"}
+    unmodelled = reference_gap(zm.model.config)
+    if unmodelled:
+        return {**record, "reason": unmodelled}
     try:
         gap = causality_gap(zm)
     except Exception as exc:  # noqa: BLE001

@@ -52,6 +52,7 @@ def pytest_configure(config):
 
 SHARED_RUN_MODULES = {
     "test_crashes.py": "its module-scoped crashed_run (a default run whose four subjects each kill a worker, ~60 s)",
+    "test_html_report.py": "its module-scoped run (llama and gpt2, two families, ~15 s) and its browser",
 }
 """Modules whose tests share one module-scoped kvconform run: their tests go to one worker (which then runs it once,
 not once per worker that gets one of them)."""

@@ -42,3 +42,53 @@ def test_unknown_allocation_is_a_usage_error():
 
     with pytest.raises(SpecError, match="did you mean 'doubling'"):
         declared_allocation(Bad, "Bad")
+
+
+def _long(spec, **replace):
+    subject = as_cache_spec(spec)
+    if replace:
+        subject = dataclasses.replace(subject, **replace)
+    [result] = check_cache(subject, models=["llama"], checks=["check_memory_bytes"], cases=["memory_long"], full=True)
+    return result
+
+
+def test_undeclared_doubling_is_inferred_from_its_buffer_after_one_large_prefill():
+    """prefill(200) fills a 256-slot buffer with room for every decode step: no growth to observe, so the policy is
+    inferred from the capacity of the buffer its keys are a view of (issue: 1.28× failed as "superseded keys/values
+    are kept")."""
+    result = _long("kvconform.testing.allocation:UndeclaredDoublingCache")
+    assert result.outcome == "passed", result.message
+    [policy] = result.metrics["allocation"]
+    assert "inferred from the buffer its keys are a view of (S=200 in 256 slots" in policy
+
+
+def test_a_buffer_past_doubling_fails_saying_why_not_inferred():
+    result = _long("kvconform.testing.allocation:DoublingHeadroom")
+    assert result.outcome == "failed"
+    assert "(2.56× the formula)" in result.message
+    assert ("none inferred (its keys are a view of a buffer of 512 slots for 200 tokens (2.56×), more than twice the "
+            "tokens held)") in result.message
+    assert "more than amortised doubling (≤ 2×) may hold, so no declared policy would explain it" in result.message
+    assert "likely cause: the buffer behind its keys has 512 slots for 200 tokens (2.56×)" in result.message
+    declared = _long("kvconform.testing.allocation:DoublingHeadroom", allocation="doubling")
+    assert declared.outcome == "failed" and "grows by more than doubling" in declared.message
+
+
+def test_a_plain_leak_is_not_inferred_as_doubling():
+    """A layer that over-holds without a larger buffer behind its keys gets the line saying why nothing was
+    inferred (no growth seen, no buffer capacity visible)."""
+    from kvconform.checks.memory import not_inferred
+
+    line = not_inferred([(200, 256 * 100, None)], [(200, None)], 100)
+    assert "its keys are not a view of a larger buffer" in line and "1.28× the formula" in line
+    assert 'declare kvconform_allocation = "doubling"' in line
+    assert "which a doubling buffer would explain" in line
+
+
+def test_more_than_doubling_never_suggests_the_declaration():
+    from kvconform.checks.memory import hint_applies, not_inferred
+
+    series = [(6, 6 * 100 * 6, None)]
+    assert not hint_applies(series, [(6, None)], 100)
+    line = not_inferred(series, [(6, None)], 100)
+    assert "6.00× the formula, more than amortised doubling" in line and "kvconform_allocation" not in line

@@ -8,7 +8,7 @@ import pytest
 
 from kvconform.subjects import Budget, CacheSpec, kind_of
 from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH, LOSSY_FRESH, LOSSY_TWIN,
-                                      ORACLE, TWIN)
+                                      ORACLE, PRESS, TWIN)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -70,6 +70,8 @@ def test_checks_declare_the_kinds_they_judge():
     assert {n for n, j in judges.items() if j == ALL_KINDS} == {
         n for n, info in registry.items() if info.family in ("quality", "speed") or n.startswith("check_evicting_")
         or n in ("check_press_contract", "check_identity_ops", "check_padded_row_alone")}
+    assert {n for n, j in judges.items() if j == {LOSSY_FRESH, PRESS}} == {
+        "check_generate_self_consistent", "check_beam_search_self_consistent"}
     assert not any(hasattr(info.fn, "evicting_judged") for info in registry.values())
 
 

@@ -283,6 +283,7 @@ def test_ini_paths_are_relative_to_the_ini_file(pytester):
         kvconform_cache = mycaches.py:GoodCache
         kvconform_model = llama
         kvconform_json = reports/r.json
+        kvconform_html = reports/r.html
     """)
     (pytester.path / "reports").mkdir()
     sub = pytester.mkdir("sub")
@@ -291,4 +292,5 @@ def test_ini_paths_are_relative_to_the_ini_file(pytester):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     records = json.loads((pytester.path / "reports" / "r.json").read_text())["results"]
     assert [r["outcome"] for r in records if r["subject"] == "GoodCache"] == ["passed"]
+    assert "GoodCache" in (pytester.path / "reports" / "r.html").read_text()  # the page's twin: same folder rule
 

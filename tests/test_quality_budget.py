@@ -313,10 +313,10 @@ def test_generate_items_of_budgeted_subjects_skip_with_what_judges_them():
     every = frozenset(CAPABILITIES)
     lossy = skip_reason(dataclasses.replace(INT8, capabilities=every), info, checks["check_generate_greedy"], greedy)
     assert lossy == ("Int8TokenCache is lossy: its greedy generate() is not compared token for token with the exact "
-                     "model (a near-tie would flip a greedy token); its cache operations are judged by "
-                     "self-consistency "
-                     "(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family "
-                     "(check_quality_budget against the float64 oracle)")
+                     "model (a near-tie would flip a greedy token) but with kvconform's own greedy loop on a fresh "
+                     "instance fed the same tokens (check_generate_self_consistent); its cache operations are "
+                     "judged by self-consistency (logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by "
+                     "the quality family (check_quality_budget against the float64 oracle)")
     # an evicting cache is exact until it holds tokens_max tokens: a 22-token generate item is for it
     assert skip_reason(dataclasses.replace(SINK_WINDOW, capabilities=every), info, checks["check_generate_greedy"],
                        greedy) is None

@@ -243,3 +243,101 @@ def test_zoo_models_run_inference_only_as_generate_does():
     cache = DynamicCache(config=zm.config)
     out = zm.model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
     assert out.logits.grad_fn is None and not cache.layers[0].keys.requires_grad
+
+
+# ---- the reference follows the installed release's protocol (ARCHITECTURE.md "The reference follows the protocol")
+# What ReferenceLinearAttentionLayer may define itself: where states live and how they are rewound. Every other name of
+# transformers' LinearAttentionCacheLayerMixin is bookkeeping and must resolve to transformers' own code, so that a
+# release adding a counter or a recording option reaches the reference without a change in kvconform.
+STORAGE = {"__init__", "lazy_initialization", "update_conv_state", "update_recurrent_state", "crop", "reset",
+           "reorder_cache", "batch_repeat_interleave", "batch_select_indices", "offload", "prefetch",
+           "get_max_length", "get_max_cache_shape", "is_croppable", "is_compileable", "supports_early_init",
+           "__repr__", "__dict__", "__weakref__", "__module__", "__doc__", "__abstractmethods__", "_abc_impl"}
+WRAPPED = {"activate_past_recording", "get_seq_length"}  # call transformers' own, then keep the reference's contract
+
+
+def test_linear_reference_layer_inherits_the_releases_bookkeeping():
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    overridden = [name for name in vars(LinearAttentionCacheLayerMixin) if name not in STORAGE | WRAPPED
+                  and getattr(ReferenceLinearAttentionLayer, name) is not getattr(LinearAttentionCacheLayerMixin, name)]
+    assert overridden == []
+    layer = ReferenceLinearAttentionLayer(number_of_states=2)
+    mixin_fields = set(vars(type("Probe", (LinearAttentionCacheLayerMixin,), {
+        "lazy_initialization": None, "update_conv_state": None, "update_recurrent_state": None})(2)))
+    assert mixin_fields <= set(vars(layer))  # every field the release's __init__ sets (5.25: its token counter)
+
+
+def test_linear_reference_length_is_an_int_snapshot_on_every_release():
+    """5.25's own layers answer get_seq_length() with their live 0-d counter; the reference answers an int that the
+    next forward does not change, counting in-place decode steps (increase_count) too."""
+    zm, _ = zoo("mamba2")
+    cache = new_cache(zm)
+    ids = tokens(2, PROMPT + 3, seed=21)
+    feed(zm, cache, ids[:, :PROMPT], 0)
+    try:
+        length = cache.get_seq_length()
+    except ValueError:  # up to 5.24 an all-linear cache reports no length (transformers raises)
+        pytest.skip("the installed transformers asks no linear layer for its length")
+    assert type(length) is int and length == PROMPT
+    for pos in range(PROMPT, PROMPT + 3):
+        feed(zm, cache, ids[:, pos:pos + 1], pos)
+    assert length == PROMPT and cache.get_seq_length() == PROMPT + 3
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "jamba"])
+def test_recorded_recurrent_states_rewind_a_whole_chunk(name):
+    """activate_past_recording(recurrent_states_to_keep=N) (5.25): crop a recorded chunk, then decode other
+    tokens — the logits equal the oracle of the edited sequence (transformers' own layers restore a wrong state
+    here on mamba and jamba: known fault linear-recorded-chunk-crop-state)."""
+    from kvconform.compat import records_recurrent_states
+
+    if not records_recurrent_states():
+        pytest.skip("the installed transformers records no recurrent states (5.25 and later)")
+    zm, oracle_model = zoo(name)
+    cache = new_cache(zm)
+    cache.activate_past_recording(recurrent_states_to_keep=4)
+    ids = tokens(2, 9, seed=5)
+    feed(zm, cache, ids[:, :6], 0)
+    feed(zm, cache, ids[:, 6:9], 6)
+    assert cache.is_croppable
+    cache.crop(-3)
+    assert cache.get_seq_length() == 6
+    other = tokens(2, 3, seed=6)
+    edited = torch.cat([ids[:, :6], other], dim=1)
+    got = torch.stack([feed(zm, cache, other[:, i:i + 1], 6 + i)[:, -1] for i in range(3)], dim=1)
+    assert max_diff(got, oracle(zm, oracle_model, edited)[:, 6:]) < TOL_ORACLE
+    with pytest.raises(RuntimeError, match="none was recorded"):
+        cache.crop(-8)  # before the recording began: refused, nothing changed
+    assert cache.get_seq_length() == 9
+
+
+def test_activate_past_recording_with_no_count_records_no_recurrent_state():
+    """5.25 stores recurrent_states_to_keep = None for a call with no argument (and its mixers then raise TypeError:
+    known fault linear-recording-none-count); the reference stores 0 and keeps refusing a recurrent crop."""
+    zm, _ = zoo("mamba2")
+    cache = new_cache(zm)
+    cache.activate_past_recording()
+    ids = tokens(2, PROMPT, seed=8)
+    feed(zm, cache, ids, 0)  # a multi-token forward while recording: no TypeError
+    assert all(getattr(layer, "recurrent_states_to_keep", 0) == 0 for layer in cache.layers)
+    assert not cache.is_croppable
+    with pytest.raises(RuntimeError, match="recurrent"):
+        cache.crop(-1)
+
+
+def test_a_layer_type_the_reference_does_not_model_is_named():
+    from transformers import AutoConfig
+
+    from kvconform import architectures
+    from kvconform.reference import unmodelled_layer_types
+    from kvconform.sweep import reference_gap
+
+    assert unmodelled_layer_types(build_zoo_model("jamba").config) == []
+    assert reference_gap(build_zoo_model("llama").config) == ""
+    if "deepseek_v4" not in architectures.known_types():
+        pytest.skip("the installed transformers has no DeepSeek-V4 (layer type 'heavily_compressed_attention')")
+    config = AutoConfig.for_model("deepseek_v4")
+    missing = unmodelled_layer_types(config)
+    assert "heavily_compressed_attention" in missing
+    assert "kvconform's gap" in reference_gap(config) and "heavily_compressed_attention" in reference_gap(config)

@@ -52,11 +52,13 @@ def test_a_misspelled_budget_key_gets_the_closest_one_and_the_keys_of_its_kind()
         check_cache(_declaring("lossy", {"kl": 1e-3, "top1_min": 0.95}), models=["llama"],
                     checks=["check_prefill_then_decode"])
     assert "unknown budget keys 'kl' (did you mean 'kl_max'?)" in str(err.value)
-    assert "known: bytes_ratio_max, kl_max, top1_min" in str(err.value) and "tokens_max" not in str(err.value)
+    assert "known: bytes_ratio_max, kl_max, saves_memory, top1_min" in str(err.value)
+    assert "tokens_max" not in str(err.value) and "keep_ratio" not in str(err.value)
 
 
-@pytest.mark.parametrize(("kind", "listed"), [("lossy", "kl_max, top1_min, bytes_ratio_max, e.g."),
-                                              ("evicting", "kl_max, top1_min, bytes_ratio_max, tokens_max, e.g.")])
+@pytest.mark.parametrize(("kind", "listed"), [
+    ("lossy", "kl_max, top1_min, bytes_ratio_max, saves_memory, e.g."),
+    ("evicting", "kl_max, top1_min, bytes_ratio_max, tokens_max, keep_ratio, tokens_exact, e.g.")])
 def test_a_budget_that_is_not_a_dict_lists_the_keys_of_its_kind(kind, listed):
     with pytest.raises(SpecError, match="the budget must be a dict with keys " + listed):
         check_cache(_declaring(kind, 1e-3), models=["llama"], checks=["check_prefill_then_decode"])

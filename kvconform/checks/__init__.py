@@ -437,6 +437,8 @@ def run_check(name: str, ctx: CheckContext) -> dict:
                 cause = (f"likely cause: {cls_name} is abstract: it does not implement "
                          f"{', '.join(abstract)}, declared abstract by a base class; implement "
                          f"{'it' if len(abstract) == 1 else 'them'} in {cls_name}")
+            elif isinstance(exc.cause, NotImplementedError):
+                cause = "likely cause: " + _not_supported(ctx, exc.cause)
             else:
                 cause = ("likely cause: the cache's constructor (or factory) cannot build a cache for this model from "
                          "the keyword arguments kvconform passes (config, max_cache_len, batch_size, device, dtype; "
@@ -535,6 +537,26 @@ def escaped(ctx: CheckContext, exc: Exception) -> NoReturn:
               "likely cause: the cache's own code raised on a call or attribute read a caller may make (a method or "
               "property of the Cache API must answer, or refuse with a clear error, never crash)"],
              {"raised": type(exc).__name__})
+
+
+def _not_supported(ctx, exc) -> str:
+    """The cause line of a subject whose construction raised ``NotImplementedError`` (``exc``) on ``ctx.model``:
+    the cache does not support this model — naming the model's layer types its message names (else all of them) —
+    and the declaration that scopes it (``kvconform_supports``)."""
+    text = str(exc).lower()
+    model = ctx.model
+    types = sorted(set(getattr(model, "layer_types", ()) or ()))
+    named = [t for t in types if t.lower() in text or t.split("_")[0].lower() in text]
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    shown = named or types
+    what = f"{model.name}'s {', '.join(shown)} layers" if shown else model.name
+    if not named and model_type and model_type.lower() in text:
+        what = f"{model.name} ({model_type})"
+    supported = sorted({"full_attention", "sliding_attention"} - set(shown)) or ["full_attention"]
+    return (f"{ctx.subject.name} does not support {what} (its construction raised NotImplementedError, which is "
+            f"how a cache says so; no keyword argument would change it): scope the cache to what it supports — "
+            f"kvconform_supports = {{{', '.join(repr(n) for n in supported)}}} (layer types and model kinds; "
+            f"CacheSpec(supports=...)) — and these items are skipped with that reason")
 
 
 _DRIFT = MEMO.table("checks.oracle_drift")

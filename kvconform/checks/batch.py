@@ -14,15 +14,16 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import ALL_KINDS, EXACT, IGNORES_OPS, OP_PARAMS, CheckSkipped, OpRule, Param, register
+from kvconform.checks import (ALL_KINDS, EXACT, IGNORES_OPS, LOSSY_FRESH, OP_PARAMS, CheckSkipped, OpRule, Param,
+                              register)
 from kvconform.checks._drive import (SubjectRaised, case_generator, forward, generate, image_prompt,
-                                     random_tokens)
+                                     prefill_refusal, random_tokens, seq_length)
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
 from kvconform.ops import op_names
-from kvconform.subjects import FRESH, kind_of
+from kvconform.subjects import FRESH, PRESS, kind_of
 
 
 def _run_batch_case(ctx, names):
@@ -125,20 +126,9 @@ def check_beam_search(ctx):
     beams = int(case.params["beams"])
     if beams < 2:
         raise ValueError(f"case {case.id}: params.beams must be ≥ 2")
-    gen = case_generator(case, model.name)
-    length = case.encoder_len if model.is_encoder_decoder else case.prompt
-    prompt = random_tokens(gen, case.batch, length, model.vocab_size)
-    mask = torch.ones_like(prompt)
-    padding = case.params.get("padding") if not model.is_encoder_decoder else None
-    for b, p in enumerate(padding or ()):
-        if b < case.batch:
-            prompt[b, :p], mask[b, :p] = 0, 0
-    if not model.is_encoder_decoder:
-        prompt = image_prompt(model, prompt, [(padding or [])[b] if b < len(padding or []) else 0
-                                              for b in range(case.batch)])
+    prompt, mask, text = _beam_prompts(ctx)
     n = case.max_new_tokens
-    ops_text = (f"generate(num_beams={beams}, prompts {length} tokens"
-                + (f" left-padded by {list(padding)[:case.batch]}" if padding else "") + f", max_new_tokens={n})")
+    ops_text = f"generate(num_beams={beams}, {text}, max_new_tokens={n})"
     cache = ctx.subject.build(model, max_cache_len=ctx.max_cache_len, batch_size=case.batch * beams,
                               encoder_len=case.encoder_len)
     try:
@@ -172,6 +162,111 @@ def check_beam_search(ctx):
               "likely cause: " + (without or "reorder_cache() does not move every layer's tensors with the surviving "
                                   "beams (or the padding of the rows leaks into other rows)")]
     ctx.fail(lines, {"wrong_without_reorder": without is not None})
+
+
+def fresh_only(subject, model, case, device="cpu"):
+    """Applicability rule of ``check_beam_search_self_consistent``: subjects compared with a fresh instance of their
+    own class (lossy without a twin, presses)."""
+    if kind_of(subject).target == FRESH:
+        return None
+    return ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'), whose beam search is "
+            "compared with a fresh instance of their class; an exact subject's is compared with uncached beam search "
+            "(check_beam_search)")
+
+
+def cache_before_any_token(cache) -> bool:
+    """Whether ``cache`` holds no token yet (``get_seq_length()`` 0 or undefined): a raise inside ``generate`` then came
+    at its first forward, the prefill."""
+    return not seq_length(cache)
+
+
+def _beam_prompts(ctx):
+    """The seeded, left-padded prompts ``[B, P]`` and their mask of ``check_beam_search`` (``params.padding``; a VLM's
+    image first), and the ops text's prompt part."""
+    import torch
+
+    case, model = ctx.case, ctx.model
+    gen = case_generator(case, model.name)
+    length = case.encoder_len if model.is_encoder_decoder else case.prompt
+    prompt = random_tokens(gen, case.batch, length, model.vocab_size)
+    mask = torch.ones_like(prompt)
+    padding = case.params.get("padding") if not model.is_encoder_decoder else None
+    for b, p in enumerate(padding or ()):
+        if b < case.batch:
+            prompt[b, :p], mask[b, :p] = 0, 0
+    if not model.is_encoder_decoder:
+        prompt = image_prompt(model, prompt, [(padding or [])[b] if b < len(padding or []) else 0
+                                              for b in range(case.batch)])
+    text = f"prompts {length} tokens" + (f" left-padded by {list(padding)[:case.batch]}" if padding else "")
+    return prompt, mask, text
+
+
+@register("batch", needs=("generate", "reorder"), judges=(LOSSY_FRESH, PRESS), applies=fresh_only,
+          params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
+          ops=IGNORES_OPS)
+def check_beam_search_self_consistent(ctx):
+    """Beam search with a lossy subject without a twin (``generate(num_beams=params.beams, num_return_sequences=
+    beams, length_penalty=0)`` on distinct, left-padded prompts): the score of every returned beam — the sum of the
+    log-probabilities beam search computed, step by step, from a cache that ``reorder_cache`` rearranged at every
+    step — equals the sum of the log-probabilities of the same tokens from a fresh instance of the subject's class
+    fed each beam's tokens directly (kvconform's own loop: the prompts as one prefill, one token a step, the same
+    batch of rows × beams), within the tolerance of each step times the tokens generated. A reorder that leaves
+    part of the cache behind gives a beam another history than its tokens."""
+    import torch
+
+    from kvconform.checks._interpreter import Runner
+    from kvconform.checks._observe import at_batch
+
+    case, model = ctx.case, ctx.model
+    beams, n = int(case.params["beams"]), case.max_new_tokens
+    prompt, mask, text = _beam_prompts(ctx)
+    ops_text = f"generate(num_beams={beams}, {text}, max_new_tokens={n}, length_penalty=0)"
+    cache = ctx.subject.build(model, max_cache_len=ctx.max_cache_len, batch_size=case.batch * beams,
+                              encoder_len=case.encoder_len)
+    try:
+        seq, _, out = generate(model, prompt, n, compat.generate_cache_kwargs(cache, model.model), mask,
+                               num_beams=beams, num_return_sequences=beams, early_stopping=False, length_penalty=0.0,
+                               output_scores=True)
+    except Exception as exc:  # noqa: BLE001
+        refusal = cache_before_any_token(cache) and prefill_refusal(ctx, SubjectRaised("prefill (generate)", exc))
+        if refusal:  # a clear refusal of the padded prompts, as the contract allows: nothing to judge here
+            raise CheckSkipped(refusal) from None
+        missing = isinstance(exc, (AttributeError, NotImplementedError))
+        ctx.fail([f"beam search raised {describe_exception(exc)}", f"ops: {ops_text}",
+                  "likely cause: " + ("the cache has no working reorder_cache() (beam search calls it every step)"
+                                      if missing else "the cache cannot follow beam search (see the exception)")],
+                 {"raised": type(exc).__name__})
+    scores = out.sequences_scores.detach().to("cpu", torch.float64)
+    rows = case.batch * beams
+    one = at_batch(ctx, rows)
+    runner = Runner(one, one.new_cache(), position_mode="explicit", padding=[])
+    P = prompt.shape[1]
+    want = torch.zeros(rows, dtype=torch.float64)
+    try:
+        logits = runner.feed(P, f"prefill({P}) (own loop)", tokens=prompt.repeat_interleave(beams, 0),
+                             tokens_mask=mask.repeat_interleave(beams, 0)).logits[:, -1]
+        for i in range(n):
+            token = seq[:, P + i]
+            want += torch.log_softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
+            if i + 1 < n:
+                logits = runner.feed(1, f"decode {i + 1} (own loop)", tokens=token[:, None]).logits[:, -1]
+    except SubjectRaised as exc:
+        fail_subject_raised(ctx, exc, "the cache does not take the forwards of a greedy loop (see the exception)")
+    bound = ctx.tolerance().bound(0.0) * n
+    delta = (scores - want).abs()
+    worst = int(delta.argmax())
+    ctx.metrics.update(max_abs=float(delta.max()), tolerance=bound, beams=beams,
+                       compared_with="own loop on a fresh instance fed each beam's tokens")
+    if float(delta.max()) <= bound:
+        return
+    ctx.fail([f"beam {worst % beams} of prompt {worst // beams}: sequence score = {float(scores[worst]):.4f} from "
+              f"beam search, but a fresh {ctx.subject.name} fed the same tokens gives {float(want[worst]):.4f} "
+              f"(|Δ| = {float(delta[worst]):.1e}, should be ≤ {bound:.1e}: the tolerance × {n} tokens)",
+              f"beams off: {int((delta > bound).sum())} of {rows}",
+              f"ops: {ops_text} vs prefill({P}) → decode×{n - 1} of each beam's tokens",
+              "likely cause: reorder_cache() does not move every part of the cache with the surviving beams (a "
+              "layer, a residual or a codec state left behind, or rows shared between beams), so a beam continues "
+              "from another beam's history"], {"failed_at": f"beam {worst}"})
 
 
 def _wrong_without_reorder(ctx, prompt, mask, n) -> str | None:

@@ -542,8 +542,8 @@ def check_encoder_decoder_subcaches(ctx):
 def evicting_only(subject, model, case, device="cpu"):
     """Applicability rule: evicting subjects only (``kind="evicting"`` with a ``tokens_max`` budget)."""
     kind = kind_of(subject)
-    if not kind.evicts or kind.tokens_max is None:
-        return "applies to evicting subjects only (kind='evicting' with a tokens_max budget)"
+    if not kind.evicts or kind.exact_limit is None:
+        return "applies to evicting subjects only (kind='evicting' with a tokens_max or keep_ratio budget)"
     return None
 
 
@@ -619,7 +619,17 @@ def _tokens(ctx, gen, batch, n, prompt: bool = False):
     return image_prompt(ctx.model, tokens) if prompt else tokens
 
 
+SHARE_PAST = 12
+"""How far past ``tokens_exact`` the programs of a share-evicting subject (``keep_ratio``) go at least, so that it
+has evicted before the op under test."""
+
+
 def _tokens_max(ctx) -> int:
+    """``T`` of the evicting programs: ``tokens_max``, or for a subject evicting a share (``keep_ratio``) its
+    ``tokens_exact`` + ``SHARE_PAST`` (it evicts from ``tokens_exact`` on)."""
+    kind = kind_of(ctx.subject)
+    if kind.keep_ratio is not None:
+        return int(kind.exact_limit or 0) + SHARE_PAST
     return int(ctx.subject.budget.tokens_max)
 
 
@@ -636,7 +646,13 @@ def check_evicting_bounds(ctx):
     gen = case_generator(ctx.case, ctx.model.name)
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
+    kind = kind_of(ctx.subject)
+    exact_upto = kind.exact_limit if kind.keep_ratio is not None else 0  # a share: exact while ≤ tokens_exact seen
     program = [("prefill", T + over), ("decode", 3), ("chunk", T + 3), ("decode", 2)]
+    if exact_upto:  # below tokens_exact first, one token at a time, then the forward that crosses it
+        first = max(exact_upto - 2, 1)
+        program = [("prefill", first), ("decode", exact_upto - first), ("chunk", T + over - exact_upto),
+                   ("decode", 3), ("chunk", T + 3), ("decode", 2)]
     ops_text = " → ".join(f"{name}({n})" if name != "decode" else f"decode×{n}" for name, n in program)
     run = _Driver(ctx, ctx.new_cache(), enc)
     tol = ctx.tolerance()
@@ -646,9 +662,10 @@ def check_evicting_bounds(ctx):
             for i in range(n if name == "decode" else 1):
                 k = 1 if name == "decode" else n
                 label = f"{name}({n})" if name != "decode" else f"decode {i + 1} of {n}"
+                before = run.runner.length
                 logits = run.feed(_tokens(ctx, gen, B, k, prompt=name == "prefill"), label)
-                if name == "prefill":
-                    _judge_exact(ctx, run, logits, tol, label, ops_text)
+                if name == "prefill" or before <= exact_upto:
+                    _judge_exact(ctx, run, logits, tol, label, ops_text, before)
                 _judge_bounds(ctx, run, label, ops_text, T)
                 worst_held = max([worst_held, *held_tokens(run.cache).values()])
     except SubjectRaised as exc:
@@ -658,15 +675,30 @@ def check_evicting_bounds(ctx):
                        held_readable=bool(held_tokens(run.cache)))
 
 
-def _judge_exact(ctx, run, logits, tol, label, ops_text):
+def _judge_exact(ctx, run, logits, tol, label, ops_text, before: int = 0):
+    """The forward that fed the cache from ``before`` tokens (its ``logits`` ``[B, n, V]``) against the oracle;
+    ``before > 0`` only for a share-evicting subject below its ``tokens_exact``, where nothing may have been
+    evicted yet."""
     from kvconform.oracle import compare_logits
 
-    oracle = ctx.oracle.logits(run.seq, encoder_ids=run.encoder_ids)
-    uncached = ctx.oracle.uncached(run.seq, encoder_ids=run.encoder_ids)
+    n = logits.shape[1]
+    oracle = ctx.oracle.logits(run.seq, encoder_ids=run.encoder_ids)[:, -n:]
+    uncached = ctx.oracle.uncached(run.seq, encoder_ids=run.encoder_ids)[:, -n:]
     cmp = compare_logits(logits, oracle, uncached, tol)
     ctx.metrics.update(max_abs=cmp.max_abs, tolerance=cmp.tol, noise_floor=cmp.floor)
     if cmp.passed:
         return
+    if before:
+        kind = kind_of(ctx.subject)
+        ctx.fail([
+            f"{label} after {before} tokens: max|Δlogit| = {cmp.max_abs:.1e} against the oracle, but should be ≤ "
+            f"{cmp.tol:.1e} ({tol.describe(cmp.floor)}): the cache declares it evicts nothing before "
+            f"{kind.exact_limit} tokens seen (tokens_exact)",
+            f"ops: {ops_text}   [failed at {label}]",
+            f"likely cause: the cache evicts (or changes what it holds) before tokens_exact = {kind.exact_limit} "
+            f"tokens: it holds {', '.join(str(v) for v in held_tokens(run.cache).values()) or '?'} tokens per row "
+            f"after {run.runner.length} seen — declare the tokens_exact it keeps, or keep every token up to it",
+        ], {"failed_at": label, "tokens_exact": kind.exact_limit})
     ctx.fail([
         f"{label} into an empty cache: max|Δlogit| = {cmp.max_abs:.1e} against the oracle, but should be ≤ "
         f"{cmp.tol:.1e} ({tol.describe(cmp.floor)})",
@@ -691,9 +723,20 @@ def _judge_bounds(ctx, run, label, ops_text, T):
         ctx.fail([f"get_seq_length() = {reported} after {label}, but should be {fed} (tokens seen)",
                   f"ops: {ops_text}   [failed at {label}]", f"likely cause: {restart}"],
                  {"reported": reported, "tokens_fed": fed, "failed_at": label})
-    over = {i: n for i, n in held.items() if n > T}
+    kind = kind_of(ctx.subject)
+    bound = kind.held_bound(fed) if kind.keep_ratio is not None else T
+    over = {i: n for i, n in held.items() if n > bound}
     if over:
         i, n = next(iter(over.items()))
+        if kind.keep_ratio is not None:
+            declared = ctx.subject.budget.describe_bound()
+            ctx.fail([f"attention layer {i} holds {n} tokens per row after {label} ({fed} seen), but should hold ≤ "
+                      f"{bound} ({declared})" + (f" (layers over it: {sorted(over)})" if len(over) > 1 else ""),
+                      f"ops: {ops_text}   [failed at {label}]",
+                      f"likely cause: the cache keeps a larger share than it declares ({n / max(fed, 1):.2f} of the "
+                      f"{fed} tokens seen; declared keep_ratio {kind.keep_ratio:g} past "
+                      f"{kind.exact_limit} tokens), or does not evict at every step"],
+                     {"held": n, "layer": i, "held_bound": bound, "failed_at": label})
         ctx.fail([f"attention layer {i} holds {n} tokens per row after {label} ({fed} seen), but tokens_max is {T}"
                   + (f" (layers over it: {sorted(over)})" if len(over) > 1 else ""),
                   f"ops: {ops_text}   [failed at {label}]",

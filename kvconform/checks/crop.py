@@ -76,6 +76,8 @@ def run_crop_case(ctx, cache, records=None):
         SubjectRaised: a forward raised.
     """
     params = ctx.case.params
+    if params["record_states"]:
+        _recording_call(cache, params["record_states"])  # skipped before anything runs where no release records
     runner = Runner(ctx, cache)
     if params["record"] and hasattr(cache, "activate_past_recording"):
         label, record = _recording_call(cache, params["record_states"])

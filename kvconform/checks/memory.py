@@ -64,7 +64,7 @@ from kvconform.checks._drive import SubjectRaised, layer_bytes, layers_problem, 
 from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
-from kvconform.checks._observe import FORWARD_OPS, run_observed
+from kvconform.checks._observe import FORWARD_OPS, measured_at_batch_one, run_observed
 from kvconform.memo import MEMO
 from kvconform.ops import op_names
 from kvconform.oracle import Tolerance
@@ -397,12 +397,34 @@ class Allocation:
 NO_POLICY = Allocation()
 
 
-def infer_allocation(series: list, rows: list, label: str, token_bytes: int, slack: int) -> Allocation:
+def buffer_tokens(layer) -> int | None:
+    """The token slots of the buffer behind a layer's ``keys`` (``[B, H, T, D]``): its storage's bytes over one
+    token's key bytes (``B·H·D·b``), when ``keys`` is a view of a larger buffer along the token axis (a buffer of
+    capacity ``C > T`` that the cache fills in place); None when ``keys`` is not such a tensor or is its whole
+    storage. What the cache itself reports of its capacity, read without calling it."""
+    import torch
+
+    try:
+        keys = getattr(layer, "keys", None)
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] == 0 or keys.numel() == 0:
+            return None
+        per_token = keys.numel() // keys.shape[-2] * keys.element_size()
+        slots = keys.untyped_storage().nbytes() // per_token
+    except Exception:  # noqa: BLE001 - a layer whose keys cannot be read: no evidence
+        return None
+    return int(slots) if slots > keys.shape[-2] else None
+
+
+def infer_allocation(series: list, rows: list, label: str, token_bytes: int, slack: int,
+                     capacities: list | None = None) -> Allocation:
     """The allocation policy of layer ``label`` from its held bytes: ``series`` ``[(tokens, held, layer)]`` after
-    each op, ``rows`` the ``GrowthProbe`` forwards. ``preallocated`` when a bounded layer (``get_max_length() = C >
+    each op, ``rows`` the ``GrowthProbe`` forwards, ``capacities`` ``[(tokens, buffer slots or None)]`` after each
+    op (``buffer_tokens``). ``preallocated`` when a bounded layer (``get_max_length() = C >
     0``) holds C tokens' bytes (± ``slack``) after every op that left tokens in it, fewer than C tokens included;
-    ``doubling`` when every growth of a non-empty layer doubles its bytes and some decode steps grow nothing.
-    Else ``NO_POLICY``."""
+    ``doubling`` when every growth of a non-empty layer doubles its bytes and some decode steps grow nothing, or —
+    when no growth was seen (one large prefill into a buffer that then had room for every decode step) — when after
+    every op its keys are a view of a buffer of ``C`` slots with ``S < C ≤ 2·S`` (``S`` tokens held) and it holds
+    those ``C`` slots' bytes (± ``slack``), no more. Else ``NO_POLICY``."""
     if token_bytes <= 0 or not series:
         return NO_POLICY
     try:
@@ -420,12 +442,65 @@ def infer_allocation(series: list, rows: list, label: str, token_bytes: int, sla
     if grew and flat and all(abs(a - 2 * b) <= slack for _, b, a in grew):
         at = ", ".join(f"S={row.start + row.n} ({b} → {a} B)" for row, b, a in grew[:3])
         return Allocation("doubling", "inferred", f"the held bytes doubling at {at}, flat between")
+    spare = _spare_capacity(series, capacities or [], token_bytes, slack)
+    if spare:
+        return Allocation("doubling", "inferred", spare)
     return NO_POLICY
 
 
-def allocations(subject, raw: list, rows: list, shapes: dict, slack: int) -> dict:
+def _spare_capacity(series: list, capacities: list, token_bytes: int, slack: int) -> str | None:
+    """The evidence of a doubling buffer in what the cache reports (``infer_allocation``): after every op that left
+    tokens, ``keys`` a view of ``C`` slots with ``S < C ≤ 2·S`` and the layer holding ``C`` slots' bytes; else None."""
+    held = [(t, h) for t, h, _ in series if t > 0]
+    slots = [c for t, c in capacities if t > 0]
+    if not held or len(slots) != len(held) or any(c is None for c in slots):
+        return None
+    try:
+        if compat.max_length(series[0][2]) > 0:
+            return None  # a bounded (sliding) layer holds its window, not a growing buffer
+    except Exception:  # noqa: BLE001 - an incomplete layer: no evidence
+        return None
+    for (t, h), c in zip(held, slots):
+        if not t < c <= 2 * t or abs(h - c * token_bytes) > slack:
+            return None
+    shown = ", ".join(f"S={t} in {c} slots" for (t, _), c in list(zip(held, slots))[:3])
+    return (f"the buffer its keys are a view of ({shown}: never more than twice the tokens held, and the held bytes "
+            f"are those slots')")
+
+
+def not_inferred(series: list, capacities: list, token_bytes: int) -> str:
+    """Why ``doubling`` was not inferred for a layer that holds more than its formula (``infer_allocation``), as
+    one line naming the declaration that would apply."""
+    held = [(t, h) for t, h, _ in series if t > 0]
+    slots = dict((t, c) for t, c in capacities if t > 0 and c is not None)
+    worst = max((h / (t * token_bytes) for t, h in held if t and token_bytes), default=0.0)
+    if slots:
+        t, c = max(slots.items(), key=lambda tc: tc[1] / tc[0])
+        why = (f"its keys are a view of a buffer of {c} slots for {t} tokens ({c / t:.2f}×)"
+               + (", more than twice the tokens held" if c > 2 * t else
+                  ", but it holds more bytes than those slots take"))
+    else:
+        why = ("no decode step showed the held bytes doubling and its keys are not a view of a larger buffer, so "
+               "kvconform cannot see a buffer's capacity")
+    if worst > 2.0 + 1e-9:
+        return (f"no allocation policy declared, none inferred ({why}); it holds up to {worst:.2f}× the formula, "
+                f"more than amortised doubling (≤ 2×) may hold, so no declared policy would explain it")
+    return (f"no allocation policy declared, none inferred ({why}); it holds up to {worst:.2f}× the formula, which "
+            f"a doubling buffer would explain — if the layer allocates amortised doubling buffers by design, declare "
+            f"kvconform_allocation = \"doubling\" (CacheSpec allocation=\"doubling\")")
+
+
+def hint_applies(series: list, capacities: list, token_bytes: int) -> bool:
+    """Whether a failure of a layer with no allocation policy gets the ``not_inferred`` line: it holds at most
+    twice its formula (a doubling buffer would explain it), or its keys are a view of a larger buffer."""
+    worst = max((h / (t * token_bytes) for t, h, _ in series if t > 0 and token_bytes), default=0.0)
+    return worst <= 2.0 + 1e-9 or any(c for t, c in capacities if t > 0)
+
+
+def allocations(subject, raw: list, rows: list, shapes: dict, slack: int, capacities: dict | None = None) -> dict:
     """``{layer label: Allocation}``: the subject's declared ``allocation`` for every layer, else each layer's
-    ``infer_allocation`` from ``raw`` (``[(Checkpoint, [(label, held, layer, tokens)])]``)."""
+    ``infer_allocation`` from ``raw`` (``[(Checkpoint, [(label, held, layer, tokens)])]``) and ``capacities``
+    (``{label: [(tokens, buffer slots or None)]}`` after each op, ``buffer_tokens``)."""
     declared = getattr(subject, "allocation", None)
     if declared:
         return {label: Allocation(declared, "declared") for label in shapes}
@@ -433,7 +508,8 @@ def allocations(subject, raw: list, rows: list, shapes: dict, slack: int) -> dic
     for cp, layers in raw:
         for name, held, layer, tokens in layers:
             series.setdefault(name, []).append((tokens, held, layer))
-    return {label: infer_allocation(series.get(label, []), rows, label, shape.token_bytes, slack)
+    return {label: infer_allocation(series.get(label, []), rows, label, shape.token_bytes, slack,
+                                    (capacities or {}).get(label))
             for label, shape in shapes.items()}
 
 
@@ -486,8 +562,10 @@ def check_memory_bytes(ctx):
     (full: S tokens, sliding: min(S, window), static: max_cache_len, linear: its states, quantized: its band).
 
     A subject that does not declare capability ``reset`` (``crop``) is measured up to the case's first ``reset``
-    (``crop``) op. A paged subject may hold one page per row and layer above the formula (see the module docstring:
-    its ``page_size``, declared or inferred); the metrics ``granularity`` and ``page_tokens`` say which was used."""
+    (``crop``) op. A subject that raises at the case's batch (> 1) is measured at batch 1 as well
+    (``_observe.measured_at_batch_one``): its bytes get a verdict where it runs. A paged subject may hold one page
+    per row and layer above the formula (see the module docstring: its ``page_size``, declared or inferred); the
+    metrics ``granularity`` and ``page_tokens`` say which was used."""
     slack = int(ctx.case.params["slack_bytes"])
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
                   and op.name not in ctx.subject.capabilities]
@@ -502,21 +580,28 @@ def check_memory_bytes(ctx):
     shapes = _shapes_for(ctx)
     cache = ctx.new_cache()
     raw: list[tuple[Checkpoint, list]] = []
+    capacities: dict = {}
 
     def measure(label, tokens, after_reset):
         layers, held = dict(cache_layers(cache)), layer_bytes(cache)
         raw.append((Checkpoint(label, tokens, after_reset),
                     [(name, held[name], layer, tokens) for name, layer in layers.items()]))
+        for name, layer in layers.items():
+            capacities.setdefault(name, []).append((tokens, buffer_tokens(layer)))
 
     probe = GrowthProbe()
     try:
         run_memory_ops(ctx, cache, measure, observers=[probe])
-    except SubjectRaised as exc:
-        fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    except SubjectRaised as exc:  # a batch it cannot run: measured at batch 1 as well (measured_at_batch_one)
+        measured_at_batch_one(
+            ctx, exc, check_memory_bytes,
+            lambda c, e: fail_raised(c, e, "the cache does not support this sequence of calls (see the exception)"),
+            lambda m: f"{_mib(m.get('bytes_held', 0))} held vs {_mib(m.get('bytes_formula', 0))} by the formula "
+                      f"({m.get('ratio')}×) after S={m.get('tokens')} tokens")
     if not raw:
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
     grains = granularities(ctx.subject, probe.rows, shapes)
-    policies = allocations(ctx.subject, raw, probe.rows, shapes, slack)
+    policies = allocations(ctx.subject, raw, probe.rows, shapes, slack, capacities)
     checkpoints: list[Checkpoint] = []
     for cp, layers in raw:
         for name, held, layer, tokens in layers:
@@ -555,6 +640,13 @@ def check_memory_bytes(ctx):
                        if name == label and e.exact)
     grain = grains.get(label, TOKEN_BY_TOKEN)
     policy = policies.get(label, NO_POLICY)
+    hint = None
+    shape = shapes.get(label)
+    if (excess > 0 and not policy.policy and not exp.lossy and grain.tokens <= 1 and shape is not None
+            and shape.token_bytes and "window=" not in exp.formula and "preallocated" not in exp.formula):
+        series = [(tokens, h, layer) for c, layers in raw for name, h, layer, tokens in layers if name == label]
+        if hint_applies(series, capacities.get(label, []), shape.token_bytes):
+            hint = "allocation: " + not_inferred(series, capacities.get(label, []), shape.token_bytes)
     ctx.fail([
         observed + f" ({ratio:.2f}× the formula)",
         f"formula: {exp.formula}" + ("" if exp.lossy else f" (+ slack {slack} B)"),
@@ -562,8 +654,10 @@ def check_memory_bytes(ctx):
                                                          else ""),
         f"whole cache: {_mib(cp.held)} held vs {_mib(cp.formula)} by the formula after S={cp.tokens} tokens",
         f"{label} held/formula after each op: {per_op}",
+        hint,
         f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
         "likely cause: " + (_policy_cause(policy, label, checkpoints) or
+                            _ahead_of_need(raw, capacities, label, shape, slack) or
                             _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows)),
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
@@ -594,6 +688,20 @@ def _policy_cause(policy: Allocation, label: str, checkpoints) -> str | None:
                 "tokens left (halve the buffer when it is less than half full, free it on reset)")
     return ("the buffer grows by more than doubling (or allocates ahead of need): a doubling buffer holds at most "
             "twice the tokens fed")
+
+
+def _ahead_of_need(raw: list, capacities: dict, label: str, shape, slack: int) -> str | None:
+    """The cause of a layer over its formula whose keys are a view of a buffer of more than twice the tokens held
+    and whose held bytes are that buffer's (``buffer_tokens``): slots allocated ahead of need; else None."""
+    if shape is None or not shape.token_bytes:
+        return None
+    held = {tokens: h for c, layers in raw for name, h, _, tokens in layers if name == label}
+    for tokens, slots in capacities.get(label, []):
+        if slots and tokens and slots > 2 * tokens and abs(held.get(tokens, 0) - slots * shape.token_bytes) <= slack:
+            return (f"the buffer behind its keys has {slots} slots for {tokens} tokens ({slots / tokens:.2f}×): "
+                    f"it allocates ahead of need, beyond what amortised doubling (≤ 2× the tokens held) needs — "
+                    f"grow to the next power of two of the tokens, not past it")
+    return None
 
 
 def _checkpoint_metrics(c) -> dict:

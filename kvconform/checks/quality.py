@@ -31,6 +31,7 @@ from kvconform.checks import ALL_KINDS, OpRule, Param, register
 from kvconform.checks._drive import (SubjectRaised, cache_layers, held_bytes, held_tensor_items, largest_holdings,
                                      layer_bytes, storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
+from kvconform.checks._observe import measured_at_batch_one
 from kvconform.memo import MEMO
 from kvconform.subjects import kind_of
 
@@ -64,6 +65,9 @@ def compressing(subject, model, case, device="cpu"):
     fake-quant twin), on models with attention layers (a Mamba-style model holds only fixed-size states: nothing for
     a key/value compressor to compress)."""
     kind = kind_of(subject)
+    if not kind.saves_memory:
+        return (f"{subject.name} promises no memory saving (saves_memory=False in its budget): its held bytes are not "
+                f"judged against an exact cache's; its quality (check_quality_budget) and self-consistency are")
     if kind.compresses:
         if "attention" not in model.features:
             return (f"{model.name} has no attention layers: no keys or values to compress (its linear-attention "
@@ -294,14 +298,16 @@ def _reference_layers(ctx) -> list:
     return _REFERENCE[key]
 
 
-def _run_subject(ctx):
+def _run_subject(ctx, check, summary):
     """Run the case on a fresh subject cache; return ``(cache, tokens fed)``, failing the item if the subject
-    raises."""
+    raises — after measuring ``check`` at batch 1 as well where it raised at a larger batch
+    (``_observe.measured_at_batch_one``; ``summary(metrics)``: the batch-1 measurement in one phrase)."""
     cache = ctx.new_cache()
     try:
         steps = drive(ctx, cache)
     except SubjectRaised as exc:
-        fail_subject_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+        measured_at_batch_one(ctx, exc, check, lambda c, e: fail_subject_raised(
+            c, e, "the cache does not support this sequence of calls (see the exception)"), summary)
     return cache, int(steps[-1].seq.shape[1])
 
 
@@ -319,7 +325,9 @@ def check_compression_real(ctx):
     keys and values of a full-attention layer, the window of a sliding layer, the linear-attention states): ratio <
     1, and ≤ ``budget.bytes_ratio_max`` when the subject (or the case, ``params``) declares one. The ratio is of the
     case dtype's bytes (the built-in cases: float32)."""
-    cache, tokens = _run_subject(ctx)
+    cache, tokens = _run_subject(ctx, check_compression_real, lambda m: (
+        f"{_mib(m.get('bytes_held', 0))} held, {m.get('bytes_ratio')}× the {_mib(m.get('bytes_exact', 0))} an exact "
+        f"cache holds"))
     layers = _reference_layers(ctx)
     exact = sum(layer.exact_bytes for layer in layers)
     held = held_bytes(cache)
@@ -398,6 +406,15 @@ def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
                 f"quantization is real but its indices and sign bits are not packed, so they cost more than the "
                 f"values they replace (pack them: uint8 or bit-packed)")
     if full or uncompressed:
+        rounded = _stored_vs_exact(ctx, cache, full)
+        if rounded is not None:
+            path, delta = rounded
+            return (f"the codec runs but the cache stores its decoded output: the keys/values it holds{where} are "
+                    f"{dtype} tensors as large as an exact cache's, yet differ from the exact keys/values by up to "
+                    f"{delta:.2g} ({path}) — every token goes through the codec and the reconstructed floats are "
+                    f"kept, not the codes, so nothing is saved. Store the codes (indices, scales) and decode on read; "
+                    f"or, if the design promises no memory saving, declare it: saves_memory=False in the budget "
+                    f"(kvconform_lossy = {{..., 'saves_memory': False}})")
         return ("nothing is compressed: the cache holds what an exact cache holds" + (where if full else "") +
                 " — the compressor is never reached (an exact window longer than the case, or layers built before "
                 "the cache could install its own quantizing layers)")
@@ -406,18 +423,62 @@ def _compression_cause(ctx, cache, layers, ratio: float, tokens: int) -> str:
     return "the cache compresses less than it declares (more bits, smaller groups or a longer exact window)"
 
 
+def _stored_vs_exact(ctx, cache, paths) -> tuple | None:
+    """Whether the full-size tensors ``cache`` holds at ``paths`` (``held_tensor_items`` paths) went through a codec:
+    each is compared with the keys/values of the same shape kvconform's exact ``ReferenceCache`` holds after the same
+    ops; returns ``(path, max|Δ|)`` of the tensor closest to an exact one when even that one is off by more than
+    float noise (1e-4 of the exact values' scale), else None (stored exactly: nothing went through a codec, or no
+    tensor to compare)."""
+    import torch
+
+    from kvconform.reference import ReferenceCache  # noqa: F401 - the reference the context builds
+
+    if not paths or ctx.reference is None:
+        return None
+    try:
+        ref = ctx.new_cache(ctx.reference)
+        drive(ctx, ref)
+    except Exception:  # noqa: BLE001 - no comparison without the reference: the general reading applies
+        return None
+    exact = []
+    for _, layer in cache_layers(ref):
+        for name in ("key_chunks", "value_chunks"):
+            chunks = [c for c in (getattr(layer, name, None) or []) if isinstance(c, torch.Tensor)]
+            if chunks:
+                exact.append(torch.cat(chunks, dim=-2).detach().double())
+    held = dict(held_tensor_items(cache))
+    best = None
+    for path in paths:
+        t = held.get(path)
+        if t is None:
+            continue
+        t = t.detach().double()
+        deltas = [(float((t - e).abs().max()), float(e.abs().max())) for e in exact if e.shape == t.shape]
+        if not deltas:
+            continue
+        delta, scale = min(deltas)
+        if delta <= 1e-4 * max(scale, 1.0):
+            return None  # one tensor is stored exactly: the codec does not touch what the cache keeps
+        if best is None or delta < best[1]:
+            best = (path, delta)
+    return best
+
+
 @register("quality", needs=("forward",), judges=ALL_KINDS, applies=evicting, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0,
                          doc="bytes per layer allowed above the bound (bookkeeping: positions, counters)"),
 }, ops=LONG_CONTEXT_RULE)
 def check_memory_bound(ctx):
     """An evicting subject holds no more than it declares: the bytes held after the case's long context are ≤
-    ``budget.tokens_max`` tokens' keys and values in each attention layer (``B·H_kv·(D_k + D_v)·b`` bytes a token,
+    ``budget.tokens_max`` tokens' keys and values in each attention layer (for a share, ``budget.held_bound`` of the
+    tokens seen: ``tokens_exact + ceil(keep_ratio · (seen − tokens_exact))``) (``B·H_kv·(D_k + D_v)·b`` bytes a token,
     measured on ``ReferenceCache`` fed the same ops) plus each layer's linear-attention states, plus ``slack_bytes``
     (default 256) per layer."""
-    tokens_max = int(ctx.subject.budget.tokens_max)
     slack = int(ctx.case.params["slack_bytes"])
-    cache, tokens = _run_subject(ctx)
+    cache, tokens = _run_subject(ctx, check_memory_bound, lambda m: (
+        f"{_mib(m.get('bytes_held', 0))} held ≤ {_mib(m.get('bytes_bound', 0))} ({m.get('tokens_max')} tokens)"))
+    budget = ctx.subject.budget
+    tokens_max = int(budget.held_bound(tokens))  # tokens_max, or the share (keep_ratio) of the tokens seen
     layers = _reference_layers(ctx)
     token_bytes = sum(layer.token_bytes for layer in layers)
     states = sum(layer.state_bytes for layer in layers)
@@ -433,7 +494,8 @@ def check_memory_bound(ctx):
     per_layer = ", ".join(f"{label} {_mib(n)}" for label, n in layer_bytes(cache).items())
     ctx.fail([
         f"held bytes = {_mib(held)} after {tokens} tokens, but should be ≤ {_mib(bound)} "
-        f"(budget.tokens_max = {tokens_max})",
+        + (f"(budget.tokens_max = {tokens_max})" if budget.keep_ratio is None else
+           f"({tokens_max} tokens: {budget.describe_bound()})"),
         f"bound: {tokens_max} tokens × {_mib(token_bytes)} a token over {len(attention)} attention layers "
         f"(2·B{B}·H_kv{H}·D{D}·{b}B each) + linear-attention states {_mib(states)} + slack {slack} B × "
         f"{len(layers)} layers",
@@ -443,6 +505,10 @@ def check_memory_bound(ctx):
         "likely cause: " + (f"the cache holds all {tokens} tokens' worth: nothing is evicted, or what is evicted is "
                             "still referenced (a list of old chunks, views pinning old buffers: see the largest "
                             "tensors)" if kept >= tokens - 0.5 else
+                            f"the cache keeps a larger share of the {tokens} tokens than it declares ({kept:.0f} "
+                            f"tokens' worth, {kept / max(tokens, 1):.2f} of them; declared keep_ratio "
+                            f"{budget.keep_ratio:g}), or evicted keys/values are still referenced"
+                            if budget.keep_ratio is not None else
                             "the cache keeps more than tokens_max tokens (a window larger than declared, or "
                             "evicted keys/values still referenced: a list of old chunks, views pinning old buffers)"),
     ])

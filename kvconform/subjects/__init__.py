@@ -55,12 +55,14 @@ from kvconform.subjects.construction import (CONSTRUCTION_KWARGS, MODEL_KWARG, F
                                              accepted_kwargs, accepted_names, meta_model, names_model,
                                              required_unknown_arguments, unpack_factory_result)
 from kvconform.subjects.context import CALL_CONTEXT_ATTR, CallContext, ModelLeftChanged, call_context
-from kvconform.subjects.spec import ALLOCATIONS, BUDGET_KEYS, CAPABILITIES, KINDS, Budget, CacheSpec, SpecError
+from kvconform.subjects.spec import (ALLOCATIONS, BUDGET_KEYS, CAPABILITIES, KINDS, SUPPORT_LAYER_TYPES,
+                                     SUPPORT_MODEL_KINDS, SUPPORTS, Budget, CacheSpec, SpecError, unsupported)
 from kvconform.subjects.builtin import (OFFLOAD_REASON, QUANTIZED_BUDGETS, _dynamic, _reference, _static,
                                         builtin_subjects, full_attention_only, offloaded_subjects, quantized_subjects,
                                         static_crop_note)
-from kvconform.subjects.declare import (NAME_PATTERN, declared_allocation, declared_capabilities, declared_kind,
-                                        declared_page_size, validate_kind, validate_spec)
+from kvconform.subjects.declare import (NAME_PATTERN, check_supports, declared_allocation, declared_capabilities,
+                                        declared_kind, declared_page_size, declared_supports, validate_kind,
+                                        validate_spec)
 from kvconform.subjects.resolve import as_cache_spec, check_factory_builds_cache, resolve_cache_spec
 
 __all__ = [
@@ -69,10 +71,11 @@ __all__ = [
     "CONSTRUCTION_KWARGS", "MODEL_KWARG", "FactoryResultError", "SubjectBuildError", "accepted_kwargs",
     "accepted_names", "meta_model", "names_model", "required_unknown_arguments", "unpack_factory_result",
     "CALL_CONTEXT_ATTR", "CallContext", "ModelLeftChanged", "call_context",
-    "ALLOCATIONS", "BUDGET_KEYS", "CAPABILITIES", "KINDS", "Budget", "CacheSpec", "SpecError",
+    "ALLOCATIONS", "BUDGET_KEYS", "CAPABILITIES", "KINDS", "SUPPORT_LAYER_TYPES", "SUPPORT_MODEL_KINDS", "SUPPORTS",
+    "Budget", "CacheSpec", "SpecError", "unsupported",
     "OFFLOAD_REASON", "QUANTIZED_BUDGETS", "builtin_subjects", "full_attention_only", "offloaded_subjects",
     "quantized_subjects", "static_crop_note",
-    "NAME_PATTERN", "declared_allocation", "declared_capabilities", "declared_kind", "declared_page_size",
-    "validate_kind", "validate_spec",
+    "NAME_PATTERN", "check_supports", "declared_allocation", "declared_capabilities", "declared_kind",
+    "declared_page_size", "declared_supports", "validate_kind", "validate_spec",
     "as_cache_spec", "check_factory_builds_cache", "resolve_cache_spec",
 ]

@@ -5,7 +5,9 @@ expected failures)."""
 
 from __future__ import annotations
 
-from kvconform.subjects.spec import ALLOCATIONS, CAPABILITIES, KINDS, Budget, CacheSpec, SpecError, _check_names
+from kvconform.subjects.spec import (ALLOCATIONS, CAPABILITIES, KINDS, SUPPORTS, Budget, CacheSpec, SpecError,
+                                     _check_names)
+
 
 def declared_capabilities(obj, where: str) -> frozenset:
     """The ``kvconform_capabilities`` a Cache subclass or a factory function declares (default: all of
@@ -46,12 +48,23 @@ def validate_kind(kind, budget, where: str) -> None:
                         f"{', ' + repr('tokens_max') + ': 68' if kind == 'evicting' else ''}}} (mean KL(oracle ‖ "
                         f"subject) in nats, top-1 agreement{', most tokens held' if kind == 'evicting' else ''})")
     budget = Budget.from_mapping(budget, where, kind)
-    if kind == "evicting" and budget.tokens_max is None:
+    if kind == "evicting" and budget.tokens_max is None and budget.keep_ratio is None:
         raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
-                        f"and attention layer, e.g. sinks + window)")
-    if kind in ("lossy", "press") and budget.tokens_max is not None:
-        raise SpecError(f"{where}: tokens_max is for evicting subjects; a {kind} subject has no token bound "
-                        f"(declare kind='evicting' if it never holds more than tokens_max tokens)")
+                        f"and attention layer, e.g. sinks + window) or keep_ratio (the share of the tokens past "
+                        f"tokens_exact it keeps, for a cache that evicts a share at every step)")
+    if kind == "evicting" and budget.tokens_exact is not None and budget.keep_ratio is None:
+        raise SpecError(f"{where}: tokens_exact goes with keep_ratio (a cache evicting a share of its tokens); a "
+                        f"cache with a fixed bound is exact up to tokens_max")
+    if kind == "evicting" and not budget.saves_memory:
+        raise SpecError(f"{where}: saves_memory is for lossy and press subjects; an evicting subject's memory is "
+                        f"bounded by its token bound")
+    extra = [k for k in ("tokens_max", "keep_ratio", "tokens_exact") if getattr(budget, k) is not None]
+    if kind in ("lossy", "press") and extra:
+        raise SpecError(f"{where}: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} for evicting subjects; a "
+                        f"{kind} subject has no token bound (declare kind='evicting' if it evicts tokens)")
+    if kind in ("lossy", "press") and not budget.saves_memory and budget.bytes_ratio_max is not None:
+        raise SpecError(f"{where}: saves_memory=False promises no memory saving, so bytes_ratio_max has nothing to "
+                        f"bound; drop one of them")
 
 
 def declared_kind(obj, where: str) -> tuple:
@@ -76,7 +89,40 @@ def _declared(obj, where: str) -> dict:
     """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
     kind, budget = declared_kind(obj, where)
     return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
-                page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where))
+                page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where),
+                supports=declared_supports(obj, where))
+
+
+def declared_supports(obj, where: str) -> frozenset | None:
+    """The ``kvconform_supports`` a Cache subclass or factory declares (names of ``SUPPORTS``: the layer types and
+    model kinds it supports), or None (every model).
+
+    Raises:
+        SpecError: not a non-empty collection of names, or a name outside ``SUPPORTS`` (closest named).
+    """
+    declared = getattr(obj, "kvconform_supports", None)
+    if declared is None:
+        return None
+    return check_supports(declared, f"{where}: kvconform_supports")
+
+
+def check_supports(declared, where: str) -> frozenset:
+    """``declared`` as a frozenset of ``SUPPORTS`` names.
+
+    Raises:
+        SpecError: a bare string, an empty or non-iterable value, a non-string item, or an unknown name (closest
+            named; the known names listed).
+    """
+    example = '{"full_attention", "sliding_attention"}'
+    try:
+        names = frozenset(declared) if not isinstance(declared, str) else None
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise SpecError(f"{where} must be a non-empty set of layer types and model kinds from {', '.join(SUPPORTS)}; "
+                        f"got {declared!r} (e.g. {example})")
+    _check_names(where, "layer types / model kinds", names, SUPPORTS)
+    return names
 
 
 def declared_allocation(obj, where: str) -> str | None:
@@ -142,6 +188,8 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
                         f"{page!r}")
     if spec.allocation is not None:
         _check_names(f"{where}: {spec.name}", "allocation", {spec.allocation}, ALLOCATIONS)
+    if spec.supports is not None:
+        check_supports(spec.supports, f"{where}: {spec.name}: supports")
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",

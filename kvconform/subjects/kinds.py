@@ -10,8 +10,10 @@ Five kinds (``Kind.name``; a check names those it judges with ``@register(..., j
   family holds it to its budget against the oracle.
 * ``lossy_fresh`` (``SelfConsistent``): a lossy subject without a twin (``kind="lossy"``, ``kvconform_lossy``):
   compared with a fresh instance of its own class fed the equivalent history (``checks/_consistency.py``).
-* ``evicting`` (``Evicting``): drops tokens past ``Budget.tokens_max``: exact (against the oracle, or its twin when
-  it has one) while it holds at most ``tokens_max`` tokens; past that judged by quality and its memory bound.
+* ``evicting`` (``Evicting``): drops tokens past ``Budget.tokens_max`` (or a share of them at every step past
+  ``Budget.tokens_exact``: ``keep_ratio``): exact (against the oracle, or its twin when it has one) while it holds at
+  most ``tokens_max`` tokens (has seen at most ``tokens_exact``); past that judged by the evicting contract, quality
+  and its memory bound (``Budget.held_bound``).
 * ``press`` (``Press``): compresses the prefill by keeping a subset of its tokens exactly, at any length, with no
   token bound (KV presses; ``kind="press"``, ``kvconform_press``): compared like ``lossy_fresh`` with a fresh
   instance fed the equivalent history, held to its quality budget and real compression, plus the press contract
@@ -94,8 +96,15 @@ class Kind:
     @property
     def compresses(self) -> bool:
         """Whether its held bytes must be fewer than an exact cache's (declared lossy or press, or exact with a
-        twin)."""
+        twin), unless its budget says it promises no memory saving (``Budget.saves_memory`` False)."""
+        if not self.saves_memory:
+            return False
         return self.declared in ("lossy", "press") or (self.declared == "exact" and self.has_twin)
+
+    @property
+    def saves_memory(self) -> bool:
+        """False where the budget declares no memory promise (``Budget.saves_memory``), else True."""
+        return bool(getattr(getattr(self.subject, "budget", None), "saves_memory", True))
 
     @property
     def evicts(self) -> bool:
@@ -117,6 +126,24 @@ class Kind:
     def tokens_max(self) -> int | None:
         """``Budget.tokens_max`` (evicting subjects), else None."""
         return getattr(getattr(self.subject, "budget", None), "tokens_max", None)
+
+    @property
+    def keep_ratio(self) -> float | None:
+        """``Budget.keep_ratio`` (an evicting subject that evicts a share of its tokens at every step), else None."""
+        return getattr(getattr(self.subject, "budget", None), "keep_ratio", None)
+
+    @property
+    def exact_limit(self) -> int | None:
+        """The most tokens an evicting subject may be fed while it promises exactness (``Budget.exact_limit``:
+        ``tokens_max``, or ``tokens_exact`` for a share), else None."""
+        budget = getattr(self.subject, "budget", None)
+        return getattr(budget, "exact_limit", None) if budget is not None else None
+
+    def held_bound(self, seen: int) -> int | None:
+        """The most tokens per row and attention layer it may hold after ``seen`` tokens (``Budget.held_bound``),
+        or None."""
+        held_bound = getattr(getattr(self.subject, "budget", None), "held_bound", None)
+        return held_bound(seen) if held_bound is not None else None
 
     # ------------------------------------------------------------------------------------------------ its twin
     @property
@@ -192,10 +219,13 @@ class SelfConsistent(Kind):
         name = self.subject.name
         if check.family == "generate":
             return (f"{name} is lossy: its greedy generate() is not compared token for token with the exact "
-                    f"model (a near-tie would flip a greedy token); its cache operations are judged by "
-                    f"self-consistency "
-                    f"(logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by the quality family "
-                    f"(check_quality_budget against the float64 oracle)")
+                    f"model (a near-tie would flip a greedy token) but with kvconform's own greedy loop on a fresh "
+                    f"instance fed the same tokens (check_generate_self_consistent); its cache operations are "
+                    f"judged by self-consistency (logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by "
+                    f"the quality family (check_quality_budget against the float64 oracle)")
+        if check.name == "check_beam_search":
+            return (f"{name} is lossy: its beam search is not compared with the exact model's but with a fresh "
+                    f"instance fed each beam's tokens (check_beam_search_self_consistent)")
         if check.family in LOSSY_NOT_EXACT:
             return f"{name} is lossy: {LOSSY_NOT_EXACT[check.family]}"
         return _generate_tokens_reason(name, twin=False)
@@ -212,9 +242,13 @@ class Evicting(Kind):
         return TWIN if self.has_twin else ORACLE
 
     def not_judged(self, check, case, held) -> str | None:
-        limit = self.tokens_max
+        limit = self.exact_limit
         if getattr(self.subject, "budget", None) is not None and limit is not None:
             most = held()
+            if most > limit and self.keep_ratio is not None:
+                return (f"{self.subject.name} evicts a share of its tokens past {limit} tokens seen (keep_ratio "
+                        f"{self.keep_ratio:g}) and case {case.id} feeds it up to {most}: judged by the evicting "
+                        f"contract, quality and the memory bound, not against the exact oracle")
             if most > limit:
                 return (f"{self.subject.name} evicts past {limit} tokens and case {case.id} makes it hold up to "
                         f"{most}: judged by quality and the memory bound, not against the exact oracle")

@@ -110,6 +110,146 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
     raise SpecError(f"{spec!r}: {attr} is {with_article(type(obj).__name__)}, not a Cache subclass or a factory")
 
 
+def spec_problem_before_import(spec: str) -> str | None:
+    """What ``resolve_cache_spec(spec)`` would refuse that can be seen without importing anything (so without torch):
+    the whole message it would raise, or None. Checked by a pytest-xdist controller before its workers start, so
+    that a mistyped spec is a usage error in a second instead of after every worker has imported torch and built
+    its session (measured 27 s for a class-name typo on a loaded 2-core machine).
+
+    Seen here: a malformed spec, a file that does not exist or does not parse (``SyntaxError``), a module whose
+    top-level package is nowhere on ``sys.path`` nor in the current folder, and an attribute that the file (or the
+    module's source file, found along its package's folders) never defines at its top level — with the same "did you
+    mean" as the import would give. Anything the source cannot settle (``from x import *``, a module-level
+    ``__getattr__``, an extension module, a namespace package, a name bound in a way the parser does not see) is left
+    to the import: None.
+    """
+    import ast
+
+    if not isinstance(spec, str) or spec.count(":") < 1:
+        return f"{spec!r}: expected 'module:attr' or 'path/to/file.py:attr'"
+    target, attr = spec.rsplit(":", 1)
+    if not target or not attr.isidentifier():
+        return f"{spec!r}: expected 'module:attr' or 'path/to/file.py:attr' (attr must be an identifier)"
+    source: str | None = target
+    if target.endswith(".py") or os.sep in target:
+        if not os.path.isfile(target):
+            return f"{spec!r}: file {target!r} does not exist"
+    else:
+        source, problem = _module_source(target)
+        if problem:
+            return f"{spec!r}: {problem}"
+    if source is None:
+        return None
+    try:
+        with open(source, "rb") as fh:
+            tree = ast.parse(fh.read(), filename=source)
+    except SyntaxError as exc:
+        return f"{spec!r}: importing {target!r} failed: SyntaxError: {exc}"
+    except (OSError, ValueError):
+        return None
+    names = _top_level_names(tree.body)
+    # module-level code (not the bodies of functions and classes) that binds names the parser cannot see
+    dynamic = any((isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                   and n.func.id in ("globals", "setattr", "exec", "vars"))
+                  or (isinstance(n, ast.Attribute) and n.attr == "modules" and isinstance(n.value, ast.Name)
+                      and n.value.id == "sys")  # sys.modules[__name__].X = ...
+                  for top in tree.body if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  for n in ast.walk(top))
+    if names is None or dynamic or attr in names:
+        return None
+    close = closest_name(attr, [n for n in names if not n.startswith("_")])
+    return f"{spec!r}: module {target!r} has no attribute {attr!r}" + (f" (did you mean {close!r}?)" if close else "")
+
+
+def _module_source(target: str) -> tuple[str | None, str | None]:
+    """``(source file, None)`` of module ``target`` found without importing it or its packages (its top-level
+    package's ``find_spec``, then the folders), ``(None, problem)`` when its top-level package is nowhere (the
+    message ``resolve_cache_spec`` gives), ``(None, None)`` when the layout is not one this walk settles."""
+    parts = target.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return None, None
+    if parts[0] in sys.modules:
+        top = getattr(sys.modules[parts[0]], "__spec__", None)
+    else:
+        try:
+            top = importlib.util.find_spec(parts[0])
+        except (ImportError, ValueError):
+            return None, None
+    if top is None:
+        here = os.getcwd()
+        local = [p for p in (os.path.join(here, parts[0] + ".py"), os.path.join(here, parts[0], "__init__.py"))
+                 if os.path.isfile(p)]
+        if not local:
+            return None, (f"importing {target!r} failed: ModuleNotFoundError: No module named {parts[0]!r}; give the "
+                          f"file instead ('path/to/file.py:Attr' — its folder is put on sys.path, so it can import "
+                          f"its sibling modules) or make the module importable (pip install -e your package, or "
+                          f"PYTHONPATH)")
+        origin, folders = local[0], [os.path.dirname(local[0])] if local[0].endswith("__init__.py") else []
+    else:
+        origin, folders = top.origin, list(top.submodule_search_locations or ())
+    for part in parts[1:]:
+        if len(folders) != 1:
+            return None, None  # a plain module has no submodules; a namespace package spans folders
+        as_module = os.path.join(folders[0], part + ".py")
+        as_package = os.path.join(folders[0], part, "__init__.py")
+        if os.path.isfile(as_package):
+            origin, folders = as_package, [os.path.dirname(as_package)]
+        elif os.path.isfile(as_module):
+            origin, folders = as_module, []
+        elif os.path.isdir(os.path.join(folders[0], part)) or any(
+                name.startswith(part + ".") for name in os.listdir(folders[0])):
+            return None, None  # a namespace package or an extension module: the import will tell
+        else:
+            return None, (f"importing {target!r} failed: ModuleNotFoundError: No module named "
+                          f"{'.'.join(parts[:parts.index(part) + 1])!r}")
+    return (origin, None) if origin and origin.endswith(".py") and os.path.isfile(origin) else (None, None)
+
+
+def _top_level_names(body) -> set | None:
+    """The names a module's top-level statements bind (definitions, assignments, imports, also under top-level
+    ``if`` / ``try`` / ``with`` / ``for``), or None when that cannot be known from them (``import *``, a module-level
+    ``__getattr__``; the caller also gives up on a source that writes ``globals()``, calls ``setattr`` or ``exec``)."""
+    import ast
+
+    names: set = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "__getattr__":
+                return None
+            names.add(node.name)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+            continue
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+            targets = [node.target]
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            targets = [item.optional_vars for item in node.items if item.optional_vars is not None]
+        else:
+            targets = []
+        for target in targets:
+            names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        names.update(n.target.id for n in ast.walk(node) if isinstance(n, ast.NamedExpr)
+                     and isinstance(n.target, ast.Name))
+        inner = [*_statements(node, "body"), *_statements(node, "orelse"), *_statements(node, "finalbody"),
+                 *(n for handler in _statements(node, "handlers") for n in handler.body)]
+        found = _top_level_names(inner) if inner else set()
+        if found is None:
+            return None
+        names |= found
+    return names
+
+
+def _statements(node, field: str) -> list:
+    value = getattr(node, field, None)
+    return value if isinstance(value, list) else []
+
+
 def check_factory_builds_cache(spec: CacheSpec, config) -> None:
     """Build ``spec`` once for ``config`` (``CacheSpec.plan_build``: a factory naming ``model`` gets a weightless
     meta-device model) and make sure the result is a ``transformers.Cache`` or a ``(Cache, context manager)`` pair

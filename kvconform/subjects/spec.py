@@ -17,6 +17,17 @@ CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_rep
                 "compile")
 """Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
 
+SUPPORT_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
+                       "linear_attention", "conv", "hybrid", "hybrid_sliding")
+"""The decoder layer types a subject may scope itself to (``CacheSpec.supports``): transformers' cache layer types
+(``get_layer_types_and_kwargs``), as every model's decoder layers are named."""
+
+SUPPORT_MODEL_KINDS = ("decoder_only", "encoder_decoder")
+"""The model kinds a subject may scope itself to (``CacheSpec.supports``)."""
+
+SUPPORTS = SUPPORT_LAYER_TYPES + SUPPORT_MODEL_KINDS
+"""Every name ``CacheSpec.supports`` / ``kvconform_supports`` may hold."""
+
 ALLOCATIONS = ("preallocated", "doubling")
 """Allocation policies a subject may declare besides token by token and pages (``CacheSpec.allocation``):
 ``preallocated`` — each bounded layer (``get_max_length() > 0``: a sliding window, a capacity) holds its whole
@@ -49,8 +60,19 @@ class Budget:
         bytes_ratio_max: lossy and press, optional: the subject's held bytes after the long context divided by an exact
             cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the ratio must be < 1
             (compression must be real).
-        tokens_max: evicting only, required: the most tokens the cache holds per row and attention layer (e.g.
-            sinks + window); the held bytes are bounded by this many tokens' keys and values.
+        tokens_max: evicting only: the most tokens the cache holds per row and attention layer (e.g. sinks +
+            window); the held bytes are bounded by this many tokens' keys and values. Required unless
+            ``keep_ratio`` is given (then optional: a cap on top of the share).
+        keep_ratio: evicting only, in (0, 1]: a cache that evicts a *share* of its tokens at every step (H2O /
+            adaptive budgets: ``keep_ratio`` of the tokens past ``tokens_exact``) holds, per row and attention layer,
+            at most ``tokens_exact + ceil(keep_ratio · (seen − tokens_exact))`` tokens after ``seen`` tokens (every
+            token while ``seen ≤ tokens_exact``), and at most ``tokens_max`` where that is given too.
+        tokens_exact: evicting with ``keep_ratio`` only, default 0: the tokens seen before the cache evicts anything
+            (its exactness promise: judged against the oracle on every case that never makes it see more).
+        saves_memory: lossy and press, default True: whether the cache promises to hold fewer bytes than an exact
+            cache. False for a cache that rounds keys/values through a codec and stores the decoded floats (a
+            quality trade-off with no memory promise): its quality and self-consistency are judged, its held bytes
+            are not (``check_compression_real`` skips, saying so).
 
     Declared as ``CacheSpec(..., kind="lossy", budget=Budget(...))`` (or a dict with these keys), or on a Cache
     subclass / factory as ``kvconform_lossy = {"kl_max": ..., "top1_min": ...}`` / ``kvconform_evicting = {...}``.
@@ -60,6 +82,36 @@ class Budget:
     top1_min: float
     bytes_ratio_max: float | None = None
     tokens_max: int | None = None
+    keep_ratio: float | None = None
+    tokens_exact: int | None = None
+    saves_memory: bool = True
+
+    def held_bound(self, seen: int) -> int | None:
+        """The most tokens per row and attention layer an evicting cache declaring this budget may hold after
+        ``seen`` tokens (see ``tokens_max``, ``keep_ratio``), or None without a token bound."""
+        import math
+
+        if self.keep_ratio is None:
+            return self.tokens_max
+        exact = int(self.tokens_exact or 0)
+        bound = seen if seen <= exact else exact + math.ceil(float(self.keep_ratio) * (seen - exact) - 1e-9)
+        return bound if self.tokens_max is None else min(bound, int(self.tokens_max))
+
+    @property
+    def exact_limit(self) -> int | None:
+        """The most tokens an evicting cache declaring this budget may be fed while still exact (it evicts
+        nothing before): ``tokens_exact`` for a share (``keep_ratio``), else ``tokens_max``."""
+        return int(self.tokens_exact or 0) if self.keep_ratio is not None else self.tokens_max
+
+    def describe_bound(self) -> str:
+        """``"tokens_max = 64"`` / ``"16 + ceil(0.5 · (seen − 16)) (keep_ratio 0.5 past tokens_exact 16), at
+        most 32 (tokens_max)"`` for messages."""
+        if self.keep_ratio is None:
+            return f"tokens_max = {self.tokens_max}"
+        exact = int(self.tokens_exact or 0)
+        text = (f"{exact} + ceil({self.keep_ratio:g} · (seen − {exact})) (keep_ratio {self.keep_ratio:g} past "
+                f"tokens_exact {exact})")
+        return text + (f", at most {self.tokens_max} (tokens_max)" if self.tokens_max is not None else "")
 
     @classmethod
     def from_mapping(cls, value, where: str, subject_kind: str | None = None) -> "Budget":
@@ -74,7 +126,8 @@ class Budget:
 
         if isinstance(value, Budget):
             value = dataclasses.asdict(value)
-        keys = [k for k in BUDGET_KEYS if k != "tokens_max" or subject_kind in (None, "evicting")]
+        keys = [k for k in BUDGET_KEYS if k not in EVICTING_KEYS or subject_kind in (None, "evicting")]
+        keys = [k for k in keys if k != "saves_memory" or subject_kind != "evicting"]
         if not isinstance(value, Mapping):
             example = ("{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if subject_kind == "evicting" else "")
                        + "}")
@@ -87,11 +140,17 @@ class Budget:
             raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "
                             f"'top1_min': 0.8}}: mean KL(oracle ‖ subject) in nats and top-1 agreement)")
         ranges = {"kl_max": (float, 0, None), "top1_min": (float, 0, 1), "bytes_ratio_max": (float, 0, None),
-                  "tokens_max": (int, 1, None)}
+                  "tokens_max": (int, 1, None), "keep_ratio": (float, 0, 1), "tokens_exact": (int, 0, None)}
         for key, v in value.items():
-            kind, lo, hi = ranges[key]
-            if v is None and key in ("bytes_ratio_max", "tokens_max"):
+            if key == "saves_memory":
+                if not isinstance(v, bool):
+                    raise SpecError(f"{where}: budget saves_memory must be True or False; got {v!r}")
                 continue
+            kind, lo, hi = ranges[key]
+            if v is None and key in ("bytes_ratio_max", "tokens_max", "keep_ratio", "tokens_exact"):
+                continue
+            if key == "keep_ratio" and not isinstance(v, bool) and isinstance(v, (int, float)) and v <= 0:
+                raise SpecError(f"{where}: budget keep_ratio must be a number in (0, 1]; got {v!r}")
             ok = not isinstance(v, bool) and (isinstance(v, int) if kind is int else isinstance(v, (int, float)))
             if not ok or v < lo or (hi is not None and v > hi):
                 want = "an int" if kind is int else "a number"
@@ -100,7 +159,9 @@ class Budget:
         return cls(**{k: value[k] for k in value})
 
 
-BUDGET_KEYS = ("kl_max", "top1_min", "bytes_ratio_max", "tokens_max")
+BUDGET_KEYS = ("kl_max", "top1_min", "bytes_ratio_max", "tokens_max", "keep_ratio", "tokens_exact", "saves_memory")
+EVICTING_KEYS = ("tokens_max", "keep_ratio", "tokens_exact")
+"""The budget keys of evicting subjects only."""
 
 
 class SpecError(ValueError, UsageError):
@@ -141,6 +202,11 @@ class CacheSpec:
             held bytes grow). The memory budget of an exact, non-preallocated layer then allows at most one page per
             row of slack above the formula (``page_size · B · H_kv · (D_k + D_v) · b`` bytes per layer). A Cache
             subclass or factory declares it with a ``kvconform_page_size = N`` attribute (``declared_page_size``).
+        supports: the layer types and model kinds the cache supports (names of ``SUPPORTS``: layer types of
+            ``SUPPORT_LAYER_TYPES``, model kinds of ``SUPPORT_MODEL_KINDS``), or None (every model). A model with a
+            decoder layer type outside the named layer types (when it names any), or of a model kind outside the
+            named kinds (when it names any), has its items skipped with that reason (``unsupported``). Declared with
+            ``kvconform_supports = {"full_attention", "sliding_attention"}``.
         allocation: how the cache allocates K/V when not token by token (``ALLOCATIONS``): ``"preallocated"`` (every
             bounded layer holds its capacity from the first token on: a fixed ring of a sliding layer's window, a
             capacity buffer), ``"doubling"`` (amortised doubling buffers: at most twice the tokens held), or None
@@ -164,6 +230,7 @@ class CacheSpec:
     notes: Mapping[str, str] = field(default_factory=dict)
     page_size: int | None = None
     allocation: str | None = None
+    supports: frozenset | None = None
 
     def __post_init__(self):
         budget = self.budget
@@ -171,6 +238,9 @@ class CacheSpec:
             # a dict is accepted for convenience: converted here, validated in validate_spec (once, with where it
             # came from); a dict that is not even shaped like a Budget is kept as given for validate_spec to report
             object.__setattr__(self, "budget", Budget(**budget))
+        supports = self.supports
+        if isinstance(supports, (set, list, tuple)) and all(isinstance(n, str) for n in supports):
+            object.__setattr__(self, "supports", frozenset(supports))  # validated in validate_spec
 
     def build_one(self, **available):
         """Call the factory with the accepted subset of ``available`` (keys of ``CONSTRUCTION_KWARGS``; ``model``
@@ -227,6 +297,27 @@ class CacheSpec:
         if context is not None:
             _attach(wrapper, context)
         return wrapper
+
+
+def unsupported(subject, model) -> str | None:
+    """Why ``subject`` (a ``CacheSpec``) does not serve ``model`` (a ``plan.ModelInfo`` or ``ZooModel``: its
+    ``layer_types`` and ``is_encoder_decoder``) by its ``supports`` declaration, or None (supported, or nothing
+    declared)."""
+    supports = getattr(subject, "supports", None)
+    if not supports:
+        return None
+    declared = ", ".join(sorted(supports))
+    kinds = set(supports) & set(SUPPORT_MODEL_KINDS)
+    kind = "encoder_decoder" if getattr(model, "is_encoder_decoder", False) else "decoder_only"
+    if kinds and kind not in kinds:
+        return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} is {kind.replace('_', '-')}, "
+                f"not judged")
+    types = set(supports) & set(SUPPORT_LAYER_TYPES)
+    other = sorted(set(getattr(model, "layer_types", ()) or ()) - types) if types else []
+    if other:
+        return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} has "
+                f"{', '.join(other)} layers, not judged")
+    return None
 
 
 def closest_name(name, known) -> str | None:

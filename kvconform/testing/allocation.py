@@ -291,6 +291,40 @@ class DoublingNeverShrinks(DoublingCache):
     layer_class = _NeverShrinkLayer
 
 
+class _HeadroomLayer(DoublingLayer):
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for name, new in (("keys", key_states), ("values", value_states)):
+            n, q = self._len[name], new.shape[-2]
+            buf = self._buf[name]
+            if buf is None or buf.dim() != 4 or buf.shape[-2] < n + q:
+                # BUG: "headroom": twice the next power of two, so a buffer is up to 4× the tokens it holds
+                grown = torch.empty(*new.shape[:2], 2 * _pow2(n + q), new.shape[-1], dtype=new.dtype,
+                                    device=new.device)
+                if n:
+                    grown[..., :n, :] = buf[..., :n, :]
+                self._buf[name] = grown
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class DoublingHeadroom(DoublingCache):
+    """FAULTY: each growth allocates twice the next power of two of the tokens held ("headroom"): after a 200-token
+    prefill a layer holds 512 slots, 2.56× its tokens — more than a doubling buffer (≤ 2×) may hold, declared or
+    inferred. It declares no allocation policy."""
+
+    kvconform_allocation = None
+    layer_class = _HeadroomLayer
+
+
+class UndeclaredDoublingCache(DoublingCache):
+    """``DoublingCache`` without its declaration (``kvconform_allocation`` unset): correct, its policy is left for
+    the memory family to infer — from the doubling of its held bytes, or, when one large prefill fills a buffer that
+    then has room for every decode step, from the capacity of the buffer its keys are a view of."""
+
+    kvconform_allocation = None
+
+
 _M = "kvconform.testing.allocation"
 FAULTY = [
     FaultyCache("ring_two_windows", "RingTwoWindows", _M, "memory", "check_memory_bytes", "mistral",

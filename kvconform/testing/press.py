@@ -242,7 +242,7 @@ FAULTY = [
     FaultyCache("press_held_length", "HeldLengthPress", _M, "contract", "check_press_contract", "llama",
                 ("check_press_contract failed: HeldLengthPress on llama", "but should be"),
                 also_caught_by=("contract", "crop", "fuzz", "batch", "logits", "prefix", "lifecycle", "quality",
-                                "coverage", "compile"),
+                                "coverage", "compile", "generate"),
                 case="press_contract",
                 cause=r"get_seq_length\(\) reports the tokens held \(\d+\), not the tokens seen"),
     FaultyCache("press_sinks_padded", "SinkPress", _M, "batch", "check_padded_row_alone", "llama",
