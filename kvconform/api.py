@@ -16,7 +16,8 @@ class CheckResult:
         id: the item id (``subject-model-check-case``), as in pytest.
         subject, model, check, family, case: the item's coordinates.
         dtype, batch: the case's dtype (``"float32"``, ``"bfloat16"``, ...) and batch size.
-        outcome: ``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed`` or ``error``.
+        outcome: ``passed``, ``failed``, ``skipped``, ``xfailed``, ``xpassed``, ``error`` or ``internal`` (kvconform's
+            own code failed on the item: no verdict on the subject; the message says where and where to report it).
         message: the failure message (ARCHITECTURE.md, "Failure messages"), the skip / xfail reason, or the exception
             for ``error``.
         metrics: JSON-serialisable numbers (``max_abs``, ``tolerance``, ``noise_floor``, ...).
@@ -63,7 +64,7 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
         kvconform.subjects.SpecError / ValueError: bad input (spec, model, check or case name).
         kvconform.checks.ConformanceError: when ``raise_on_failure`` and an item failed.
     """
-    from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown, Unexcused
+    from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown, KVConformInternalError, Unexcused
 
     session = _session(_as_list(cache), models, checks, cases, strict, device, full)
     results = []
@@ -84,10 +85,12 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
             metrics, outcome, message = exc.metrics, "failed", str(exc)
         except CheckSkipped as exc:  # the check cannot measure here (as under pytest: a skip with its reason)
             metrics, outcome, message = {}, "skipped", str(exc)
+        except KVConformInternalError as exc:  # kvconform's own code failed: no verdict on the subject
+            metrics, outcome, message = exc.metrics, "internal", str(exc)
         except Exception as exc:  # noqa: BLE001 - reported as the item's error
             metrics, outcome, message = {}, "error", f"{type(exc).__name__}: {exc}"
         results.append(CheckResult(item.id, **base, outcome=outcome, message=message, metrics=dict(metrics)))
-    failures = [r for r in results if r.outcome in ("failed", "error")]
+    failures = [r for r in results if r.outcome in ("failed", "error", "internal")]
     if raise_on_failure and failures:
         raise ConformanceError("\n\n".join(r.message for r in failures))
     return results

@@ -379,8 +379,8 @@ const OI = Object.fromEntries(O.map((o, i) => [o, i]));
 const ownId = a => [D.subjects[a[0]], D.models[a[1]], D.checks[a[3]].replace(/^check_/, ""), D.cases[a[4]]].join("-");
 const items = D.items.map(a => ({s: a[0], m: a[1], f: a[2], c: a[3], k: a[4], d: a[5], o: a[6], msg: a[8],
                                  fault: a[9], id: a[7] || ownId(a)}));
-const BAD = new Set([OI.failed, OI.error]);
-const RANK = [OI.failed, OI.error, OI.xpassed, OI.xfailed, OI.passed, OI.skipped];
+const BAD = new Set([OI.failed, OI.error, OI.internal]);
+const RANK = [OI.failed, OI.error, OI.internal, OI.xpassed, OI.xfailed, OI.passed, OI.skipped];
 const $ = id => document.getElementById(id);
 
 function el(tag, props, ...kids) {
@@ -432,16 +432,17 @@ function counts(list) {
   return c;
 }
 function cellText(c) {  // the terminal matrix's cell (report._cell)
-  const ran = c[OI.passed] + c[OI.failed] + c[OI.error] + c[OI.xfailed] + c[OI.xpassed];
+  const ran = c[OI.passed] + c[OI.failed] + c[OI.error] + c[OI.xfailed] + c[OI.xpassed] + c[OI.internal];
   const bad = c[OI.failed] + c[OI.error];
   if (ran === 0) return c[OI.skipped] ? "skip " + c[OI.skipped] : "n/a";
   let t = (c[OI.passed] + c[OI.xpassed]) + "/" + ran;
   if (c[OI.xfailed]) t += " x" + c[OI.xfailed];
   if (bad) t += " F" + bad;
+  if (c[OI.internal]) t += " K" + c[OI.internal];  // kvconform's own errors (report._cell)
   return t;
 }
 function cellClass(c) {
-  if (c[OI.failed] + c[OI.error]) return "c-fail";
+  if (c[OI.failed] + c[OI.error] + c[OI.internal]) return "c-fail";
   if (c[OI.xpassed]) return "c-xpass";
   if (c[OI.xfailed]) return "c-xfail";
   if (c[OI.passed]) return "c-pass";

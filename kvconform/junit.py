@@ -79,10 +79,11 @@ def junit_tree(report: dict) -> ET.ElementTree:
                 ET.SubElement(case_props, "property", name=key, value=_text(record[key]))
         message = record.get("message") or ""
         counts["tests"] += 1
-        if outcome in ("failed", "error"):
+        if outcome in ("failed", "error", "internal"):  # internal: kvconform's own error, no verdict on the subject
             tag = "failure" if outcome == "failed" else "error"
             counts["failures" if tag == "failure" else "errors"] += 1
-            element = ET.SubElement(case, tag, message=_text(_first_line(message)), type="kvconform")
+            element = ET.SubElement(case, tag, message=_text(_first_line(message)),
+                                    type="kvconform.internal" if outcome == "internal" else "kvconform")
             element.text = _text(message)
         elif outcome == "skipped":
             counts["skipped"] += 1

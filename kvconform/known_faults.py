@@ -186,7 +186,12 @@ class KnownFault:
         objects = [cache]
         for part in (cache, getattr(cache, "self_attention_cache", None),
                      getattr(cache, "cross_attention_cache", None)):
-            objects += list(getattr(part, "layers", None) or ()) if part is not None else []
+            try:  # a cache's layers as a list, tuple or dict (its values); any other shape holds no layer here
+                layers = getattr(part, "layers", None) if part is not None else None
+                objects += list(layers.values() if isinstance(layers, dict) else layers) \
+                    if isinstance(layers, (list, tuple, dict)) else []
+            except Exception:  # noqa: BLE001 - a layers property that raises: the cache itself is still judged
+                continue
         for name in self.inherits:
             cls_name, _, method = name.partition(".")
             cls = getattr(cache_utils, cls_name, None)

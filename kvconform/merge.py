@@ -288,9 +288,11 @@ def main(argv=None) -> int:
     its page, ``html_report.write_html``, and its JUnit XML, ``junit.write_junit``), print the matrix, append the
     Markdown matrix to ``$GITHUB_STEP_SUMMARY`` when it is set. Exit 0 when every item conformed and every report is
     complete, 1 when any item failed or a report is not complete (interrupted or killed: its ``complete`` is false;
-    the merged report says so too), 2 when the reports cannot be merged (the message names the file and the cause).
-    One report alone is merged as it is (a single run's JUnit XML)."""
-    from kvconform.report import OUTCOMES, json_path_problem, markdown, write_terminal_matrix
+    the merged report says so too), 3 when kvconform's own code failed on an item (outcome ``internal``, listed as
+    kvconform's own gaps), 2 when the reports cannot be merged (the message names the file and the cause). One
+    report alone is merged as it is (a single run's JUnit XML)."""
+    from kvconform.report import (OUTCOMES, json_path_problem, markdown, own_gaps, reference_gaps,
+                                  write_terminal_matrix)
 
     parser = argparse.ArgumentParser(prog="kvconform-merge", description="Merge the JSON reports of a sharded "
                                      "kvconform run (--kvconform-shard I/N) into one report, matrix and step summary.")
@@ -318,6 +320,7 @@ def main(argv=None) -> int:
         print(f"kvconform-merge: {exc}", file=sys.stderr)
         return 2
     results = {r["nodeid"]: r for r in merged["results"]}
+    reference_gaps(results)  # the reference and DynamicCache may have run in different shards
     if args.out:
         _write_json(args.out, merged)
     if args.html:
@@ -346,6 +349,10 @@ def main(argv=None) -> int:
             if not merged["complete"]:
                 fh.write(f"\n**INCOMPLETE**: {merged['finished']} of {merged['planned'] or '?'} planned items "
                          f"finished ({merged['incomplete']}).\n")
+    for line in own_gaps(results, order):
+        print(f"kvconform-merge: {line}")
+    if counts["internal"]:
+        return 3
     return 1 if counts["failed"] or counts["error"] or not merged["complete"] else 0
 
 

@@ -759,7 +759,7 @@ def kv_runner(kv_session, request):
 
     def run(item):
         __tracebackhide__ = True  # see _detached: pytest would read and parse this module for every failed item
-        from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown, Unexcused
+        from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown, KVConformInternalError, Unexcused
         from kvconform.report import encode_property
 
         metrics = {}
@@ -786,7 +786,7 @@ def kv_runner(kv_session, request):
         except KnownFaultShown as exc:  # a known fault judged by its evidence, at run time
             metrics.update(exc.metrics)
             xfailed = str(exc)
-        except (ConformanceError, Unexcused) as exc:
+        except (ConformanceError, Unexcused, KVConformInternalError) as exc:
             metrics.update(exc.metrics or {})
             failure = exc
         except Exception as exc:
@@ -823,9 +823,9 @@ def _detached(exc: BaseException) -> BaseException:
 def pytest_runtest_makereport(item, call):
     report = yield
     if call.excinfo is not None and PROPERTY in item.keywords:
-        from kvconform.checks import ConformanceError, Unexcused
+        from kvconform.checks import ConformanceError, KVConformInternalError, Unexcused
 
-        if isinstance(call.excinfo.value, (ConformanceError, Unexcused)) and report.failed:
+        if isinstance(call.excinfo.value, (ConformanceError, Unexcused, KVConformInternalError)) and report.failed:
             report.longrepr = str(call.excinfo.value)
     return report
 
@@ -936,9 +936,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     # worker's known-fault summary planned the whole zoo's items for nothing: ~0.6 s at the end of each worker, py-spy)
     if not is_active(config) or RESULTS_KEY not in config.stash or hasattr(config, "workerinput"):
         return
-    from kvconform.report import write_known_fault_summary, write_markdown_summary, write_terminal_matrix
+    from kvconform.report import (reference_gaps, write_known_fault_summary, write_markdown_summary,
+                                  write_own_gaps_summary, write_terminal_matrix)
 
     results, digest = config.stash[RESULTS_KEY], config.stash[DIGEST_KEY]
+    reference_gaps(results)
     write_terminal_matrix(terminalreporter, results, digest)
     _write_own_failures_hint(terminalreporter, results)
     if _opt(config, OPT_SELFTEST):
@@ -947,6 +949,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         write_selftest_summary(terminalreporter)
     else:
         write_known_fault_summary(terminalreporter, results, digest)
+    write_own_gaps_summary(terminalreporter, results, digest)
     write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"), digest)
     progress = _progress(config, results, True, exitstatus)
     if not progress["complete"] and progress["planned"] is not None:
@@ -962,9 +965,23 @@ def pytest_sessionfinish(session, exitstatus):
     if hasattr(config, "workerinput"):
         _freeze_worker_heap()
         return
+    if RESULTS_KEY in config.stash:
+        from kvconform.report import reference_gaps
+
+        with _JSON_LOCK:  # before the final JSON and the summary: the reference's gaps are kvconform's
+            reference_gaps(config.stash[RESULTS_KEY])
     _write_json_progress(config, final=True, exitstatus=exitstatus)
     if RESULTS_KEY in config.stash:
         _write_html(config, exitstatus)
+        if any(r["outcome"] == "internal" for r in config.stash[RESULTS_KEY].values()) \
+                and session.exitstatus in (0, 1):
+            session.exitstatus = INTERNAL_EXIT
+
+
+INTERNAL_EXIT = 3
+"""The exit code of a run in which kvconform's own code failed on an item (pytest's ``ExitCode.INTERNAL_ERROR``):
+some items have no verdict; the "kvconform's own gaps" summary says where. It wins over 1 (a subject's failure),
+never over an interruption (2)."""
 
 
 def _write_html(config, exitstatus=None) -> None:
@@ -1266,7 +1283,7 @@ def _suite_items(items) -> list:
 def _write_own_failures_hint(terminalreporter, results) -> None:
     """Exit 1 with every conformance item green comes from the project's own tests collected beside the suite: say
     so, naming them, instead of leaving the user to find it under an all-green matrix."""
-    if any(r["outcome"] in ("failed", "error") for r in results.values()):
+    if any(r["outcome"] in ("failed", "error", "internal") for r in results.values()):
         return
     own = [rep.nodeid for key in ("failed", "error") for rep in terminalreporter.stats.get(key, [])
            if PROPERTY not in dict(getattr(rep, "user_properties", None) or ())]

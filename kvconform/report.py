@@ -11,7 +11,10 @@ import math
 import os
 import tempfile
 
-OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error", "internal")
+"""``internal``: kvconform's own code failed on the item (``outcomes.KVConformInternalError``, or kvconform's
+reference cache failed where transformers' DynamicCache passed, ``reference_gaps``): an error of kvconform, no verdict
+on the subject."""
 SCHEMA = 1
 
 
@@ -36,7 +39,7 @@ def _message(report, outcome) -> str:
             return str(report.wasxfail).removeprefix("reason: ")
         longrepr = report.longrepr
         return str(longrepr[2]).removeprefix("Skipped: ") if isinstance(longrepr, tuple) else str(longrepr)
-    if outcome in ("failed", "error"):
+    if outcome in ("failed", "error", "internal"):
         text = report.longreprtext.strip()
         # under pytest-xdist the controller's copy of a report starts with the worker's line
         # ("[gw0] linux -- Python 3.11.7 /path/python"): not part of the item's message
@@ -75,8 +78,10 @@ def record_report(results: dict, report, props: dict, digest=None) -> None:
         return
     info = decode_property(props["kvconform"])
     metrics = {k: _clean(v) for k, v in decode_property(props.get("kvconform_metrics")).items()}
+    if outcome in ("failed", "error") and metrics.get("kvconform_internal"):
+        outcome = "internal"  # kvconform's own code failed on it: no verdict on the subject
     previous = results.get(report.nodeid)
-    if previous is not None and previous["outcome"] in ("failed", "error") and outcome == "error":
+    if previous is not None and previous["outcome"] in ("failed", "error", "internal") and outcome == "error":
         return  # a teardown error does not hide the call's failure
     record = {"nodeid": report.nodeid, **info, "outcome": outcome, "message": _message(report, outcome),
               "metrics": metrics}
@@ -93,7 +98,8 @@ def _cell(records) -> tuple[str, bool]:
     counts = {o: 0 for o in OUTCOMES}
     for r in records:
         counts[r["outcome"]] += 1
-    ran = counts["passed"] + counts["failed"] + counts["error"] + counts["xfailed"] + counts["xpassed"]
+    ran = (counts["passed"] + counts["failed"] + counts["error"] + counts["xfailed"] + counts["xpassed"]
+           + counts["internal"])
     bad = counts["failed"] + counts["error"]
     if ran == 0:
         return ("n/a" if not counts["skipped"] else f"skip {counts['skipped']}"), False
@@ -102,7 +108,9 @@ def _cell(records) -> tuple[str, bool]:
         text += f" x{counts['xfailed']}"
     if bad:
         text += f" F{bad}"
-    return text, bad > 0
+    if counts["internal"]:
+        text += f" K{counts['internal']}"
+    return text, bad + counts["internal"] > 0
 
 
 def _ordered(names, order=None) -> list:
@@ -183,7 +191,9 @@ def write_terminal_matrix(tr, results: dict, digest) -> None:
         tr.write_line(dtypes)
     fams = _families(results)
     subjects = _ordered((r["subject"] for r in results.values()), _digest_order(digest, "subject"))
-    _table(tr, "subjects × check families (passed/ran, xN = known faults xfailed, FN = failed):",
+    internal = any(r["outcome"] == "internal" for r in results.values())
+    _table(tr, "subjects × check families (passed/ran, xN = known faults xfailed, FN = failed"
+           + (", KN = kvconform's own errors, no verdict" if internal else "") + "):",
            ["subject", *fams], matrix(results, "subject", fams, "family", subjects))
     tr.write_line("")
     _table(tr, "models × subjects:", ["model", *subjects],
@@ -261,6 +271,8 @@ def _status(records) -> str:
     """A row's mark: ❌ any item failed, ⏭️ nothing ran (every item skipped: nothing was checked), ✅ otherwise."""
     if any(r["outcome"] in ("failed", "error") for r in records):
         return "❌"
+    if any(r["outcome"] == "internal" for r in records):
+        return "⚠️"
     if all(r["outcome"] == "skipped" for r in records):
         return "⏭️"
     return "✅"
@@ -275,7 +287,8 @@ def markdown(results: dict, digest=None) -> str:
     for name, cells, _ in matrix(results, "subject", fams, "family", _digest_order(digest, "subject")):
         status = _status([r for r in results.values() if r["subject"] == name])
         lines.append(f"| {status} {name} | " + " | ".join(cells) + " |")
-    lines += ["", "✅ items ran, none failed · ❌ a non-conforming item · ⏭️ every item skipped (nothing checked)"]
+    lines += ["", "✅ items ran, none failed · ❌ a non-conforming item · ⚠️ kvconform's own error on an item (no "
+              "verdict; see the run's \"kvconform's own gaps\") · ⏭️ every item skipped (nothing checked)"]
     return "\n".join(lines) + "\n"
 
 
@@ -520,3 +533,66 @@ def write_known_fault_summary(tr, results: dict, digest) -> None:
     for label, nodeids in passed.items():
         tr.write_line(f"{verb}: {label!r}: {len(nodeids)} item(s) expected to fail passed, e.g. {nodeids[0]}",
                       yellow=True)
+
+
+# ------------------------------------------------------------------------------------------------ kvconform's own gaps
+REFERENCE_SUBJECT = "ReferenceCache"
+"""The subject name of kvconform's own reference cache."""
+BASELINE_SUBJECT = "DynamicCache"
+"""transformers' own cache that the reference is held to (``reference_gaps``)."""
+REFERENCE_GAP = "kvconform's ReferenceCache fails where transformers' DynamicCache passes (the reference is wrong)"
+
+
+def reference_gaps(results: dict) -> list:
+    """Mark the items where kvconform's reference cache failed and transformers' ``DynamicCache`` passed the same
+    (model, check, case) in this run: the reference, not the model, is wrong there, which is kvconform's gap. Their
+    outcome becomes ``internal`` (metrics ``kvconform_internal`` = ``REFERENCE_GAP``). Idempotent; returns the
+    records marked now. Items the reference failed where DynamicCache failed too (a model fault) or did not run stay
+    as they are."""
+    passed = {(r["model"], r["check"], r["case"]) for r in results.values()
+              if r["subject"] == BASELINE_SUBJECT and r["outcome"] in ("passed", "xpassed")}
+    marked = []
+    for r in results.values():
+        if r["subject"] == REFERENCE_SUBJECT and r["outcome"] in ("failed", "error") \
+                and (r["model"], r["check"], r["case"]) in passed:
+            r["outcome"] = "internal"
+            r["metrics"] = {**(r.get("metrics") or {}), "kvconform_internal": REFERENCE_GAP}
+            marked.append(r)
+    return marked
+
+
+def own_gaps(results: dict, digest=None) -> list[str]:
+    """The lines of the run's "kvconform's own gaps" summary (empty when kvconform's own code failed nowhere): the
+    installed transformers, one line per place kvconform's code failed (items, the exception, an example item), the
+    reference's gaps, and where to report them."""
+    from kvconform.outcomes import REPORT_TO
+
+    internal = sorted((r for r in results.values() if r["outcome"] == "internal"), key=lambda r: r["nodeid"])
+    if not internal:
+        return []
+    env = getattr(digest, "environment", None) or {}
+    versions = ", ".join(f"{k} {env[k]}" for k in ("transformers", "torch", "kvconform") if env.get(k))
+    lines = [f"{len(internal)} item(s) are errors of kvconform's own code, not verdicts on their subjects "
+             f"(exit code 3){' — on ' + versions if versions else ''}:"]
+    by_place: dict = {}
+    for r in internal:
+        by_place.setdefault(r["metrics"].get("kvconform_internal", "?"), []).append(r)
+    for place, records in sorted(by_place.items(), key=lambda kv: -len(kv[1])):
+        what = next((r["metrics"]["internal_error"] for r in records if r["metrics"].get("internal_error")), None)
+        subjects = sorted({r["subject"] for r in records})
+        lines.append(f"  {len(records)} item(s): {place}" + (f": {what}" if what else "")
+                     + f" (subjects: {', '.join(subjects[:4])}{' …' if len(subjects) > 4 else ''}); "
+                     f"e.g. {records[0]['nodeid']}")
+    lines.append(f"missing in kvconform: what these places need to handle; {REPORT_TO} "
+                 "(each item's message names the place; -rf prints them)")
+    return lines
+
+
+def write_own_gaps_summary(tr, results: dict, digest=None) -> None:
+    """Print the "kvconform's own gaps" section (``own_gaps``), once per run; nothing when there are none."""
+    lines = own_gaps(results, digest)
+    if not lines:
+        return
+    tr.section("kvconform's own gaps")
+    for line in lines:
+        tr.write_line(line, yellow=True)

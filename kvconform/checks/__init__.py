@@ -7,6 +7,7 @@ Checks do not depend on pytest: the suite, ``check_cache`` and ``parametrize_wit
 from __future__ import annotations
 
 import importlib
+import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 from kvconform.families import FAMILIES  # noqa: F401 - the one family list (matrix order), re-exported
 from kvconform.memo import MEMO
 from kvconform.outcomes import CheckSkipped, KVConformError  # noqa: F401 - re-exported: the suite catches it here
+from kvconform.outcomes import REPORT_TO, KVConformInternalError, own_fault  # noqa: F401 - re-exported
 from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, LOSSY_FRESH,  # noqa: F401 - for
                                       LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
 
@@ -453,6 +455,23 @@ def run_check(name: str, ctx: CheckContext) -> dict:
                      {"raised": type(exc.cause).__name__, "failed_at": "construction"})
         except ConformanceError as err:
             raise SubjectNotBuilt(str(err), err.metrics) from None
+    except (ConformanceError, Unexcused) as exc:
+        found = _internal_in_chain(exc)
+        if found is not None:  # the failure came from a raise of kvconform's own code (its reference, its wrappers)
+            raise internal_error(ctx, found) from None
+        raise
+    except KVConformError as exc:
+        from kvconform.checks._drive import SubjectRaised
+
+        if not isinstance(exc, SubjectRaised):
+            raise
+        if exc.internal is not None:
+            raise internal_error(ctx, exc.internal) from None
+        from kvconform.checks._diagnosis import fail_raised
+
+        fail_raised(ctx, exc, "the subject raised where the check did not expect it (see the exception above)")
+    except Exception as exc:  # noqa: BLE001 - escaped the check: kvconform's gap, or the subject's own code raised
+        escaped(ctx, exc)
     return ctx.metrics
 
 
@@ -465,6 +484,75 @@ def _read_only_attribute(exc: BaseException) -> str | None:
         return None
     m = re.search(r"property '(\w+)' of '[^']*' object has no setter|can't set attribute '(\w+)'", str(exc))
     return (m.group(1) or m.group(2)) if m else None
+
+
+def _internal_in_chain(exc: BaseException) -> dict | None:
+    """Where kvconform's own code raised the exception a failure was made from (the check failed while handling
+    it: ``exc``'s context chain), or None: the first ``SubjectRaised`` in the chain gives its ``internal``; a plain
+    exception caught by the check around a call on the subject (``generate``, ``crop``...) is read as such a call
+    (``own_fault(..., through_subject_call=True)``)."""
+    from kvconform.checks._drive import SubjectRaised
+
+    seen, link = 0, exc.__context__
+    while link is not None and seen < 8:
+        if isinstance(link, SubjectRaised):
+            return link.internal
+        if not isinstance(link, KVConformError):
+            return own_fault(link, through_subject_call=True)
+        link, seen = link.__context__, seen + 1
+    return None
+
+
+def versions_line() -> str:
+    """``"transformers 5.24.0, torch 2.13.0, kvconform 0.1.0"`` (the installed versions; "?" where unknown)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "?"
+
+    return ", ".join(f"{name} {of(name)}" for name in ("transformers", "torch", "kvconform"))
+
+
+def internal_error(ctx: CheckContext, fault: dict) -> KVConformInternalError:
+    """The item's error when kvconform's own code failed on it (``fault``: ``outcomes.own_fault``): headline
+    "kvconform internal error: ...", the place (file:line in function) and the exception, that the item is not a
+    verdict on the subject, the installed versions, where to report it, and the reproduce line. Metrics:
+    ``kvconform_internal`` (the place), ``raised``, ``internal_error`` (the exception's first line)."""
+    dtype = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}.get(ctx.case.dtype,
+                                                                                            ctx.case.dtype)
+    lines = [f"kvconform internal error: {ctx.check_name} on {ctx.subject.name} on {ctx.model.name} ({dtype}, batch "
+             f"{ctx.case.batch}), case {ctx.case.id}",
+             f"  kvconform's own code raised {fault['what']} (at {fault['place']}"
+             + (f"; raised in {fault['raised_in']})" if fault.get("raised_in") else ")"),
+             f"  not a verdict on {ctx.subject.name}: this item is an error of kvconform, not a failure of the subject",
+             f"  {versions_line()}: {REPORT_TO}",
+             "  " + ctx.reproduce()]
+    return KVConformInternalError("\n".join(lines), {**ctx.metrics, "kvconform_internal": fault["place"],
+                                                     "raised": fault["what"].partition(":")[0],
+                                                     "internal_error": fault["what"]})
+
+
+def escaped(ctx: CheckContext, exc: Exception) -> NoReturn:
+    """Judge an exception that escaped a check (no kvconform code turned it into a verdict): kvconform's own gap
+    (``KVConformInternalError``) unless the subject's own code raised it (``outcomes.own_fault``), which fails the
+    item in the usual short form, naming kvconform's function that called into the subject."""
+    fault = own_fault(exc)
+    if fault is not None:
+        raise internal_error(ctx, fault) from None
+    from kvconform.checks._diagnosis import describe_exception
+
+    tb = traceback.extract_tb(exc.__traceback__)
+    caller = next((f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in reversed(tb)
+                   if "/kvconform/" in f.filename.replace("\\", "/") and "/kvconform/testing/" not in f.filename), None)
+    ctx.fail([f"the subject raised {describe_exception(exc)}"
+              + (f" when kvconform's {caller} read or called it" if caller else ""),
+              f"ops: {ctx.case.ops_label()}",
+              "likely cause: the cache's own code raised on a call or attribute read a caller may make (a method or "
+              "property of the Cache API must answer, or refuse with a clear error, never crash)"],
+             {"raised": type(exc).__name__})
 
 
 def _not_supported(ctx, exc) -> str:

@@ -58,6 +58,10 @@ def oracle_line(ctx, position_mode=None, driver=None, at=None) -> tuple[str, boo
     try:
         v = run_and_judge(ctx, ref, position_mode, driver)
     except SubjectRaised as exc:
+        if exc.internal is not None:  # kvconform's own gap, not the model's: no reference line for this case
+            return (f"oracle: kvconform's {ref.name} cannot run this case (kvconform internal error: "
+                    f"{exc.internal['what']} at {exc.internal['place']}; report it to kvconform) — the verdict "
+                    f"above stands, measured against the float64 oracle"), False
         return f"oracle: {ref.name} on the same case raised {describe_raise(exc)}", False
     ref_step, cmp = v.first_fail or v.worst  # type: ignore[misc]  # a judged run has a worst step
     if v.passed:
@@ -351,12 +355,12 @@ def sliding_window_slots(ctx, cache, seq) -> str | None:
     import torch
     from transformers import DynamicCache
 
-    from kvconform.checks._drive import forward_kwargs
+    from kvconform.checks._drive import forward_kwargs, layer_list
 
     if ctx.model.is_encoder_decoder or not ctx.model.sliding_window or cache is None:
         return None
     types, kwargs = compat.layer_types_and_kwargs(ctx.model.config)
-    layers = getattr(cache, "layers", None) or []
+    layers = layer_list(cache)
     sliding = [i for i, t in enumerate(types) if t in ("sliding_attention", "chunked_attention") and i < len(layers)]
     held = {}
     for i in sliding:

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvconform import compat
 from kvconform.memo import MEMO
-from kvconform.outcomes import KVConformError
+from kvconform.outcomes import KVConformError, own_fault
 from kvconform.outcomes import breadcrumb
 from kvconform.oracle import padded_position_ids
 from kvconform.subjects import call_context
@@ -27,6 +27,9 @@ class SubjectRaised(KVConformError):
 
     ``op_index``: the index of the raising op in the ops run (None when unknown). ``facts``: what was measured at the
     raise (``raise_facts``; empty when the raise was not inside a forward), read by ``_diagnosis.measured_cause``.
+    ``internal``: ``outcomes.own_fault`` of the cause — where kvconform's own code (its reference cache, its
+    wrappers) raised inside the call, which makes the item an error of kvconform (``checks.run_check``); None when
+    the subject or the model raised.
     """
 
     def __init__(self, where, cause, op_index=None, facts=None):
@@ -35,6 +38,7 @@ class SubjectRaised(KVConformError):
         self.cause = cause
         self.op_index = op_index
         self.facts = dict(facts or {})
+        self.internal = own_fault(cause, through_subject_call=True)
 
 
 _RAW = (IndexError, KeyError, AttributeError, ZeroDivisionError, RuntimeError, TypeError)
@@ -205,22 +209,139 @@ def forward(model, cache, new_tokens, start: int, position_mode: str, encoder_id
     return out.logits.detach().to("cpu", torch.float64)
 
 
+# ------------------------------------------------------------------------------------------------ reading a cache
+# Every read of a subject's cache by kvconform's evidence code (its layers, their attributes) goes through these
+# readers, which never raise on a cache's shape: ``layers`` as a list, tuple, dict (adaptivekv 0.1.0 keys its layers
+# by index), a property returning a generator, None or missing; layers that are not ``CacheLayerMixin`` s (objects
+# with ``__slots__``, without ``__dict__``, plain tensors); attributes and properties that raise.
+def read_attr(obj, name: str, default=None):
+    """``getattr(obj, name, default)``, or ``default`` when reading it raises (a property of the subject that
+    raises answers nothing here; the checks that judge that property report it)."""
+    try:
+        return getattr(obj, name, default)
+    except Exception:  # noqa: BLE001 - a property that raises answers nothing
+        return default
+
+
+def layer_items(cache) -> list:
+    """``[(index, layer)]`` of ``cache.layers`` whatever its shape: a list or tuple (enumerated), a dict (its items,
+    integer keys in order, then the others), another iterable that a property builds anew on each read (a
+    generator); ``[]`` for None, a missing or raising ``layers``, an iterator stored on the instance (reading it would
+    consume the subject's own state), or a non-iterable. Never raises."""
+    import inspect
+
+    layers = read_attr(cache, "layers")
+    if layers is None:
+        return []
+    if isinstance(layers, dict):
+        try:
+            items = list(layers.items())
+        except Exception:  # noqa: BLE001
+            return []
+        return sorted(items, key=lambda kv: (not isinstance(kv[0], int), kv[0] if isinstance(kv[0], int) else 0,
+                                            str(kv[0])))
+    if isinstance(layers, (list, tuple)):
+        return list(enumerate(layers))
+    try:
+        stored = not isinstance(inspect.getattr_static(cache, "layers", None), property)
+        if stored and iter(layers) is layers:  # an iterator held by the cache itself: reading it would consume it
+            return []
+        return list(enumerate(layers))
+    except Exception:  # noqa: BLE001 - not iterable, or iterating it raised
+        return []
+
+
+def layers_problem(cache) -> str | None:
+    """Why ``cache.layers`` (its self-attention half's) gives kvconform no layer to read, or None when it does (or
+    the cache holds no layer yet): ``"cache.layers raised RuntimeError: ..."``, ``"cache.layers is None"``,
+    ``"cache.layers is an int, not a list of layer objects"``, ``"cache.layers is a generator the cache holds
+    (reading it would consume it)"``. For failure messages that count a cache without readable layers as one
+    block."""
+    target = self_half(cache)
+    try:
+        layers = getattr(target, "layers", None)
+    except Exception as exc:  # noqa: BLE001 - the subject's property raised: that is the answer
+        text = str(exc).strip().splitlines()
+        return f"cache.layers raised {type(exc).__name__}: {text[0][:120] if text else ''}"
+    if layers is None:
+        return "cache.layers is None" if hasattr(target, "layers") else "the cache has no layers attribute"
+    if layer_items(target) or (isinstance(layers, (list, tuple, dict)) and not layers):
+        return None
+    from kvconform.outcomes import with_article
+
+    try:
+        iter(layers)
+    except Exception:  # noqa: BLE001
+        return f"cache.layers is {with_article(type(layers).__name__)}, not a list of layer objects"
+    return f"cache.layers is {with_article(type(layers).__name__)} the cache holds (reading it would consume it)"
+
+
+def layer_list(cache) -> list:
+    """The layers of ``cache`` (``layer_items`` without the indices)."""
+    return [layer for _, layer in layer_items(cache)]
+
+
+def attributes_of(obj) -> dict:
+    """``{name: value}`` of ``obj``'s own attributes: its ``__dict__`` and its ``__slots__`` (those set), ``{}``
+    for an object with neither (an int, a tensor is given as ``{}`` too: it is no layer object). Never raises."""
+    import torch
+
+    if obj is None or isinstance(obj, (int, float, str, bytes, bool, torch.Tensor)):
+        return {}
+    out = {}
+    try:
+        out.update(vars(obj))
+    except Exception:  # noqa: BLE001 - no __dict__ (slots, a builtin), or a __dict__ that raises
+        pass
+    try:
+        slots = [s for klass in type(obj).__mro__ for s in (getattr(klass, "__slots__", ()) or ())]
+    except Exception:  # noqa: BLE001
+        slots = []
+    for slot in ([slots] if isinstance(slots, str) else slots):
+        if isinstance(slot, str) and slot not in out and slot not in ("__dict__", "__weakref__"):
+            value = read_attr(obj, slot, _MISSING)
+            if value is not _MISSING:
+                out[slot] = value
+    return out
+
+
+_MISSING = object()
+
+
+def cache_halves(cache) -> list:
+    """``[(prefix, cache)]``: ``[("self.", self_attention_cache), ("cross.", cross_attention_cache)]`` for an
+    encoder-decoder cache (a half that is None is left out), else ``[("", cache)]``."""
+    if read_attr(cache, "self_attention_cache") is None:
+        return [("", cache)]
+    return [(prefix, half) for prefix, half in (("self.", read_attr(cache, "self_attention_cache")),
+                                                ("cross.", read_attr(cache, "cross_attention_cache")))
+            if half is not None]
+
+
 def tensors_of(cache) -> dict:
     """``{name: tensor}`` of every tensor a cache holds in its layers (keys, values, length counters, conv and
     recurrent states), found by walking each layer's attributes, dicts and lists one level deep. For
-    ``EncoderDecoderCache`` both halves are walked. Used to check data pointers and "nothing was written"."""
+    ``EncoderDecoderCache`` both halves are walked. Used to check data pointers and "nothing was written". Never
+    raises on a cache's shape (``layer_items``, ``attributes_of``); a layer that is itself a tensor is
+    ``layers[i]``."""
     import torch
 
     out = {}
-    halves = [("self.", cache.self_attention_cache), ("cross.", cache.cross_attention_cache)] \
-        if hasattr(cache, "self_attention_cache") else [("", cache)]
-    for prefix, c in halves:
-        for i, layer in enumerate(getattr(c, "layers", ()) or ()):
-            for attr, value in sorted(vars(layer).items()):
-                items = value.items() if isinstance(value, dict) else enumerate(value) \
-                    if isinstance(value, (list, tuple)) else [(None, value)]
+    for prefix, c in cache_halves(cache):
+        for i, layer in layer_items(c):
+            if isinstance(layer, torch.Tensor):
+                out[f"{prefix}layers[{i}]"] = layer
+                continue
+            for attr, value in sorted(attributes_of(layer).items(), key=lambda kv: str(kv[0])):
+                if str(attr).startswith("_"):
+                    continue
+                try:
+                    items = list(value.items()) if isinstance(value, dict) else list(enumerate(value)) \
+                        if isinstance(value, (list, tuple)) else [(None, value)]
+                except Exception:  # noqa: BLE001 - a container that cannot be read
+                    continue
                 for key, t in items:
-                    if isinstance(t, torch.Tensor) and not attr.startswith("_"):
+                    if isinstance(t, torch.Tensor):
                         out[f"{prefix}layers[{i}].{attr}" + ("" if key is None else f"[{key}]")] = t
     return out
 
@@ -275,12 +396,15 @@ def nonfinite_in(cache) -> str | None:
     import torch
 
     for name, t in tensors_of(cache).items():
-        if not t.is_floating_point() or t.numel() == 0:
+        try:
+            if not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":
+                continue
+            finite = torch.isfinite(t.detach())
+            if bool(finite.all()):
+                continue
+            return _describe_index(name, t, ~finite)
+        except Exception:  # noqa: BLE001 - a tensor subclass that cannot be read element-wise: not measured
             continue
-        finite = torch.isfinite(t.detach())
-        if bool(finite.all()):
-            continue
-        return _describe_index(name, t, ~finite)
     return None
 
 
@@ -344,52 +468,71 @@ class UpdateWatch:
             if record:
                 self.calls.append(call)
             out = original(key_states, value_states, layer_idx, *args, **kwargs)
-            if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].dim() >= 2:
-                call[2] = int(out[0].shape[-2])
-            if self.fault is None and before is not None:
-                for what, given, kept in (("key_states", key_states, before[0]),
-                                          ("value_states", value_states, before[1])):
-                    if given.shape == kept.shape and not torch.equal(given.detach(), kept):
-                        self.fault = (f"update(layer_idx={layer_idx}) wrote into the {what} it was given (the "
-                                      f"caller's tensor changed during the call)")
-                        break
-            if self.dtype_fault is None and isinstance(out, (tuple, list)) and isinstance(key_states, torch.Tensor):
-                for what, t in zip(("keys", "values"), out):
-                    if isinstance(t, torch.Tensor) and t.dtype != key_states.dtype:
-                        self.dtype_fault = (f"update(layer_idx={layer_idx}) returned {what} of dtype "
-                                      f"{str(t.dtype).removeprefix('torch.')} for key/value states of dtype "
-                                      f"{str(key_states.dtype).removeprefix('torch.')}: the attention then runs in "
-                                      f"another dtype or raises; return the states' dtype (cast back after "
-                                      f"dequantizing)")
-                        break
-            if self.fault is None and isinstance(out, (tuple, list)):
-                for what, t in zip(("keys", "values"), out):
-                    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
-                        finite = torch.isfinite(t.detach())
-                        if not bool(finite.all()):
-                            self.fault = (f"update(layer_idx={layer_idx}) returned NaN/inf "
-                                          f"{_describe_index(what, t, ~finite)}")
-                            break
+            try:
+                self._inspect(out, call, layer_idx, key_states, value_states, before)
+            except Exception:  # noqa: BLE001 - an answer kvconform cannot inspect: the forward judges it
+                pass
             return out
 
         return update
 
+    def _inspect(self, out, call, layer_idx, key_states, value_states, before) -> None:
+        """What one ``update()`` returned: the key length into ``call``, the faults into ``fault`` /
+        ``dtype_fault``."""
+        import torch
+
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].dim() >= 2:
+            call[2] = int(out[0].shape[-2])
+        if self.fault is None and before is not None:
+            for what, given, kept in (("key_states", key_states, before[0]),
+                                      ("value_states", value_states, before[1])):
+                if given.shape == kept.shape and not torch.equal(given.detach(), kept):
+                    self.fault = (f"update(layer_idx={layer_idx}) wrote into the {what} it was given (the "
+                                  f"caller's tensor changed during the call)")
+                    break
+        if self.dtype_fault is None and isinstance(out, (tuple, list)) and isinstance(key_states, torch.Tensor):
+            for what, t in zip(("keys", "values"), out):
+                if isinstance(t, torch.Tensor) and t.dtype != key_states.dtype:
+                    self.dtype_fault = (f"update(layer_idx={layer_idx}) returned {what} of dtype "
+                                  f"{str(t.dtype).removeprefix('torch.')} for key/value states of dtype "
+                                  f"{str(key_states.dtype).removeprefix('torch.')}: the attention then runs in "
+                                  f"another dtype or raises; return the states' dtype (cast back after "
+                                  f"dequantizing)")
+                    break
+        if self.fault is None and isinstance(out, (tuple, list)):
+            for what, t in zip(("keys", "values"), out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
+                    finite = torch.isfinite(t.detach())
+                    if not bool(finite.all()):
+                        self.fault = (f"update(layer_idx={layer_idx}) returned NaN/inf "
+                                      f"{_describe_index(what, t, ~finite)}")
+                        break
+
     def __enter__(self):
         self._saved = []
         for k, target in enumerate(self._targets):
-            self._saved.append((target, "update", target.__dict__.get("update")))
-            target.update = self._wrap(target, record=k == 0)
-            if k == 0 and callable(getattr(target, "get_mask_sizes", None)):
-                self._saved.append((target, "get_mask_sizes", target.__dict__.get("get_mask_sizes")))
-                target.get_mask_sizes = self._wrap_mask_sizes(target)
+            own = getattr(target, "__dict__", None)
+            if not isinstance(own, dict) or not callable(read_attr(target, "update")):
+                continue  # a cache without an instance __dict__ (slots) or update(): watched no further
+            try:
+                self._saved.append((target, "update", own.get("update")))
+                target.update = self._wrap(target, record=k == 0)
+                if k == 0 and callable(read_attr(target, "get_mask_sizes")):
+                    self._saved.append((target, "get_mask_sizes", own.get("get_mask_sizes")))
+                    target.get_mask_sizes = self._wrap_mask_sizes(target)
+            except Exception:  # noqa: BLE001 - a cache whose attributes cannot be set (a __setattr__ of its own)
+                continue
         return self
 
     def __exit__(self, *exc):
         for target, name, previous in self._saved:
-            if previous is None:
-                target.__dict__.pop(name, None)
-            else:
-                setattr(target, name, previous)
+            try:
+                if previous is None:
+                    target.__dict__.pop(name, None)
+                else:
+                    setattr(target, name, previous)
+            except Exception:  # noqa: BLE001 - see __enter__
+                continue
         return False
 
 
@@ -412,13 +555,13 @@ def raise_facts(cache, model, watch: UpdateWatch | None, held: int, batch: int, 
     (``shared_layers``: one layer object listed for several layers, or None), ``update_fault`` (what the
     watch saw an ``update()`` do wrong: another dtype returned, NaN returned, its inputs written; or None).
     """
-    target = getattr(cache, "self_attention_cache", cache)
-    layers = getattr(target, "layers", None)
+    target = self_half(cache)
+    layers = read_attr(target, "layers")
     facts: dict[str, Any] = {"held": int(held), "batch": int(batch), "trail": list(trail),
              "update_calls": [tuple(c) for c in (watch.calls if watch else ())],
              "mask_sizes": dict(watch.mask_sizes if watch else {}),
              "cache_layers": len(layers) if isinstance(layers, (list, tuple)) else None,
-             "grows_layers": getattr(target, "layer_class_to_replicate", None) is not None,
+             "grows_layers": read_attr(target, "layer_class_to_replicate") is not None,
              "decoder_depth": getattr(model, "decoder_depth", None),
              "encoder_decoder": bool(getattr(model, "is_encoder_decoder", False)),
              # transformers' own Cache.update reads self.layers; a cache's own update() may keep its storage elsewhere
@@ -495,13 +638,12 @@ def unmasked_slots(cache, held: int, new_tokens: int, mask=None) -> str | None:
     # fixed-size storage: the layers' max_cache_len (a dynamic sliding layer reports its window as its maximum
     # length, but holds no empty slots); hybrid layers (a linear-attention state next to a fixed-size attention
     # part) report no capacity as a whole, their layers do
-    target = getattr(cache, "self_attention_cache", cache)
-    layers = getattr(target, "layers", None)
+    layers = layer_list(self_half(cache))
     capacity = -1
     if layers:
         for layer in layers:
             try:
-                capacity = max(capacity, int(getattr(layer, "max_cache_len", -1) or -1))
+                capacity = max(capacity, int(read_attr(layer, "max_cache_len", -1) or -1))
             except Exception:  # noqa: BLE001
                 continue
     else:
@@ -518,9 +660,8 @@ def unmasked_slots(cache, held: int, new_tokens: int, mask=None) -> str | None:
 
 def layer_max_lengths(cache) -> list:
     """``get_max_length()`` of each layer of ``cache`` (its self-attention half): -1 unbounded, None unknown."""
-    target = getattr(cache, "self_attention_cache", cache)
     out: list[int | None] = []
-    for layer in getattr(target, "layers", None) or ():
+    for layer in layer_list(self_half(cache)):
         try:
             out.append(compat.max_length(layer))
         except Exception:  # noqa: BLE001
@@ -532,8 +673,7 @@ def shared_layers(cache) -> str | None:
     """Why ``cache.layers`` (an encoder-decoder cache: its self-attention half) is wrong when it lists one layer
     object for several decoder layers (``[Layer()] * n``: every decoder layer writes into the same keys and
     values), else None."""
-    target = getattr(cache, "self_attention_cache", cache)
-    layers = getattr(target, "layers", None)
+    layers = read_attr(self_half(cache), "layers")
     if not isinstance(layers, (list, tuple)):
         return None
     distinct = len({id(x) for x in layers})
@@ -586,12 +726,13 @@ def _is_wrapper_subclass(t) -> bool:
     return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
 
 
-def held_tensor_items(obj, max_depth: int = 8) -> list:
+def held_tensor_items(obj, max_depth: int = 8, skip=()) -> list:
     """``[(path, tensor)]`` for every plain tensor reachable from ``obj``'s attributes (lists, tuples, sets, dicts,
     objects with ``__dict__``/``__slots__``), in traversal order; ``path`` is how it was reached
     (``layers[0]._quantized_keys._data``). Wrapper tensor subclasses are replaced by their inner tensors;
     ``nn.Module``s, transformers configs, classes, functions (closures) and generators are not entered (a cache may
-    refer to its model or config: their weights are not the cache's). Each object is visited once."""
+    refer to its model or config: their weights are not the cache's). Each object is visited once; the objects in
+    ``skip`` are not entered (a layer's reference back to its cache or to a sibling layer: ``layer_bytes``)."""
     import torch
 
     try:
@@ -599,7 +740,7 @@ def held_tensor_items(obj, max_depth: int = 8) -> list:
     except ImportError:  # pragma: no cover
         PretrainedConfig = ()  # type: ignore[misc,assignment]
     opaque = _opaque_types()
-    out, seen = [], set()
+    out, seen = [], {id(x) for x in skip if x is not obj}
 
     def visit(x, path, depth):
         if x is None or isinstance(x, (int, float, str, bytes, bool, torch.dtype, torch.device)):
@@ -609,40 +750,40 @@ def held_tensor_items(obj, max_depth: int = 8) -> list:
         seen.add(id(x))
         if isinstance(x, torch.Tensor):
             if _is_wrapper_subclass(x):
-                names, _ = x.__tensor_flatten__()
-                for name in names:
-                    visit(getattr(x, name), f"{path}.{name}", depth + 1)
+                try:
+                    names, _ = x.__tensor_flatten__()
+                    inner = [(name, getattr(x, name)) for name in names]
+                except Exception:  # noqa: BLE001 - a wrapper that cannot be flattened: counted as itself
+                    out.append((path, x))
+                    return
+                for name, t in inner:
+                    visit(t, f"{path}.{name}", depth + 1)
             else:
                 out.append((path, x))
             return
         if isinstance(x, opaque) or isinstance(x, (torch.nn.Module, PretrainedConfig, torch.Generator)):
             return
-        if isinstance(x, dict):
-            for k, v in x.items():
-                visit(v, f"{path}[{k!r}]", depth + 1)
+        try:  # a container or object of the subject's that cannot be read holds nothing kvconform can count
+            if isinstance(x, dict):
+                children = [(f"{path}[{k!r}]", v) for k, v in list(x.items())]
+            elif isinstance(x, (list, tuple)):
+                children = [(f"{path}[{i}]", v) for i, v in enumerate(list(x))]
+            elif isinstance(x, (set, frozenset)):
+                children = [(f"{path}{{}}", v) for v in list(x)]
+            else:
+                children = [(f"{path}.{k}" if path else str(k), v) for k, v in attributes_of(x).items()]
+        except Exception:  # noqa: BLE001
             return
-        if isinstance(x, (list, tuple)):
-            for i, v in enumerate(x):
-                visit(v, f"{path}[{i}]", depth + 1)
-            return
-        if isinstance(x, (set, frozenset)):
-            for v in x:
-                visit(v, f"{path}{{}}", depth + 1)
-            return
-        if hasattr(x, "__dict__"):
-            for k, v in vars(x).items():
-                visit(v, f"{path}.{k}" if path else k, depth + 1)
-        for slot in getattr(type(x), "__slots__", ()) or ():
-            if isinstance(slot, str) and hasattr(x, slot):
-                visit(getattr(x, slot), f"{path}.{slot}" if path else slot, depth + 1)
+        for child_path, v in children:
+            visit(v, child_path, depth + 1)
 
     visit(obj, "", 0)
     return out
 
 
-def held_tensors(obj, max_depth: int = 8) -> list:
+def held_tensors(obj, max_depth: int = 8, skip=()) -> list:
     """Every plain tensor reachable from ``obj`` (``held_tensor_items`` without the paths)."""
-    return [t for _, t in held_tensor_items(obj, max_depth)]
+    return [t for _, t in held_tensor_items(obj, max_depth, skip)]
 
 
 def _storage_key(t) -> tuple:
@@ -650,8 +791,11 @@ def _storage_key(t) -> tuple:
     try:
         storage = t.untyped_storage()
         return (t.device.type, storage.data_ptr(), storage.nbytes()), storage.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return ("tensor", id(t)), t.numel() * t.element_size()
+    except Exception:  # noqa: BLE001 - a storage that cannot be read (RuntimeError, NotImplementedError, TypeError)
+        try:
+            return ("tensor", id(t)), t.numel() * t.element_size()
+        except Exception:  # noqa: BLE001 - an odd tensor subclass: no bytes measured
+            return ("tensor", id(t)), 0
 
 
 def storage_bytes(tensors) -> int:
@@ -665,9 +809,18 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def held_bytes(obj) -> int:
-    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object."""
-    return storage_bytes(held_tensors(obj))
+def held_bytes(obj, skip=()) -> int:
+    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object (not entering ``skip``)."""
+    return storage_bytes(held_tensors(obj, skip=skip))
+
+
+def layer_bytes(cache) -> dict:
+    """``{label: bytes}`` held by each layer of ``cache`` (``cache_layers``), each counted without entering the
+    cache, its halves or the other layers: a layer that keeps a reference to its cache (or a sibling) is not charged
+    for what they hold."""
+    layers = cache_layers(cache)
+    others = [cache, *(half for _, half in cache_halves(cache)), *(layer for _, layer in layers)]
+    return {label: held_bytes(layer, skip=others) for label, layer in layers}
 
 
 def largest_holdings(obj, n: int = 3) -> list:
@@ -685,14 +838,19 @@ def largest_holdings(obj, n: int = 3) -> list:
 def cache_layers(cache) -> list:
     """``[(label, layer)]``: ``"layer 0"``… for a decoder cache; ``"self 0"``/``"cross 0"`` for an
     ``EncoderDecoderCache``. A cache without ``layers`` counts as one pseudo-layer ``"cache"``."""
-    inner = [("self", getattr(cache, "self_attention_cache", None)), ("cross", getattr(cache, "cross_attention_cache",
-                                                                                         None))]
+    inner = [("self", read_attr(cache, "self_attention_cache")), ("cross", read_attr(cache, "cross_attention_cache"))]
     if inner[0][1] is not None:
-        return [(f"{kind} {i}", layer) for kind, c in inner if c is not None for i, layer in enumerate(c.layers)]
-    layers = getattr(cache, "layers", None)
+        return [(f"{kind} {i}", layer) for kind, c in inner if c is not None for i, layer in layer_items(c)]
+    layers = layer_items(cache)
     if not layers:
         return [("cache", cache)]
-    return [(f"layer {i}", layer) for i, layer in enumerate(layers)]
+    return [(f"layer {i}", layer) for i, layer in layers]
+
+
+def self_half(cache):
+    """An encoder-decoder cache's self-attention half, else ``cache`` itself."""
+    half = read_attr(cache, "self_attention_cache")
+    return cache if half is None else half
 
 
 def quant_params(layer) -> tuple | None:
@@ -701,11 +859,12 @@ def quant_params(layer) -> tuple | None:
     ``Fp8QuantizedLayer`` → ``(8, None, 0)`` (one per-tensor scale, no residual); ``QuantizedLayer`` (quanto, hqq)
     → ``(nbits, q_group_size, residual_length)``.
     """
-    if hasattr(layer, "fp8_dtype"):
+    if read_attr(layer, "fp8_dtype", _MISSING) is not _MISSING:
         return (8, None, 0)
-    nbits = getattr(layer, "nbits", None)
-    if isinstance(nbits, int):
-        return (nbits, getattr(layer, "q_group_size", None), int(getattr(layer, "residual_length", 0) or 0))
+    nbits = read_attr(layer, "nbits")
+    if isinstance(nbits, int) and not isinstance(nbits, bool):
+        residual = read_attr(layer, "residual_length", 0)
+        return (nbits, read_attr(layer, "q_group_size"), residual if isinstance(residual, int) else 0)
     return None
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
-                                     subject_call, tensors_of)
+                                     layer_items, read_attr, self_half, subject_call, tensors_of)
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._compiled import compile_applies, declared_compileable  # noqa: F401 - re-exported
 from kvconform.checks._diagnosis import fail_raised
@@ -488,10 +488,11 @@ def _check_allocation(ctx, cache, label):
 
     if "max_cache_len" not in accepted_kwargs(ctx.subject.factory, {"max_cache_len": 1}):
         return
-    target = getattr(cache, "self_attention_cache", cache)
-    for i, layer in enumerate(getattr(target, "layers", None) or ()):
-        keys = getattr(layer, "keys", None)
-        if getattr(keys, "dim", None) is not None and keys.dim() >= 3 and keys.shape[-2] > ctx.max_cache_len:
+    import torch
+
+    for i, layer in layer_items(self_half(cache)):
+        keys = read_attr(layer, "keys")
+        if isinstance(keys, torch.Tensor) and keys.dim() >= 3 and keys.shape[-2] > ctx.max_cache_len:
             ctx.fail([
                 f"layer {i} allocated {keys.shape[-2]} slots for its keys, but the cache was built with "
                 f"max_cache_len={ctx.max_cache_len}",

@@ -27,7 +27,7 @@ from kvconform import compat
 from kvconform.checks import ALL_KINDS, IGNORES_OPS, OP_PARAMS, CheckSkipped, OpRule, Param, register
 from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised, measured_cause
 from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, forward, image_prompt,
-                                     random_tokens, seq_length)
+                                     layer_items, layer_list, random_tokens, read_attr, self_half, seq_length)
 from kvconform.checks._interpreter import Runner, StopRun
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.subjects import FRESH, kind_of
@@ -215,10 +215,9 @@ def stored_tokens(cache) -> int | None:
     sliding or linear-attention layers only: their buffers do not say how many tokens are held) or they disagree."""
     import torch
 
-    target = getattr(cache, "self_attention_cache", cache)
     lengths = set()
-    for layer in getattr(target, "layers", ()) or ():
-        keys = getattr(layer, "keys", None)
+    for layer in layer_list(self_half(cache)):
+        keys = read_attr(layer, "keys")
         try:
             unbounded = compat.max_length(layer) == -1
         except Exception:  # noqa: BLE001
@@ -473,8 +472,10 @@ def check_encoder_decoder_subcaches(ctx):
     first_cross, problems, fed = [], [], [0]
 
     def cross_state():
-        return [(layer.keys.clone(), layer.values.clone()) for layer in cache.cross_attention_cache.layers
-                if getattr(layer, "keys", None) is not None and getattr(layer, "values", None) is not None]
+        return [(read_attr(layer, "keys").clone(), read_attr(layer, "values").clone())
+                for layer in layer_list(read_attr(cache, "cross_attention_cache"))
+                if isinstance(read_attr(layer, "keys"), torch.Tensor) and isinstance(read_attr(layer, "values"),
+                                                                                     torch.Tensor)]
 
     def observe(step):
         fed[0] += step.length
@@ -570,10 +571,9 @@ def held_tokens(cache) -> dict:
     layers without such a tensor (linear-attention states, other storage) are left out."""
     import torch
 
-    half = getattr(cache, "self_attention_cache", cache)
     out = {}
-    for i, layer in enumerate(getattr(half, "layers", ()) or ()):
-        keys = getattr(layer, "keys", None)
+    for i, layer in layer_items(self_half(cache)):
+        keys = read_attr(layer, "keys")
         if isinstance(keys, torch.Tensor) and keys.dim() == 4:
             out[i] = int(keys.shape[-2])
     return out
@@ -958,10 +958,9 @@ def _layer_keys(cache) -> dict:
     ``keys`` tensor."""
     import torch
 
-    half = getattr(cache, "self_attention_cache", cache)
     out = {}
-    for i, layer in enumerate(getattr(half, "layers", ()) or ()):
-        keys = getattr(layer, "keys", None)
+    for i, layer in layer_items(self_half(cache)):
+        keys = read_attr(layer, "keys")
         if isinstance(keys, torch.Tensor) and keys.dim() == 4:
             out[i] = keys
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import IGNORES_OPS, Param, register
-from kvconform.checks._drive import SubjectRaised, generate, generate_prompt
+from kvconform.checks._drive import SubjectRaised, generate, generate_prompt, layer_list, read_attr, self_half
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.oracle import compare_logits
 
@@ -49,11 +49,10 @@ def _generate(ctx, **kwargs):
 
 def _layer_classes(cache) -> tuple:
     """``(cache class, self-attention layer classes, cross-attention layer classes or ())``."""
-    inner = getattr(cache, "self_attention_cache", None)
-    cross = getattr(cache, "cross_attention_cache", None)
-    main = inner if inner is not None else cache
-    return (type(main).__name__, tuple(type(layer).__name__ for layer in getattr(main, "layers", ())),
-            tuple(type(layer).__name__ for layer in getattr(cross, "layers", ())) if cross is not None else ())
+    cross = read_attr(cache, "cross_attention_cache")
+    main = self_half(cache)
+    return (type(main).__name__, tuple(type(layer).__name__ for layer in layer_list(main)),
+            tuple(type(layer).__name__ for layer in layer_list(cross)) if cross is not None else ())
 
 
 @register("coverage", needs=("generate",), applies=_implementation_row, ops=IGNORES_OPS, params={

@@ -229,14 +229,17 @@ def recurrent_layers_claiming_crop(cache) -> list[str]:
     a recurrent state summarises every token it saw, so no ``crop()`` can rewind it and such a flag is a promise
     the layer cannot keep. A layer holds one when its ``is_recurrent_states_initialized`` (transformers' and
     kvconform's linear-attention layers) has a True value, or its ``recurrent_states`` holds a tensor."""
-    from kvconform.checks._drive import cache_layers
+    from kvconform.checks._drive import cache_layers, read_attr
 
     out = []
     for label, layer in cache_layers(cache):
-        flags = getattr(layer, "is_recurrent_states_initialized", None)
-        states = getattr(layer, "recurrent_states", None)
-        held = any(flags.values()) if isinstance(flags, dict) else (
-            any(v is not None for v in states.values()) if isinstance(states, dict) else states is not None)
+        flags = read_attr(layer, "is_recurrent_states_initialized")
+        states = read_attr(layer, "recurrent_states")
+        try:
+            held = any(flags.values()) if isinstance(flags, dict) else (
+                any(v is not None for v in states.values()) if isinstance(states, dict) else states is not None)
+        except Exception:  # noqa: BLE001 - states that cannot be read: no evidence of a held state
+            held = False
         try:
             claims = bool(getattr(layer, "is_croppable", False))
         except Exception:  # noqa: BLE001 - a flag that cannot be read claims nothing

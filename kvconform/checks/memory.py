@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from kvconform import compat
 from kvconform.checks import EXACT, LOSSY_TWIN, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, layer_bytes, layers_problem, read_attr
 # counting bytes lives in _drive (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._drive import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
 from kvconform.checks._interpreter import Runner
@@ -157,13 +157,14 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
     except Exception:  # noqa: BLE001 - an incomplete layer: treat as unbounded
         capacity = -1
     note = ""
-    declared_len = getattr(layer, "max_cache_len", None)
+    declared_len = read_attr(layer, "max_cache_len")
     if capacity < 0 and isinstance(declared_len, int) and declared_len > 0:
         # transformers 5.24: LinearAttentionAndStaticFullAttentionLayer (StaticCache on FalconH1) preallocates
         # max_cache_len but its get_max_length() resolves to the linear mixin's -1
         capacity, note = declared_len, "; get_max_length() says -1"
-    preallocates = (bool(getattr(layer, "is_compileable", False)) or policy == "preallocated") and capacity > 0
-    if preallocates and policy == "preallocated" and not getattr(layer, "is_compileable", False):
+    compileable = read_attr(layer, "is_compileable", False) is True
+    preallocates = (compileable or policy == "preallocated") and capacity > 0
+    if preallocates and policy == "preallocated" and not compileable:
         note += "; a ring / buffer of its whole capacity, allocation preallocated"
     if capacity < 0:
         held, rule = tokens, f"S={tokens}"
@@ -320,11 +321,11 @@ class GrowthProbe:
 
     def before_forward(self, runner, label, n):
         """Bytes of every layer before the forward."""
-        self._before = {name: held_bytes(layer) for name, layer in cache_layers(runner.cache)}
+        self._before = layer_bytes(runner.cache)
 
     def after_forward(self, runner, step):
         """Bytes of every layer after the forward, paired with those before."""
-        after = {name: held_bytes(layer) for name, layer in cache_layers(runner.cache)}
+        after = layer_bytes(runner.cache)
         self.rows.append(Growth(step.label, step.start, step.length,
                                 {name: (self._before.get(name, 0), b) for name, b in after.items()}))
 
@@ -583,9 +584,9 @@ def check_memory_bytes(ctx):
     capacities: dict = {}
 
     def measure(label, tokens, after_reset):
-        layers = dict(cache_layers(cache))
+        layers, held = dict(cache_layers(cache)), layer_bytes(cache)
         raw.append((Checkpoint(label, tokens, after_reset, reported=_reported_length(cache)),
-                    [(name, held_bytes(layer), layer, tokens) for name, layer in layers.items()]))
+                    [(name, held[name], layer, tokens) for name, layer in layers.items()]))
         for name, layer in layers.items():
             capacities.setdefault(name, []).append((tokens, buffer_tokens(layer)))
 
@@ -607,7 +608,12 @@ def check_memory_bytes(ctx):
         for name, held, layer, tokens in layers:
             shape = shapes.get(name)
             if shape is None:  # a layer the reference does not have: everything it holds is unexplained
-                cp.layers.append((name, held, Expectation(0, slack, "no such layer", 0)))
+                why = layers_problem(cache) if name == "cache" else None
+                cp.layers.append((name, held, Expectation(0, slack, "no such layer" if why is None else
+                                                          f"no layer to compare: {why}, so the cache's bytes are "
+                                                          f"counted as one block, which matches no layer of the "
+                                                          f"reference (the Cache API's layers is a list of layer "
+                                                          f"objects)", 0)))
                 continue
             enc = ctx.case.encoder_len if name.startswith("cross") else tokens
             cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,

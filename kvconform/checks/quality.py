@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvconform.checks import ALL_KINDS, OpRule, Param, register
 from kvconform.checks._drive import (SubjectRaised, cache_layers, held_bytes, held_tensor_items, largest_holdings,
-                                     storage_bytes)
+                                     layer_bytes, storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
 from kvconform.checks._observe import measured_at_batch_one
 from kvconform.memo import MEMO
@@ -522,7 +522,7 @@ def check_memory_bound(ctx):
         return
     attention = [layer for layer in layers if layer.token_bytes]
     B, H, D, b = attention[0].dims if attention else (0, 0, 0, 0)
-    per_layer = ", ".join(f"{label} {_mib(held_bytes(layer))}" for label, layer in cache_layers(cache))
+    per_layer = ", ".join(f"{label} {_mib(n)}" for label, n in layer_bytes(cache).items())
     ctx.fail([
         f"held bytes = {_mib(held)} after {tokens} tokens, but should be ≤ {_mib(bound)} "
         + (f"(budget.tokens_max = {tokens_max})" if budget.keep_ratio is None else
