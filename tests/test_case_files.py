@@ -61,7 +61,7 @@ def test_no_twin_cases(builtin):
 def test_models_full_widens_the_scope_in_the_full_tier_only(builtin):
     by_id = {c.id: c for c in builtin}
     crop_short = by_id["crop_short"]
-    assert crop_short.model_scope(full=False) == ("llama", "gemma3", "t5", "mamba")
+    assert crop_short.model_scope(full=False) == ("llama", "gemma3", "t5", "mamba", "falcon_h1")
     assert crop_short.model_scope(full=True) == ()  # "all"
     speed = by_id["speed_vs_uncached"]
     assert speed.model_scope(full=False) == ("llama",)

@@ -16,8 +16,16 @@ def test_a_linear_cache_that_refuses_crop_passes_where_the_croppable_ones_fail()
     results = check_cache("kvconform.testing.faulty_linear:RefusingLinearCache", models=["mamba", "mamba2"],
                           checks=["check_crop_then_continue", "check_crop_contract"],
                           cases=["crop_short", "crop_linear_recording"])
+    from kvconform.compat import records_recurrent_states
+
+    # 5.25: activate_past_recording() with no count, inherited unchanged from transformers' layer, makes the next
+    # multi-token forward raise TypeError (known fault linear-recording-none-count, excused as inherited)
+    recording = "xfailed" if records_recurrent_states() else "passed"
     assert sorted((r.model, r.case, r.outcome) for r in results) == [
-        ("mamba", "crop_short", "passed"), ("mamba2", "crop_linear_recording", "passed")], [r.message for r in results]
+        ("mamba", "crop_short", "passed"), ("mamba2", "crop_linear_recording", recording)], [r.message for r in results]
+    if recording == "xfailed":
+        assert "linear-recording-none-count" in results[-1].message or any(
+            "linear-recording-none-count" in r.message for r in results)
 
 
 def test_the_ssm_crop_fault_envelope_excludes_a_croppable_claim():

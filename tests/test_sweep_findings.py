@@ -83,9 +83,10 @@ def test_a_float32_bound_oracle_measures_its_drift_and_the_tolerance_takes_it_as
     from kvconform.checks import oracle_drift
     from kvconform.oracle import DRIFT_MAX, Tolerance, compare_logits
 
-    drift = oracle_drift(zoo.load_model("transformers:nemotron_h"))  # float32 logits from its float64 forward
-    assert 1e-6 < drift <= DRIFT_MAX
+    measured = oracle_drift(zoo.load_model("transformers:nemotron_h"))  # float32 logits from its float64 forward
+    assert 0 < measured <= DRIFT_MAX  # 5.24: 2.4e-6 and more; 5.25 rounds its two paths closer (3.9e-7)
     assert oracle_drift(zoo.load_model("llama")) == 0.0  # float64 throughout: no drift, the usual rule
+    drift = max(measured, 3.3e-6)  # the rule below, at 5.24's measured drift where this release's is smaller
     tol = Tolerance(10.0, 2e-5, oracle_drift=drift)
     assert tol.bound(1e-6) == pytest.approx(10 * drift) and "oracle's own drift" in tol.describe(1e-6)
     assert Tolerance(10.0, 2e-5).bound(1e-6) == 2e-5
