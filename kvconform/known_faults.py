@@ -197,9 +197,12 @@ class KnownFault:
             cls = getattr(cache_utils, cls_name, None)
             if not isinstance(cls, type):
                 continue
-            upstream = getattr(cls, method, _MISSING)  # a method transformers' class lacks is inherited as missing
+            # inherited: the subject's class finds the name where transformers' class finds it (the same defining
+            # class, or both lack it) — compared by owner, not value: a class attribute `is_croppable = True` of the
+            # subject's own is not transformers' `True`
+            upstream = _defining_class(cls, method)
             for obj in objects:
-                if isinstance(obj, cls) and getattr(type(obj), method, _MISSING) is upstream:
+                if isinstance(obj, cls) and _defining_class(type(obj), method) is upstream:
                     return name
         return None
 
@@ -383,6 +386,11 @@ def find(faults, version, subject: str, model: str, check: str, case: str, famil
         if fault.matches(version, **fields):
             return fault
     return None
+
+
+def _defining_class(cls: type, name: str):
+    """The first class of ``cls``'s MRO whose own namespace defines ``name``, or None."""
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
 
 
 class FaultIndex:

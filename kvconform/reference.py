@@ -315,10 +315,12 @@ class ReferenceLinearAttentionLayer(BatchOpsMixin, LinearAttentionCacheLayerMixi
 
     @property
     def is_croppable(self) -> bool:
-        """True once a conv state is held and either no recurrent state is, or recurrent states are being recorded
-        (a recurrent state rewinds only to a recorded one; ``crop`` says when the one asked for is not)."""
-        if not any(self.is_conv_states_initialized.values()):
-            return False
+        """True once a conv state is held while past recording is on, and either no recurrent state is held or
+        recurrent states are being recorded (a recurrent state rewinds only to a recorded one; ``crop`` says when the
+        one asked for is not). Without recording the layer keeps only the ``K - 1`` inputs the next token needs, so
+        it promises no crop (``crop(-1)`` of a decoded token may still succeed)."""
+        if not any(self.is_conv_states_initialized.values()) or not self.record_past:
+            return False  # without recording only K - 1 conv inputs of context are held: no crop can be promised
         return self._records_recurrent_states() or not any(self.is_recurrent_states_initialized.values())
 
     def get_max_length(self) -> int:

@@ -104,5 +104,5 @@ def test_offload_check_never_passes_without_cuda():
     case = next(c for c in load_cases() if c.id == "offload_decode")
     subject = offloaded_subjects()[0]
     assert skip_reason(subject, model_info("llama"), check, case, device="cpu") == "offloading needs CUDA"
-    with pytest.raises(RuntimeError, match="offloading needs CUDA"):
+    with pytest.raises(Exception, match="offloading needs CUDA"):  # the guard's error, never a pass
         run_check("check_offloaded_matches", CheckContext(subject, None, case, None))

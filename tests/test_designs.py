@@ -89,8 +89,9 @@ def test_compression_is_not_judged_without_keys_and_values():
 def test_lossy_budget_counts_on_top_of_the_models_own_loss():
     """jamba's modeling code loses KL ~1.2e-3 on the long case whatever the cache (kvconform's ReferenceCache gets
     the same): a lossy cache with kl_max 1e-4 that adds nothing to it passes, with a note naming the baseline."""
-    [result] = check_cache("kvconform.testing.lossy:Int8ResidualCache", models=["jamba"],
-                           checks=["check_quality_budget"], full=True)
+    [result] = [r for r in check_cache("kvconform.testing.lossy:Int8ResidualCache", models=["jamba"],
+                                       checks=["check_quality_budget"], full=True)
+                if r.dtype == "float32"]  # the full tier also runs the bf16/fp16 quality cases
     assert result.outcome == "passed", result.message
     assert result.metrics["reference_kl_mean"] > 1e-4
     assert result.metrics["kl_mean"] - result.metrics["reference_kl_mean"] <= 1e-4

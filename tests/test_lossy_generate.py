@@ -13,7 +13,7 @@ CHECKS = ["check_generate_self_consistent", "check_beam_search_self_consistent",
 
 def _run(attr, checks=CHECKS):
     return {r.check: r for r in check_cache(f"{_M}:{attr}", models=["llama"], checks=checks)
-            if r.case != "decode_explicit_positions" and r.case != "decode_recording"}
+            if r.case != "decode_explicit_positions" and r.case != "decode_recording" and r.dtype == "float32"}
 
 
 def test_a_correct_lossy_cache_passes_generate_and_beam_search():

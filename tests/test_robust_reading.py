@@ -54,7 +54,8 @@ def test_readers_never_raise_on_a_cache_shape(llama_config, shape):
     assert labels == (["layer 0", "layer 1"] if readable else ["cache"])
     assert _drive.held_bytes(cache) >= 2 * 2 * (2 * 2 * 5 * 16 * 4)  # at least the keys and values fed
     sizes, missing = _drive.public_kv_facts(cache)  # what layer.keys answers, read as transformers reads it
-    assert (sizes.get("layer 0.keys") == 2) == readable and missing == ([] if readable else ["cache"])
+    # an unreadable cache has no layer.keys to ask: no "answers None for layer.keys" claim either way
+    assert (sizes.get("layer 0.keys") == 2) == readable and missing == []
     _drive.layer_max_lengths(cache)
     _drive.shared_layers(cache)
     _drive.unmasked_slots(cache, 5, 1)

@@ -45,7 +45,9 @@ SHARED_TARGETS = [
 KNOWN = [
     ("StaticCache", "llama", "check_crop_then_continue", "crop_more_than_cached", "without clamping"),
     ("StaticCache", "mistral", "check_crop_contract", "crop_past_window", "StaticSlidingWindowLayer"),
-    ("DynamicCache", "mamba2", "check_crop_contract", "crop_linear_recording", "recurrent (SSM) state"),
+    # 5.24: the SSM-state crop fault; 5.25: recording with no count raises first (linear-recording-none-count)
+    ("DynamicCache", "mamba2", "check_crop_contract", "crop_linear_recording",
+     "recurrent (SSM) state|recurrent_states_to_keep"),
     ("StaticCache", "llama", "check_capacity", "capacity", "raw IndexError"),
     ("StaticCache", "mistral", "check_repeat_then_decode", "repeat_padded", "no batch_repeat_interleave"),
     ("DynamicCache", "mamba2", "check_select_then_decode", "select_padded", "LinearAttentionLayer has no"),
@@ -112,8 +114,8 @@ def test_known_transformers_faults_xfail_by_default_and_fail_under_strict(run_kv
     for subject, model, check, case, words in KNOWN:
         record = records[(subject, model, check, case)]
         assert record["outcome"] == "failed", (subject, model, check, case, record["outcome"])
-        assert "known upstream fault: transformers 5.24" in record["message"], record["message"]
-        assert words in record["message"], (words, record["message"])
+        assert "known upstream fault: transformers 5.2" in record["message"], record["message"]
+        assert any(w in record["message"] for w in words.split("|")), (words, record["message"])
 
 
 def test_builtin_subjects_conform_on_llama(run_kvconform, pytester):

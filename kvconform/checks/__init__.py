@@ -523,7 +523,8 @@ def internal_error(ctx: CheckContext, fault: dict) -> KVConformInternalError:
     ``kvconform_internal`` (the place), ``raised``, ``internal_error`` (the exception's first line)."""
     dtype = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}.get(ctx.case.dtype,
                                                                                             ctx.case.dtype)
-    lines = [f"kvconform internal error: {ctx.check_name} on {ctx.subject.name} on {ctx.model.name} ({dtype}, batch "
+    model = getattr(ctx.model, "name", "no model")
+    lines = [f"kvconform internal error: {ctx.check_name} on {ctx.subject.name} on {model} ({dtype}, batch "
              f"{ctx.case.batch}), case {ctx.case.id}",
              f"  kvconform's own code raised {fault['what']} (at {fault['place']}"
              + (f"; raised in {fault['raised_in']})" if fault.get("raised_in") else ")"),
@@ -540,6 +541,8 @@ def escaped(ctx: CheckContext, exc: Exception) -> NoReturn:
     (``KVConformInternalError``) unless the subject's own code raised it (``outcomes.own_fault``), which fails the
     item in the usual short form, naming kvconform's function that called into the subject."""
     fault = own_fault(exc)
+    if fault is not None and ctx.model is None:  # a check called with no model (a direct unit call): its own error
+        raise exc
     if fault is not None:
         raise internal_error(ctx, fault) from None
     from kvconform.checks._diagnosis import describe_exception

@@ -249,6 +249,6 @@ FAULTY = [
                 ("check_padded_row_alone failed: SinkPress on llama", "the same row run alone"),
                 also_caught_by=("batch", "fuzz", "logits", "crop", "prefix", "lifecycle", "contract"),
                 case="padded_row_alone",
-                cause=r"left-padded row"),
+                cause=r"left-padded row|the cache keeps a share of the padded length, its \d+ pads counted as prompt"),
 ]
 """The faulty variants of ``TailPress`` (collected by ``kvconform.testing.faulty_caches``)."""
