@@ -218,6 +218,7 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
     else:
         cause = measured_cause(exc) or cause
         cause = _press_on_sliding(ctx, cause)
+        cause = _count_in_model_dtype(ctx, cause)
     ctx.fail([
         f"the subject raised {describe_raise(exc)}",
         f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",
@@ -244,6 +245,26 @@ def _press_on_sliding(ctx, cause: str) -> str:
             f"hold, so attention cannot line up the fewer keys it keeps — leave sliding layers to their window (the "
             f"model bounds them already), or announce the kept tokens in get_mask_sizes() (measured at the raise: "
             f"update(layer_idx={m.group(1)}) returned {m.group(2)} keys after {m.group(3)} tokens)")
+
+
+# the largest n such that every integer 0..n is exact in the dtype: 2 ** (significand bits), IEEE 754 / bfloat16
+_EXACT_INTEGERS_UP_TO = {"bfloat16": 2 ** 8, "float16": 2 ** 11}
+
+
+def _count_in_model_dtype(ctx, cause: str) -> str:
+    """A cache whose returned keys stop growing exactly where the model's dtype stops holding every integer (256 at
+    bfloat16, 2048 at float16) while it should hold more: name the count kept in that dtype (a running sum of
+    tokens in a 0-d tensor "like the keys": ``count + 1`` rounds back to the count)."""
+    import re
+
+    m = re.search(r"update\(layer_idx=(\d+)\) returned keys of length (\d+)[^0-9]*?should hold (\d+)", cause)
+    dtype = str(getattr(ctx.model, "dtype", "")).removeprefix("torch.")
+    limit = _EXACT_INTEGERS_UP_TO.get(dtype)
+    if not m or limit is None or int(m.group(2)) != limit or int(m.group(3)) <= limit:
+        return cause
+    return (f"{cause} — {limit} is where {dtype} stops holding every integer: a token or fill count kept in the "
+            f"model's dtype (a running sum in {dtype}) stalls there, since {limit} + 1 rounds back to {limit}; keep "
+            f"counts as Python ints or int64 tensors")
 
 
 def _size_error(cause: BaseException) -> bool:

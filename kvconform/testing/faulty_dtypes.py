@@ -8,12 +8,15 @@ those cases.
 * ``UpcastKeysCache``: stores the model's dtype but returns keys/values upcast to float32 "for precise scores".
 * ``BfloatForHalfCache``: stores any 16-bit dtype as bfloat16 ("same size, more range"): lossless for a bfloat16
   model, three mantissa bits lost on a float16 one.
+* ``HalfCountCache``: a growing buffer whose fill count is a running sum kept on the device in the keys' dtype:
+  bfloat16 holds every integer only up to 256 (8 significant bits), so past 256 tokens ``256 + 1`` rounds back to
+  256: the count stalls, each new token overwrites slot 256 and is never attended (``bf16_long_decode``).
 
 Each class carries one bug (the line is marked ``# BUG:``); ``FAULTY`` pins the check, case and likely-cause line
 (``tests/test_faulty_caches.py``, ``tests/test_low_precision.py``). They are built for attention-only decoder models
 (the pinned model is llama).
 
-Measured and left out: a running absmax scale kept and applied in the half dtype (keys stored normalised, rescaled
+Measured and left out (a running sum that *is* caught: ``HalfCountCache``): a running absmax scale kept and applied in the half dtype (keys stored normalised, rescaled
 in place whenever the scale grows) sits at 1.08× the bf16 noise floor on llama with these cases: no logit comparison
 at that dtype can tell it from rounding, so it would be a faulty cache nothing catches.
 """
@@ -87,6 +90,61 @@ class BfloatForHalfCache(Cache):
         super().__init__(layers=[_BfloatForHalfLayer() for _ in types])
 
 
+# ------------------------------------------------------------------------------------------ a count in the half dtype
+class _HalfCountLayer(DynamicLayer):
+    """A preallocated buffer grown by doubling, with its fill count kept on the device as a 0-d tensor."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        batch, heads, _, dim = key_states.shape
+        self.keys = key_states.new_zeros((batch, heads, 64, dim))
+        self.values = value_states.new_zeros((batch, heads, 64, value_states.shape[-1]))
+        # BUG: the fill count is made "like the keys" (their dtype, so no host sync): bfloat16 counts every integer
+        # only up to 256, float16 up to 2048; past that, count + 1 rounds back and the count stalls
+        self.count = torch.zeros((), dtype=key_states.dtype, device=key_states.device)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, new = int(self.count), key_states.shape[-2]
+        if start + new > self.keys.shape[-2]:  # double the capacity
+            grow = max(self.keys.shape[-2], start + new - self.keys.shape[-2])
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(self.keys.shape[:2] + (grow, self.keys.shape[3]))],
+                                  dim=-2)
+            self.values = torch.cat([self.values, self.values.new_zeros(self.values.shape[:2] + (grow,
+                                                                        self.values.shape[3]))], dim=-2)
+        self.keys[:, :, start:start + new] = key_states
+        self.values[:, :, start:start + new] = value_states
+        self.count += new
+        held = int(self.count)
+        return self.keys[:, :, :held], self.values[:, :, :held]
+
+    def get_seq_length(self) -> int:
+        return int(self.count) if self.is_initialized else 0
+
+    def get_mask_sizes(self, *args, **kwargs):
+        query_length = _query_length(*args, **kwargs)
+        return self.get_seq_length() + query_length, 0
+
+
+def _query_length(*args, **kwargs) -> int:
+    """The query length of a ``get_mask_sizes`` call, whichever signature the installed transformers uses (an int
+    ``query_length``, or the ``cache_position`` tensor of older releases)."""
+    value = kwargs.get("query_length", kwargs.get("cache_position", args[0] if args else 0))
+    return int(value) if isinstance(value, int) else int(value.shape[0])
+
+
+class HalfCountCache(Cache):
+    """Keys/values in a doubling buffer of the model's dtype with a 0-d fill count in that dtype too: exact on
+    float32 models (and below 256 tokens at bfloat16); past 256 tokens a bfloat16 model's count stops at 256."""
+
+    kvconform_capabilities = ("forward",)
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_HalfCountLayer() for _ in types])
+
+
 FAULTY = [
     FaultyCache(
         name="default_dtype_buffer", attr="DefaultDtypeBufferCache", module=__name__, family="logits",
@@ -111,5 +169,13 @@ FAULTY = [
                  "within the float16 tolerance", "less precisely than the model's float16"),
         cause=r"the cache stores keys/values as bfloat16 \(layers\[0\]\.keys.*\), narrower than the model's "
               r"float16",
+    ),
+    FaultyCache(
+        name="half_count", attr="HalfCountCache", module=__name__, family="logits",
+        check="check_prefill_then_decode", model="llama", case="bf16_long_decode",
+        message=("check_prefill_then_decode failed: HalfCountCache on llama (bf16, batch 2)",
+                 "[raised at decode 5]"),
+        cause=r"returned keys of length 256 for a cache that should hold 257 tokens.* 256 is where bfloat16 stops "
+              r"holding every integer: a token or fill count kept in the model's dtype",
     ),
 ]
