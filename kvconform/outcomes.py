@@ -248,7 +248,7 @@ def own_fault(exc: BaseException, through_subject_call: bool = False) -> dict | 
     A ``TypeError`` of a call the callee's signature refused, raised in kvconform's frame before the callee runs, is
     the callee's (``refused_callee_owner``) unless the callee is kvconform's.
 
-    Returns ``{"place": "kvconform/checks/_drive.py:219 in tensors_of", "raised_in": place of the innermost frame
+    Returns ``{"place": "kvconform/checks/_measure.py:219 in tensors_of", "raised_in": place of the innermost frame
     (None when it is the same), "what": "TypeError: first line"}``.
     """
     frames = _frames(exc)

@@ -229,7 +229,7 @@ def recurrent_layers_claiming_crop(cache) -> list[str]:
     a recurrent state summarises every token it saw, so no ``crop()`` can rewind it and such a flag is a promise
     the layer cannot keep. A layer holds one when its ``is_recurrent_states_initialized`` (transformers' and
     kvconform's linear-attention layers) has a True value, or its ``recurrent_states`` holds a tensor."""
-    from kvconform.checks._drive import cache_layers, read_attr
+    from kvconform.checks._measure import cache_layers, read_attr
 
     out = []
     for label, layer in cache_layers(cache):
@@ -252,7 +252,7 @@ def recurrent_layers_claiming_crop(cache) -> list[str]:
 def layers_not_recording(cache) -> list[str]:
     """Labels (``cache_layers``) of the layers with a past-recording flag (transformers' ``record_past``) that is
     still False: after ``cache.activate_past_recording()`` every such layer should keep its past."""
-    from kvconform.checks._drive import cache_layers
+    from kvconform.checks._measure import cache_layers
 
     out = []
     for label, layer in cache_layers(cache):
