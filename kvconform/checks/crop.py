@@ -19,6 +19,7 @@ token; ``params.positive = true`` calls ``crop(+N)`` instead, whose meaning depe
 from __future__ import annotations
 
 from kvconform import compat
+from kvconform.outcomes import KVConformError
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner
@@ -140,7 +141,7 @@ def _length_cause(rec, runner) -> str:
     return "crop() removed a different number of tokens than asked"
 
 
-class PositiveCropNote(UserWarning):
+class PositiveCropNote(UserWarning, KVConformError):
     """A positive ``crop(+n)`` was accepted where the installed transformers refuses it (≥ 5.20). No caller of such
     a release passes a positive count, so this is reported (a warning and the item's ``note`` metric), not failed;
     the continuation after it is still judged."""
