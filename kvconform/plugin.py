@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvconform.families import FAMILIES
+from kvconform.outcomes import UsageError
 from kvconform.options import (CACHE, CASES, DEVICE, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT, SUBJECT, TRUST,
                                add_options, check_usage, hooked_specs, is_active, opt, read_fuzz_seed, read_shard,
                                refuse_flags_without_kvconform, refuse_mistyped_specs, reproduce_args, timeout_s)
@@ -169,7 +170,7 @@ def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) ->
             only_subjects=opt(config, SUBJECT), trust_remote_code=bool(opt(config, TRUST)),
             runs_items=runs_items,
         )
-    except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
+    except UsageError as exc:  # SpecError, CaseFileError, KnownFaultsError, a bad model or subject name
         raise pytest.UsageError(f"kvconform: {exc}") from None
     session.fuzz_seed, session.shard, session.reproduce_args = fuzz_seed, shard, reproduce_args
     config.stash[SESSION_KEY] = session

@@ -113,6 +113,25 @@ class CheckContext:
 
         return kind_of(self.subject)
 
+    def replace(self, **changes) -> CheckContext:
+        """A shallow copy of this context with ``changes`` (field name → value) applied; everything else is shared
+        with this one — ``metrics`` too unless given (``metrics={}`` for a run whose numbers are not the item's),
+        and the attributes a driver set on it (``encoder_ids``).
+
+        Raises:
+            TypeError: a name that is no field of ``CheckContext``.
+        """
+        import copy
+        import dataclasses
+
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"CheckContext.replace: no field {', '.join(map(repr, unknown))}")
+        out = copy.copy(self)
+        for name, value in changes.items():
+            setattr(out, name, value)
+        return out
+
     @property
     def max_cache_len(self) -> int:
         return max(64, self.case.total_tokens)

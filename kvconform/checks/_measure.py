@@ -189,7 +189,7 @@ def held_tensor_items(obj, max_depth: int = 8, skip=()) -> list:
         if isinstance(x, torch.Tensor):
             if _is_wrapper_subclass(x):
                 try:
-                    names, _ = x.__tensor_flatten__()
+                    names, _ = x.__tensor_flatten__()  # type: ignore[attr-defined]  # a wrapper subclass's
                     inner = [(name, getattr(x, name)) for name in names]
                 except Exception:  # noqa: BLE001 - a wrapper that cannot be flattened: counted as itself
                     out.append((path, x))

@@ -311,7 +311,7 @@ def _cause(ctx, records, cache=None):
 
 def _crop_check(ctx):
     cache = ctx.new_cache()
-    records = []
+    records: list = []
     try:
         runner, _ = run_crop_case(ctx, cache, records)
     except SubjectRaised as exc:

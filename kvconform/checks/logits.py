@@ -260,10 +260,10 @@ def check_mamba_kernel_paths(ctx):
                 ctx.fail([f"the {label} path raised {describe_raise(exc)}", f"ops: {ctx.case.ops_label()}",
                           f"likely cause: the cache does not give the {label} path the states it expects"])
         verdict = judge(ctx, steps)
-        _, cmp = verdict.first_fail or verdict.worst
+        _, cmp = verdict.first_fail or verdict.worst  # type: ignore[misc]  # judge() of one step or more sets worst
         ctx.metrics[f"max_abs_{label.split()[0]}"] = cmp.max_abs
         if not verdict.passed:
-            step, bad = verdict.first_fail
+            step, bad = verdict.first_fail  # type: ignore[misc]  # set where the verdict did not pass
             ctx.fail([f"{label} path: max|Δlogit| = {bad.max_abs:.1e} at {step.label}, but should be ≤ "
                       f"{bad.tol:.1e} ({ctx.tolerance().describe(bad.floor)})",
                       f"ops: {ctx.case.ops_label()}; kernels: {', '.join(kernels)}",

@@ -91,7 +91,7 @@ def _fork_ops_text(ctx):
 def check_prefix_fork(ctx):
     """Prefill a shared prefix, deepcopy it, continue each copy with a different suffix (single steps or a chunk):
     every step equals the oracle and the original is untouched (bit for bit, and it still continues correctly)."""
-    info = {}
+    info: dict = {}
     try:
         steps = run_fork_case(ctx, ctx.new_cache(), info)
     except SubjectRaised as exc:
@@ -205,8 +205,7 @@ def _run_prefix_generate(ctx, spec, ops_text):
     mode = ctx.case.params["mode"]
     prefix, suffix, full = _prefix_tokens(ctx)
     cache = _new_cache(ctx, spec)
-    sctx = copy.copy(ctx)
-    sctx.subject = spec
+    sctx = ctx.replace(subject=spec)
     runner = Runner(sctx, cache)
     try:
         runner.feed(prefix.shape[1], "forward(prefix)", tokens=prefix)

@@ -153,7 +153,8 @@ def check_evicting_bounds(ctx):
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
     kind = kind_of(ctx.subject)
-    exact_upto = kind.exact_limit if kind.keep_ratio is not None else 0  # a share: exact while ≤ tokens_exact seen
+    # a share: exact while ≤ tokens_exact seen
+    exact_upto = (kind.exact_limit or 0) if kind.keep_ratio is not None else 0
     program = [("prefill", T + over), ("decode", 3), ("chunk", T + 3), ("decode", 2)]
     if exact_upto:  # below tokens_exact first, one token at a time, then the forward that crosses it
         first = max(exact_upto - 2, 1)
