@@ -267,21 +267,17 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
 
 
 def most_tokens_held(case, check) -> int:
-    """The most tokens per row a cache holds while the case runs (an upper bound), from its ops: ``prefill``,
-    ``chunk`` and ``decode`` add their tokens, ``crop`` removes (not below 0), ``reset`` empties, batch ops and
-    ``fork`` keep; checks that also generate add the tokens they feed and generate (a case without ops: ``prompt +
-    max_new_tokens``; ``check_prefix_generate`` / ``check_multi_turn``: ``suffix`` / ``user`` + ``max_new_tokens``),
-    and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
-    if check.family == "fuzz":
-        return 10 + 5 * int(case.params["max_ops"]) + 1
+    """The most tokens per row a cache holds while the case runs (an upper bound): what the check declares
+    (``@register(..., tokens_held=...)``: a check that feeds tokens of its own, e.g. generate's or the fuzz family's
+    longest program), else from the case's ops — ``prefill``, ``chunk`` and ``decode`` add their tokens, ``crop``
+    removes (not below 0), ``reset`` empties, batch ops and ``fork`` keep; a case without ops: ``prompt +
+    max_new_tokens``."""
+    declared = getattr(check, "tokens_held", None)
+    if declared is not None:
+        return declared(case)
     if not case.ops:
         return case.prompt + case.max_new_tokens
-    counts = tokens_held(case.ops)
-    most, held = max(counts), counts[-1]
-    if check.name in ("check_prefix_generate", "check_multi_turn"):
-        extra = case.params.get("suffix") or case.params["user"]
-        most = max(most, held + int(extra) + case.max_new_tokens)
-    return most
+    return max(tokens_held(case.ops))
 
 
 def _cuda_device(device: str) -> bool:

@@ -215,7 +215,13 @@ def _hypothesis_storage_outside_the_folder():
         set_hypothesis_home_dir(None)
 
 
-@register("fuzz", needs=("forward",), applies=_applies, params={
+def _longest_program(case) -> int:
+    """The most tokens per row a program of ``case`` makes a cache hold: a prefill of ≤ 10, ``max_ops`` chunks of
+    ≤ 5, a final decode (``@register(tokens_held=...)``)."""
+    return 10 + 5 * int(case.params["max_ops"]) + 1
+
+
+@register("fuzz", needs=("forward",), applies=_applies, tokens_held=_longest_program, params={
     **OP_PARAMS,
     "max_examples": Param(int, default=8, min=1, doc="programs drawn by a default-tier case"),
     "max_ops": Param(int, default=6, min=1, doc="ops after the prefill, at most"),

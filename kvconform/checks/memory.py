@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconform.checks import EXACT, LOSSY_TWIN, OpRule, Param, register
+from kvconform.checks import EXACT, LOSSY_FRESH, LOSSY_TWIN, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._measure import layer_bytes, layers_problem
 # counting bytes lives in _measure (the quality family's compression checks count them too); re-exported here
@@ -184,8 +184,13 @@ def _shapes_for(ctx) -> dict:
     return _SHAPES[key]
 
 
+LOSSY_BYTES = ("{subject} is lossy: its held bytes are judged by the quality family's compression check "
+               "(check_compression), not by the exact cache's byte formula")
+"""Why the byte-formula checks skip a lossy subject without a twin (they judge exact subjects and twins)."""
+
+
 @register("memory", needs=("forward",), judges=(EXACT, LOSSY_TWIN), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1),
-          params={
+          unjudged={LOSSY_FRESH: LOSSY_BYTES}, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0, doc="bytes per layer allowed above the formula")})
 def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
@@ -439,7 +444,7 @@ def _cuda_applies(subject, model, case, device="cpu"):
 
 
 @register("memory", needs=("forward",), applies=_cuda_applies, judges=(EXACT, LOSSY_TWIN),
-          ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
+          unjudged={LOSSY_FRESH: LOSSY_BYTES}, ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "cuda_slack_bytes": Param(int, default=1 << 20, min=0, doc="bytes allowed above the counted bytes")})
 def check_memory_cuda_allocated(ctx):
     """On CUDA: the allocator's view agrees with the counted bytes — ``memory_allocated`` after the ops minus before
