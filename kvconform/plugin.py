@@ -25,6 +25,7 @@ from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SE
                                crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
                                freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
                                starts_workers, write_digest)
+from kvconform.digest import USAGE_ERROR_FILE, write_atomically
 
 SUITE_DIR = Path(__file__).parent / "suite"
 SUITE_FILE = SUITE_DIR / "test_conformance.py"
@@ -96,8 +97,6 @@ def pytest_configure(config):
                 _set_digest(config, config.stash[SESSION_KEY].digest())
     except pytest.UsageError as exc:
         if worker_rundir:  # the controller raises it (exit 4) while it waits for the digest
-            from kvconform.digest import USAGE_ERROR_FILE, write_atomically
-
             write_atomically(os.path.join(worker_rundir, USAGE_ERROR_FILE), str(exc))
         raise
     suite_ids = _point_suite_node_ids_at_the_suite(config)

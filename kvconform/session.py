@@ -17,6 +17,8 @@ from kvconform.plan import architecture_names as _architecture_names
 from kvconform.plan import external as _external
 from kvconform.plan import zoo_family as _zoo_family
 from kvconform.outcomes import UsageError, breadcrumb
+from kvconform.memo import MEMO
+from kvconform.digest import RunDigest, SubjectFacts
 
 
 @dataclass
@@ -271,7 +273,6 @@ class KVSession:
         """The ``digest.RunDigest`` of this session: what the reports need (header, environment, subjects' facts,
         the plan's items, the known faults that name them, the stale ones), as plain data. ~0.1 s for the default
         run's 1,980 items."""
-        from kvconform.digest import RunDigest, SubjectFacts
         from kvconform.subjects import FRESH, kind_of
 
         builtin = _builtin_names()
@@ -448,7 +449,6 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     from kvconform.known_faults import load_all
     from kvconform.subjects import CacheSpec, as_cache_spec, builtin_subjects, check_factory_builds_cache, validate_spec
 
-    from kvconform.memo import MEMO
     from kvconform.plan import spec_problem
 
     # a mistyped model spec is a usage error before torch and transformers are imported (~5 s)

@@ -19,6 +19,7 @@ from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT
                                       LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
 from kvconform.checks._registry import (CHECKS, IGNORES_OPS, OP_PARAMS, TOKEN_OPS, CheckInfo,  # noqa: F401 - the
                                         OpRule, Param, load_checks, register)  # registry, re-exported
+from kvconform.digest import reproduce_line as digest_reproduce_line
 
 if TYPE_CHECKING:  # the types of CheckContext's fields, without importing torch-heavy modules at run time
     from kvconform.cases import Case
@@ -173,9 +174,7 @@ class CheckContext:
 def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
     """The ``reproduce:`` line of a failure message for ``subject`` (a ``CacheSpec``): ``digest.reproduce_line``
     with its name and source (the controller of an xdist run, which holds no subjects, calls that directly)."""
-    from kvconform.digest import reproduce_line as line
-
-    return line(getattr(subject, "source", "builtin"), subject.name, model_spec, selection, options)
+    return digest_reproduce_line(getattr(subject, "source", "builtin"), subject.name, model_spec, selection, options)
 
 
 def run_check(name: str, ctx: CheckContext) -> dict:

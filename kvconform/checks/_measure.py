@@ -6,7 +6,7 @@ subject's cache only through these (ARCHITECTURE.md, "Reading a subject"). Impor
 
 from __future__ import annotations
 
-
+from kvconform.outcomes import with_article
 
 
 # ------------------------------------------------------------------------------------------------ reading a cache
@@ -67,7 +67,6 @@ def layers_problem(cache) -> str | None:
         return "cache.layers is None" if hasattr(target, "layers") else "the cache has no layers attribute"
     if layer_items(target) or (isinstance(layers, (list, tuple, dict)) and not layers):
         return None
-    from kvconform.outcomes import with_article
 
     try:
         iter(layers)

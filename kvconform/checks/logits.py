@@ -21,6 +21,7 @@ from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import (describe_raise, fail_raised, fail_verdict, positions_label,
                                          sliding_window_slots)
+from kvconform.outcomes import CheckSkipped
 
 
 def _length_note(steps, upto) -> str | None:
@@ -97,7 +98,6 @@ def run_recorded(ctx, cache):
     speculative-decoding callers do before any crop; the same driver replays the case on the reference and twins."""
     if ctx.case.params.get("record"):
         if not hasattr(cache, "activate_past_recording"):
-            from kvconform.outcomes import CheckSkipped
             raise CheckSkipped(f"{type(cache).__name__} has no activate_past_recording() (the installed "
                                f"transformers has no past recording)")
         try:
