@@ -41,10 +41,12 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
-                                     layer_items, read_attr, self_half, subject_call, tensors_of)
+                                     subject_call)
+from kvconform.checks._measure import layer_items, read_attr, self_half, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._compiled import compile_applies, declared_compileable  # noqa: F401 - re-exported
 from kvconform.checks._diagnosis import fail_raised
@@ -151,7 +153,7 @@ def _drive(ctx, seqs, step_fn):
 
     prefill, steps = _protocol_shape(ctx.case)
     m = ctx.model.model
-    cache = None
+    cache: Any = None
     for name, (enc, tokens) in seqs.items():
         if name == "A" or name == "C":
             cache = ctx.new_cache()

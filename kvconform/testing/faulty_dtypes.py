@@ -16,9 +16,10 @@ Each class carries one bug (the line is marked ``# BUG:``); ``FAULTY`` pins the 
 (``tests/test_faulty_caches.py``, ``tests/test_low_precision.py``). They are built for attention-only decoder models
 (the pinned model is llama).
 
-Measured and left out (a running sum that *is* caught: ``HalfCountCache``): a running absmax scale kept and applied in the half dtype (keys stored normalised, rescaled
-in place whenever the scale grows) sits at 1.08× the bf16 noise floor on llama with these cases: no logit comparison
-at that dtype can tell it from rounding, so it would be a faulty cache nothing catches.
+Measured and left out (a running sum that *is* caught: ``HalfCountCache``): a running absmax scale kept and applied
+in the half dtype (keys stored normalised, rescaled in place whenever the scale grows) sits at 1.08× the bf16 noise
+floor on llama with these cases: no logit comparison at that dtype can tell it from rounding, so it would be a
+faulty cache nothing catches.
 """
 
 from __future__ import annotations
