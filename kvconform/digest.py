@@ -175,5 +175,6 @@ def reproduce_line(source: str, subject: str, model_spec: str, selection: str, o
         args += ["--kvconform-cache", shlex.quote(source)]
     trust = ["--kvconform-trust-remote-code"] if remote and "--kvconform-trust-remote-code" not in options else []
     args += ["--kvconform-model", shlex.quote(model_spec), *options, *trust, "-k", f'"{selection}"']
-    where = "" if source == "builtin" or ":" in source or remote or adapter else f"   (where your code declares {subject})"
+    where = "" if source == "builtin" or ":" in source or remote or adapter else \
+        f"   (where your code declares {subject})"
     return "reproduce: " + " ".join(args) + where

@@ -178,8 +178,11 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
         return False
     if model_requirements_unmet(case, model.features):
         return False
-    if (getattr(subject, "adapter_spec", None) or None) != (model.spec if scratch.is_scratch_spec(model.spec) else None):
+    adapter = model.spec if scratch.is_scratch_spec(model.spec) else None
+    if (getattr(subject, "adapter_spec", None) or None) != adapter:
         return False  # a from-scratch model runs its own caches only, and they run on it only
+    if adapter and not full and case.check in scratch.FULL_TIER:
+        return False  # its default tier keeps within its time budget (scratch.FULL_TIER)
     return subject.applies_to is None or subject.applies_to(model) is None
 
 

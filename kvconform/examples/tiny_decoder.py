@@ -148,7 +148,8 @@ class TinyDecoder:
         return [{} for _ in model.blocks]
 
     def forward(self, model, ids, cache, start: int, mask=None):
-        """Cached forward of the new tokens ``ids`` ``[B, T]`` at offsets ``start ..``: ``(logits [B, T, V], cache)``."""
+        """Cached forward of the new tokens ``ids`` ``[B, T]`` at offsets ``start ..``: ``(logits [B, T, V],
+        cache)``."""
         return model(ids, cache, start, mask), cache
 
     def forward_uncached(self, model, ids, mask=None):
