@@ -21,6 +21,10 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
   beam reorder, select and repeat (``reorder``, ``batch_select``, ``batch_repeat``).
 * ``fork(cache)`` → an independent copy (default ``copy.deepcopy``) — prefix forks.
 * ``seq_length(cache)`` → the tokens it says it holds (default: kvconform's own count).
+* ``reset(cache)`` → the cache emptied for a new sequence, its batch size free (default: ``new_cache`` again).
+* ``capacity(cache)`` → the most tokens per row it keeps (a ring buffer of its window), or -1 (default).
+* ``kv_layout``: ``{"layers", "kv_heads", "head_dim"}`` — the keys and values it must hold per token, for the
+  memory family's byte formula (without it the memory items skip, saying so).
 * ``caches``: ``{subject name: new_cache keyword arguments}`` — several caches of one model (default one, named
   after the adapter's class with ``Cache`` appended); ``name``: the model's name in ids (default the class name);
   ``vocab_size`` (default 128): tokens are drawn below it; ``window``: a sliding window in tokens, or None.
@@ -345,7 +349,8 @@ def scratch_cache_class():
             return int(own(self.state)) if callable(own) else self.held
 
         def get_max_length(self) -> int:
-            return -1
+            own = getattr(self.adapter, "capacity", None)
+            return int(own(self.state)) if callable(own) else -1
 
         get_max_cache_shape = get_max_length
 
@@ -378,8 +383,12 @@ def scratch_cache_class():
             self._select(_torch().arange(self.batch).repeat_interleave(int(repeats)))
 
         def reset(self):
-            net = self._net()
-            self.state = self.adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
+            own = getattr(self.adapter, "reset", None)
+            if callable(own):
+                self.state = own(self.state)
+            else:
+                net = self._net()
+                self.state = self.adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
             self.held = 0
 
         def __deepcopy__(self, memo):
@@ -518,3 +527,65 @@ def not_applicable(check, case) -> str | None:
         return ("not for a model outside transformers: its positions come from the start offset the adapter is "
                 "given, not from position_ids")
     return None
+
+
+# ------------------------------------------------------------------------------------------ messages in its terms
+_POSITIONS = "positions: the start offset kvconform passes the adapter (cumsum(mask) - 1 on left-padded rows)"
+
+_CAUSES = (
+    # (check name, or "*"; regular expression over the op the step failed or raised at; cause in the model's terms)
+    ("*", r"^chunk\(",
+     "your cached forward, given T > 1 new tokens while the cache already holds some (start > 0), attends them "
+     "wrongly while single tokens and the prefill are right: look for a causal mask applied only when the queries "
+     "are as long as the keys (a warm-cache chunk then attends its own later tokens), or a ring buffer written "
+     "before it is read (a chunk that wraps overwrites keys its own earlier queries still need)"),
+    ("check_prefix_fork", r".",
+     "fork(cache) (default copy.deepcopy) leaves the copy and the original sharing state: a forward on one "
+     "changed the other — a list of per-block dicts copied shallowly (list(cache), cache.copy(), dict(layer)) keeps "
+     "the same dicts, and a forward that assigns layer['key'] = cat(...) then writes into both"),
+    ("*", r"after crop|crop",
+     "after your crop(cache, n) the next forward is wrong: it must drop exactly the last n tokens of every block, "
+     "and the positions of the next tokens must continue at the tokens kept — a position counter kept in the cache "
+     "that crop resets to 0 or does not rewind, or a ring buffer whose evicted slots crop cannot bring back"),
+    ("*", r"reset",
+     "after your reset (or new_cache) the next sequence is wrong: buffers kept from the previous sequence — its "
+     "batch size (a setup that returns early when buffers exist), its length or its tokens"),
+    ("*", r"reorder|select|repeat|swap|beam",
+     "your select(cache, rows) does not move every tensor of every block to the rows asked, in that order"),
+)
+
+
+def likely_cause(check_name: str, lines: list) -> str | None:
+    """A likely cause in the adapter's own terms for a failure of a from-scratch model's item, from the op its
+    message says it failed or raised at (``[failed at X]`` / ``[raised at X]``) and the check; None where none
+    applies (the generic one stays)."""
+    at = ""
+    for line in lines:
+        m = re.search(r"\[(?:failed|raised) at ([^\]]+)\]", line)
+        if m:
+            at = m.group(1)
+    ops = next((line for line in lines if line.startswith("ops:")), "")
+    for check, pattern, cause in _CAUSES:
+        if check not in ("*", check_name):
+            continue
+        if check != "*" or re.search(pattern, at) or (pattern in ("after crop|crop", "reset")
+                                                       and re.search(pattern, ops) and at):
+            return cause
+    return None
+
+
+def adapter_lines(check_name: str, lines: list) -> list:
+    """A failure message's lines for an item of a from-scratch model: the likely cause said in the adapter's terms
+    (``likely_cause``; the generic reading kept after it), positions described as the start offset it is given."""
+    cause = likely_cause(check_name, lines)
+    out = []
+    for line in lines:
+        if line.startswith("ops:"):
+            line = re.sub(r"\]; [^\]]*$", f"]; {_POSITIONS}", line)
+        if cause and line.startswith("likely cause:"):
+            line = f"likely cause: {cause} (kvconform's reading: {line.removeprefix('likely cause: ')})"
+            cause = None
+        out.append(line)
+    if cause:
+        out.append(f"likely cause: {cause}")
+    return out

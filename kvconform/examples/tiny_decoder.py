@@ -74,6 +74,7 @@ class TinyDecoderModel(nn.Module):
         allowed = k_pos[:, None, :] <= q_pos[:, :, None]
         if self.window is not None:
             allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < self.window)
+        allowed = allowed & (k_pos[:, None, :] >= 0)  # a slot at a negative position is empty
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, :].bool()
         bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
@@ -109,16 +110,17 @@ class TinyDecoderModel(nn.Module):
 
     def attend(self, q, k, v, slots, start: int, mask):
         """Scaled dot-product attention of ``q`` ``[B, H, Tq, D]`` over ``k``/``v`` ``[B, Hkv, Tk, D]`` held at
-        ``slots`` (their sequence offsets); the new queries sit at offsets ``start ..``."""
+        ``slots`` (their sequence offsets, -1 for an empty slot); the new queries sit at offsets ``start ..``."""
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         q_slots = torch.arange(start, start + q.shape[2], device=q.device).expand(q.shape[0], -1)
         k_slots = slots.expand(q.shape[0], -1)
-        key_mask = None if mask is None else mask[:, slots]
+        key_mask = None if mask is None else mask[:, slots.clamp(min=0)]
         # positions (not slots) decide the window; with left padding both differ by each row's pad count
         if mask is not None:
             pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            q_slots, k_slots = pos[:, start:start + q.shape[2]], pos[:, slots]
+            q_slots = pos[:, start:start + q.shape[2]]
+            k_slots = torch.where(slots >= 0, pos[:, slots.clamp(min=0)], slots)
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
         scores = scores + self.attention_bias(q_slots, k_slots, key_mask, scores.dtype)
         return torch.softmax(scores, dim=-1) @ v
