@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import fnmatch
 
+from kvconform.outcomes import KVConformError
+
 PREFIX = "transformers:"
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW = 64, 2, 4, 2, 16, 128, 256, 8
 MAX_PARAMETERS = 20_000_000
@@ -332,7 +334,7 @@ def _vision_overrides(config, kwargs: dict) -> dict:
     return out
 
 
-class ImageProbeFailed(RuntimeError):
+class ImageProbeFailed(RuntimeError, KVConformError):
     """A VLM whose image input kvconform could not feed (no image token id, no image size, no forward that took
     one synthetic image)."""
 
@@ -420,5 +422,5 @@ def build_model(model_type: str, dtype=None, seed: int = 0, extra: dict | None =
     return model
 
 
-class TooLarge(RuntimeError):
+class TooLarge(RuntimeError, KVConformError):
     """An architecture whose defaults resist the generic shrink (``MAX_PARAMETERS``)."""

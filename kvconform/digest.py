@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 DIGEST_FILE = "digest.json"
-"""The digest's file name in a run's folder (``plugin._RUNDIR_KEY``)."""
+"""The digest's file name in a run's folder (``workers.RUNDIR_KEY``)."""
 USAGE_ERROR_FILE = "usage-error.txt"
 """A worker's usage error (exit 4), for the controller to raise, in a run's folder."""
 

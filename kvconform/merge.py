@@ -27,6 +27,8 @@ import json
 import os
 import sys
 
+from kvconform.outcomes import UsageError
+
 FAMILY_COST = {"compile": 8.0, "speed": 6.0, "quality": 4.0, "fuzz": 2.0, "generate": 1.5, "memory": 1.5}
 """Estimated cost of one item that runs, relative to a logits item (measured order of magnitude on the zoo)."""
 SKIPPED_COST = 0.02
@@ -179,7 +181,7 @@ def select_shard(items: list, index: int, count: int) -> tuple[list, list]:
 
 
 # ------------------------------------------------------------------------------------------------------ merging
-class MergeError(ValueError):
+class MergeError(UsageError, ValueError):
     """The reports cannot be merged (unreadable, another schema, other environments, a shard missing or twice,
     one item with two outcomes); ``str`` names the file and the cause."""
 

@@ -11,8 +11,12 @@ all), each keeping the base its callers rely on:
 * skips: ``CheckSkipped``;
 * a subject's own faults, reported on its items: ``subjects.SubjectBuildError``, ``subjects.FactoryResultError``
   (also a ``TypeError``), ``subjects.ModelLeftChanged`` (also a ``RuntimeError``), ``checks._drive.SubjectRaised``;
-* control flow inside a check: ``checks.fuzz.ProgramFailed`` (``checks._interpreter.StopRun`` joins when the op
-  interpreter is next edited).
+* control flow inside a check: ``checks.fuzz.ProgramFailed``, ``checks._interpreter.StopRun``;
+* kvconform's own refusals and notes: ``merge.MergeError`` (a ``UsageError`` and a ``ValueError``: reports that do
+  not merge), ``report.ReportLocked`` (another run holds the JSON report), ``vision.PartialImage`` (also a
+  ``ValueError``: a sequence cut inside its image block), ``architectures.ImageProbeFailed`` and
+  ``architectures.TooLarge`` (also ``RuntimeError`` s: an architecture kvconform cannot build tiny),
+  ``checks.crop.PositiveCropNote`` (also a ``UserWarning``: what ``crop(+N)`` did, reported as a note).
 
 One exception stays outside: ``session.ItemTimeout`` is a ``BaseException`` so that no ``except Exception`` around a
 subject call swallows the per-item timeout.
@@ -248,7 +252,7 @@ def own_fault(exc: BaseException, through_subject_call: bool = False) -> dict | 
     A ``TypeError`` of a call the callee's signature refused, raised in kvconform's frame before the callee runs, is
     the callee's (``refused_callee_owner``) unless the callee is kvconform's.
 
-    Returns ``{"place": "kvconform/checks/_drive.py:219 in tensors_of", "raised_in": place of the innermost frame
+    Returns ``{"place": "kvconform/checks/_measure.py:219 in tensors_of", "raised_in": place of the innermost frame
     (None when it is the same), "what": "TypeError: first line"}``.
     """
     frames = _frames(exc)

@@ -1,4 +1,5 @@
-"""kvconform's pytest plugin: hooks only.
+"""kvconform's pytest plugin: hooks only. The option table and the readers of its values are in
+``kvconform.options``, the xdist controller's work (workers, scheduling, the digest, crashes) in ``kvconform.workers``.
 
 Loaded in every pytest run of an environment where kvconform is installed (``pytest11`` entry point), so the top
 level imports only pytest and the standard library; torch and transformers are imported inside hooks, and only
@@ -16,149 +17,22 @@ from pathlib import Path
 import pytest
 
 from kvconform.families import FAMILIES
-from kvconform.outcomes import with_article
+from kvconform.options import (CACHE, CASES, DEVICE, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT, SUBJECT, TRUST,
+                               add_options, check_usage, hooked_specs, is_active, opt, read_fuzz_seed, read_shard,
+                               refuse_flags_without_kvconform, refuse_mistyped_specs, reproduce_args, timeout_s)
+from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SESSION_KEY, await_digest,
+                               crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
+                               freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
+                               starts_workers, write_digest)
 
 SUITE_DIR = Path(__file__).parent / "suite"
 SUITE_FILE = SUITE_DIR / "test_conformance.py"
-PROPERTY = "kvconform"
-
-OPT_ACTIVE, OPT_CACHE, OPT_MODEL = "kvconform", "kvconform_cache", "kvconform_model"
-OPT_JSON, OPT_STRICT, OPT_CASES, OPT_DEVICE = ("kvconform_json", "kvconform_strict", "kvconform_cases",
-                                              "kvconform_device")
-OPT_FULL, OPT_SELFTEST, OPT_TIMEOUT = "kvconform_full", "kvconform_selftest", "kvconform_timeout"
-OPT_FAULTS, OPT_SUBJECT, OPT_SEED = "kvconform_known_faults", "kvconform_subject", "kvconform_fuzz_seed"
-OPT_TRUST, OPT_SHARD = "kvconform_trust_remote_code", "kvconform_shard"
-OPT_HTML = "kvconform_html"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
-
-SESSION_KEY = pytest.StashKey["object"]()
-"""The process's ``KVSession`` (not in the controller of a run whose workers write the digest)."""
-DIGEST_KEY = pytest.StashKey["object"]()
-"""The ``digest.RunDigest`` the reports read, in the process that reports (the controller, or a run without
-workers)."""
-RESULTS_KEY = pytest.StashKey["dict"]()
-"""Item records (``report.record_report``), in the process that reports."""
 
 
 # ------------------------------------------------------------------------------------------------------ options
 def pytest_addoption(parser):
-    group = parser.getgroup("kvconform", "KV-cache conformance (kvconform)")
-    group.addoption("--kvconform", action="store_true", dest=OPT_ACTIVE, default=None,
-                    help="run the kvconform conformance suite (injected; works in an empty folder)")
-    group.addoption("--kvconform-cache", action="append", dest=OPT_CACHE, default=None, metavar="SPEC",
-                    help="add a subject: 'pkg.module:Attr' or 'path/file.py:Attr' (a Cache subclass or factory); "
-                         "repeatable")
-    group.addoption("--kvconform-subject", action="append", dest=OPT_SUBJECT, default=None, metavar="NAME",
-                    help="run only these subjects (by name, e.g. your own cache's); kvconform's ReferenceCache still "
-                         "gives every failure its oracle line; repeatable")
-    group.addoption("--kvconform-model", action="append", dest=OPT_MODEL, default=None, metavar="SPEC",
-                    help="limit the run to these models: a zoo name or a local checkpoint folder; repeatable")
-    group.addoption("--kvconform-cases", action="append", dest=OPT_CASES, default=None, metavar="PATH",
-                    help="extra case files or folders of *.toml (added to the built-in cases); repeatable")
-    group.addoption("--kvconform-known-faults", action="append", dest=OPT_FAULTS, default=None, metavar="PATH",
-                    help="extra known-faults files (same format as kvconform/known_faults.toml), read after the "
-                         "bundled one; repeatable")
-    group.addoption("--kvconform-json", dest=OPT_JSON, default=None, metavar="PATH",
-                    help="write the JSON report (schema 1) to PATH")
-    group.addoption("--kvconform-html", dest=OPT_HTML, default=None, metavar="PATH",
-                    help="write the conformance page to PATH: one self-contained HTML file (colour matrices, "
-                         "filters, every item's message and reproduce line)")
-    group.addoption("--kvconform-strict", action="store_true", dest=OPT_STRICT, default=None,
-                    help="ignore the bundled list of known upstream faults: they fail instead of xfail")
-    group.addoption("--kvconform-full", action="store_true", dest=OPT_FULL, default=None,
-                    help="also run the heavier tier (cases with tier = \"full\", default cases on their models_full: "
-                         "compile on every model, long fuzzing, long contexts); meant for CI")
-    group.addoption("--kvconform-selftest", action="store_true", dest=OPT_SELFTEST, default=None,
-                    help="run kvconform's bundled faulty caches through the suite instead of the subjects, and "
-                         "print the share caught per check family")
-    group.addoption("--kvconform-timeout", dest=OPT_TIMEOUT, default=None, type=float, metavar="SECONDS",
-                    help="fail an item whose subject runs longer than this (default 300; 0 disables)")
-    group.addoption("--kvconform-fuzz-seed", dest=OPT_SEED, default=None, metavar="N|random",
-                    help="draw other random op programs in the fuzz family (default: fixed seeds, the same programs "
-                         "every run); 'random' picks N and prints it in the header to replay")
-    group.addoption("--kvconform-device", dest=OPT_DEVICE, default=None, metavar="DEVICE",
-                    help="torch device for the models under test (default: cpu)")
-    group.addoption("--kvconform-trust-remote-code", action="store_true", dest=OPT_TRUST, default=None,
-                    help="run the own code of model repositories given with --kvconform-model (config.json auto_map, "
-                         "*.py files): your explicit consent; their own cache classes become subjects")
-    group.addoption("--kvconform-shard", dest=OPT_SHARD, default=None, metavar="I/N|auto",
-                    help="run only share I of N (1 ≤ I ≤ N) of the items: deterministic and balanced, for CI jobs "
-                         "on several machines; 'auto' reads the share from GitLab's CI_NODE_INDEX/CI_NODE_TOTAL or "
-                         "Buildkite's BUILDKITE_PARALLEL_JOB/_COUNT, 'auto/N' from a Kubernetes indexed Job's "
-                         "JOB_COMPLETION_INDEX; merge their JSON reports with kvconform-merge")
-    parser.addini(OPT_ACTIVE, "run the kvconform suite (same as --kvconform)", type="bool", default=False)
-    parser.addini(OPT_CACHE, "extra subjects (same as --kvconform-cache)", type="linelist", default=[])
-    parser.addini(OPT_MODEL, "models to run (same as --kvconform-model)", type="linelist", default=[])
-    parser.addini(OPT_SUBJECT, "subjects to run (same as --kvconform-subject)", type="linelist", default=[])
-    parser.addini(OPT_CASES, "extra case files (same as --kvconform-cases)", type="linelist", default=[])
-    parser.addini(OPT_FAULTS, "extra known-faults files (same as --kvconform-known-faults)", type="linelist",
-                  default=[])
-    parser.addini(OPT_JSON, "JSON report path (same as --kvconform-json)", default="")
-    parser.addini(OPT_HTML, "HTML page path (same as --kvconform-html)", default="")
-    parser.addini(OPT_STRICT, "known upstream faults fail (same as --kvconform-strict)", type="bool", default=False)
-    parser.addini(OPT_FULL, "run the heavier tier (same as --kvconform-full)", type="bool", default=False)
-    parser.addini(OPT_SELFTEST, "run the selftest (same as --kvconform-selftest)", type="bool", default=False)
-    parser.addini(OPT_TIMEOUT, "per-item timeout in seconds (same as --kvconform-timeout)", default="300")
-    parser.addini(OPT_DEVICE, "torch device (same as --kvconform-device)", default="cpu")
-    parser.addini(OPT_TRUST, "run model repositories' own code (same as --kvconform-trust-remote-code)", type="bool",
-                  default=False)
-
-
-def _opt(config, name):
-    """Command-line value if given, else the ini twin (paths in it relative to the ini file's folder)."""
-    value = config.getoption(name)
-    if value is not None:
-        return value
-    value = config.getini(name)
-    if name in _INI_PATHS and value and config.inipath is not None:
-        base = config.inipath.parent
-        value = [_from_ini(base, name, v) for v in value] if isinstance(value, list) else _from_ini(base, name, value)
-    return value
-
-
-_INI_PATHS = (OPT_CACHE, OPT_MODEL, OPT_CASES, OPT_JSON, OPT_FAULTS, OPT_HTML)
-
-
-def _from_ini(base, name: str, value: str) -> str:
-    """A path given in an ini file is relative to that file's folder (pytest's convention for ini paths), so the
-    run does not depend on the folder pytest is started from. Module specs (``pkg.mod:Attr``) and zoo names stay."""
-    if name == OPT_CACHE:
-        path, sep, attr = value.rpartition(":")
-        if sep and path.endswith(".py") and not os.path.isabs(os.path.expanduser(path)):
-            return f"{base / path}:{attr}"
-        return value
-    if os.path.isabs(os.path.expanduser(value)):
-        return value
-    if name == OPT_MODEL and "/" not in value and not value.startswith(".") and not (base / value).is_dir():
-        return value  # a zoo family
-    return str(base / value)
-
-
-def is_active(config) -> bool:
-    return bool(_opt(config, OPT_ACTIVE))
-
-
-_FLAGS = {OPT_CACHE: "--kvconform-cache", OPT_SUBJECT: "--kvconform-subject", OPT_MODEL: "--kvconform-model",
-          OPT_CASES: "--kvconform-cases",
-          OPT_JSON: "--kvconform-json", OPT_STRICT: "--kvconform-strict", OPT_FULL: "--kvconform-full",
-          OPT_SELFTEST: "--kvconform-selftest", OPT_TIMEOUT: "--kvconform-timeout", OPT_DEVICE: "--kvconform-device",
-          OPT_SEED: "--kvconform-fuzz-seed", OPT_TRUST: "--kvconform-trust-remote-code",
-          OPT_SHARD: "--kvconform-shard", OPT_HTML: "--kvconform-html"}
-
-
-def _refuse_flags_without_kvconform(config) -> None:
-    """A ``--kvconform-*`` flag on the command line without ``--kvconform`` would check nothing and exit 0 with the
-    project's own tests: a usage error (exit 4) instead. Ini settings (``kvconform_cache = ...``) stay allowed — a
-    project may keep them in its ini file for the runs that add ``--kvconform``.
-
-    Raises:
-        pytest.UsageError: naming the flags given and the fix.
-    """
-    given = [flag for dest, flag in _FLAGS.items() if config.getoption(dest) is not None]
-    if given:
-        raise pytest.UsageError(
-            f"kvconform: {', '.join(given)} given without --kvconform, so nothing would be checked; add --kvconform "
-            f"to run the conformance suite (or set kvconform = true in the ini file)")
+    add_options(parser)
 
 
 _BENCHMARK_DEFAULT_STORAGE = "file://./.benchmarks"
@@ -190,49 +64,33 @@ def pytest_addhooks(pluginmanager):
     pluginmanager.add_hookspecs(hookspecs)
 
 
-@functools.cache  # once per process
-def _freeze_heap_at_exit() -> None:
-    """Register (once per process) an ``atexit`` handler that moves every object to the collector's permanent
-    generation (``gc.freeze``) before the interpreter finalizes.
-
-    A kvconform process holds the heap of torch and transformers (~500,000 tracked objects), and Python's
-    finalization runs full collections over it: measured 1.2 s per process at the end of a default run, paid in
-    every xdist worker (the controller waits for them) and again in the controller. Frozen objects are skipped, so
-    the process ends in ~0.1 s. The handler runs after pytest's own end-of-session collection (pytest_unconfigure),
-    which still reports unraisable exceptions, and after every ``atexit`` handler registered later (LIFO)."""
-    import atexit
-    import gc
-
-    atexit.register(gc.freeze)
-
-
 # tryfirst: runs before pytest-benchmark's pytest_configure, which creates its storage folder.
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if not is_active(config):
-        _refuse_flags_without_kvconform(config)
+        refuse_flags_without_kvconform(config)
         return
     _keep_benchmarks_out_of_the_folder(config)
-    _freeze_heap_at_exit()
-    worker_rundir = getattr(config, "workerinput", {}).get(_RUNDIR_KEY)
+    freeze_heap_at_exit()
+    worker_rundir = getattr(config, "workerinput", {}).get(RUNDIR_KEY)
     try:
-        _check_usage(config)
+        check_usage(config)
         if not hasattr(config, "workerinput"):
-            _refuse_mistyped_specs(config)
-        seed = _fuzz_seed(config)
-        build = functools.partial(_build_session, config, seed, _shard(config), _reproduce_args(config, seed))
+            refuse_mistyped_specs(config)
+        seed = read_fuzz_seed(config)
+        build = functools.partial(_build_session, config, seed, read_shard(config), reproduce_args(config, seed))
         if not hasattr(config, "workerinput"):
             _lock_report(config)
-        if _starts_workers(config):
+        if starts_workers(config):
             # the workers build the session and run the items; the controller reads the digest one of them writes,
             # or builds the session itself (pytest_collection_build)
             config._kvconform_pending_build = functools.partial(build, runs_items=False)
         else:
             build()
             if worker_rundir:
-                _write_digest(config.stash[SESSION_KEY], worker_rundir)
+                write_digest(config.stash[SESSION_KEY], worker_rundir)
             else:
                 _set_digest(config, config.stash[SESSION_KEY].digest())
     except pytest.UsageError as exc:
@@ -244,34 +102,7 @@ def pytest_configure(config):
     suite_ids = _point_suite_node_ids_at_the_suite(config)
     if not suite_ids and str(SUITE_DIR) not in config.args:
         config.args.append(str(SUITE_DIR))
-    _crash_setup(config)
-
-
-def _refuse_mistyped_specs(config) -> None:
-    """The controller (or a run without workers), at configure time: the ``--kvconform-model`` specs the file system
-    rules out (``plan.spec_problem``, with a "did you mean" for a zoo name) and the ``--kvconform-cache`` specs whose
-    source rules them out (``spec_problem_before_import``: a class-name typo, a missing file or module, a syntax
-    error) are usage errors before any worker starts, and without importing torch. A spec that needs its import to be
-    judged is judged where the session is built, first of all (``session.build_session``). Measured on a loaded
-    2-core machine (load 3.6-3.9) with the default two workers: a class-name typo 27.0 s to the error before, a
-    model-name typo 7.4 s before.
-
-    Raises:
-        pytest.UsageError: the first spec refused, with the message the session would give.
-    """
-    from kvconform.plan import spec_problem
-
-    trust = bool(_opt(config, OPT_TRUST))
-    for spec in _opt(config, OPT_MODEL) or ():
-        if problem := spec_problem(spec, trust):
-            raise pytest.UsageError(f"kvconform: {problem}")
-    caches = _opt(config, OPT_CACHE) or ()
-    if caches:
-        from kvconform.subjects.resolve import spec_problem_before_import
-
-        for spec in caches:
-            if problem := spec_problem_before_import(spec):
-                raise pytest.UsageError(f"kvconform: {problem}")
+    crash_setup(config)
 
 
 def _lock_report(config) -> None:
@@ -283,7 +114,7 @@ def _lock_report(config) -> None:
     Raises:
         pytest.UsageError: another run holds the report.
     """
-    path = _opt(config, OPT_JSON)
+    path = opt(config, JSON)
     if not path:
         return
     import shlex
@@ -319,13 +150,6 @@ def _terminate_as_interrupt(config) -> None:
     config._kvconform_sigterm = True
 
 
-def _starts_workers(config) -> bool:
-    """True in the controller of a pytest-xdist run (pytest-xdist's own condition for starting workers: a
-    distribution mode and not ``--collect-only``)."""
-    return (not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
-            and not config.getoption("collectonly", False))
-
-
 def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) -> None:
     """Resolve the run's subjects (``--kvconform-cache`` and the ``pytest_kvconform_caches`` hook), models, cases and
     known faults (``session.build_session``) into the config's stash.
@@ -335,14 +159,14 @@ def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) ->
     """
     from kvconform.session import build_session
 
-    hooked = _hooked_specs(config)
+    hooked = hooked_specs(config)
     try:
         session = build_session(
-            caches=[*_opt(config, OPT_CACHE), *hooked], models=_opt(config, OPT_MODEL),
-            case_paths=_opt(config, OPT_CASES),
-            strict=bool(_opt(config, OPT_STRICT)), device=_opt(config, OPT_DEVICE) or "cpu",
-            full=bool(_opt(config, OPT_FULL)), known_faults=_opt(config, OPT_FAULTS),
-            only_subjects=_opt(config, OPT_SUBJECT), trust_remote_code=bool(_opt(config, OPT_TRUST)),
+            caches=[*opt(config, CACHE), *hooked], models=opt(config, MODEL),
+            case_paths=opt(config, CASES),
+            strict=bool(opt(config, STRICT)), device=opt(config, DEVICE) or "cpu",
+            full=bool(opt(config, FULL)), known_faults=opt(config, FAULTS),
+            only_subjects=opt(config, SUBJECT), trust_remote_code=bool(opt(config, TRUST)),
             runs_items=runs_items,
         )
     except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
@@ -357,87 +181,12 @@ def _set_digest(config, digest) -> None:
     config.stash[RESULTS_KEY] = {}
 
 
-def _write_digest(session, rundir: str) -> None:
-    """xdist worker: write the session's digest for the controller, unless another worker already has (every
-    worker builds the same session)."""
-    from kvconform.digest import DIGEST_FILE
-
-    if not os.path.exists(os.path.join(rundir, DIGEST_FILE)):
-        session.digest().write(rundir)
-
-
-_DIGEST_POLL_S = 0.02
-
-
-def _await_digest(config):
-    """xdist controller: the ``RunDigest`` the first worker to build its session writes to the run's folder (~5 s
-    after the start, while the controller has nothing else to do: the workers run no item before it returns).
-    Returns None when it cannot come: every worker process has ended without writing it, or the workers' processes
-    cannot be watched (then the controller builds the session itself).
-
-    Raises:
-        pytest.UsageError: the usage error a worker found building its session (exit 4, its message).
-    """
-    import time
-
-    from kvconform.digest import USAGE_ERROR_FILE, RunDigest
-
-    rundir = getattr(config, "_kvconform_rundir", None)
-    if not rundir:
-        return None
-
-    def arrived():
-        try:
-            with open(os.path.join(rundir, USAGE_ERROR_FILE), encoding="utf-8") as fh:
-                message = fh.read()
-        except FileNotFoundError:
-            return RunDigest.read(rundir)
-        raise pytest.UsageError(message) from None
-
-    while True:
-        digest = arrived()
-        if digest is not None:
-            return digest
-        gateways = _worker_gateways(config)
-        if gateways is None:
-            return None  # they cannot be watched: the controller builds the session itself
-        if not any(gateway._io.popen.poll() is None for gateway in gateways):
-            digest = arrived()  # what a worker wrote just before it ended
-            if digest is None:
-                raise pytest.UsageError(_died_building(config, gateways))
-            return digest
-        time.sleep(_DIGEST_POLL_S)
-
-
-def _worker_gateways(config) -> list | None:
-    """The execnet gateways of the xdist workers, or None when they are not all local processes that can be watched
-    (``gateway._io.popen``)."""
-    dsession = config.pluginmanager.getplugin("dsession")
-    group = getattr(getattr(dsession, "nodemanager", None), "group", None)
-    gateways = list(group) if group is not None else []
-    if not gateways or any(getattr(getattr(g, "_io", None), "popen", None) is None for g in gateways):
-        return None
-    return gateways
-
-
-def _died_building(config, gateways) -> str:
-    """The usage error of a run whose every worker process ended while building the session, before any item
-    existed: how each ended, what the session imports there, how to see the crash itself."""
-    ends = ", ".join(f"{g.id}: {_exit_text(g)[1]}" for g in gateways)
-    caches = _opt(config, OPT_CACHE) or []
-    imported = (f"the subjects' modules ({', '.join(f'--kvconform-cache {c}' for c in caches)}), " if caches else "")
-    return (f"kvconform: every worker process ended while building the session, before any item ran ({ends}). "
-            f"Building it imports {imported}the conftest.py hooks, torch, transformers and the models; a crash "
-            f"there would end any process that runs the items. Run with -n 0 (in one process) to see where it "
-            f"crashes.")
-
-
 # A wrapper of pytest_collection: the first hook after pytest_sessionstart, where pytest-xdist's DSession has started
 # the workers and the terminal has written its header (DSession's own pytest_collection returns at once in the
 # controller, before non-wrapper implementations would run).
 @pytest.hookimpl(wrapper=True, specname="pytest_collection")
 def pytest_collection_build(session):
-    """xdist controller: read the digest a worker writes once it has built its session (``_await_digest``; the
+    """xdist controller: read the digest a worker writes once it has built its session (``await_digest``; the
     controller builds none itself, ARCHITECTURE.md "Crashes and workers"), and write the kvconform header lines from
     it here instead of in ``pytest_report_header``. Building a session in the controller (importing torch and
     transformers) took ~5 s of CPU on the two cores the workers start on.
@@ -450,7 +199,7 @@ def pytest_collection_build(session):
     build = getattr(config, "_kvconform_pending_build", None)
     if build is not None:
         del config._kvconform_pending_build
-        digest = _await_digest(config)
+        digest = await_digest(config)
         if digest is None:
             build()
             digest = config.stash[SESSION_KEY].digest()
@@ -469,7 +218,7 @@ def pytest_ignore_collect(collection_path, config):
         return None
     if not is_active(config):
         return True
-    selftest = bool(_opt(config, OPT_SELFTEST))
+    selftest = bool(opt(config, SELFTEST))
     if collection_path == (SUITE_FILE if selftest else SELFTEST_FILE):
         return True
     return None
@@ -483,27 +232,6 @@ def pytest_collect_file(file_path, parent):
     if any(fnmatch.fnmatch(file_path.name, pat) for pat in config.getini("python_files")):
         return None
     return pytest.Module.from_parent(parent, path=file_path)
-
-
-def _shard(config) -> str | None:
-    """``--kvconform-shard I/N`` validated, or ``auto`` / ``auto/N`` read from the CI's own variables
-    (``merge.resolve_shard``): ``"I/N"``, or None. Where an ``auto`` share came from is kept for the shard line.
-
-    Raises:
-        pytest.UsageError: not I/N with 1 ≤ I ≤ N, or ``auto`` where no CI variable gives the share (naming the
-            variables read).
-    """
-    value = config.getoption(OPT_SHARD)
-    if value is None:
-        return None
-    from kvconform.merge import resolve_shard
-
-    try:
-        index, count, where = resolve_shard(value)
-    except ValueError as exc:
-        raise pytest.UsageError(f"kvconform: {exc}") from None
-    config._kvconform_shard_source = where
-    return f"{index}/{count}"
 
 
 # after -k / -m deselection (trylast), so that the shares stay balanced
@@ -629,127 +357,13 @@ def _point_suite_node_ids_at_the_suite(config) -> bool:
     return named
 
 
-def _fuzz_seed(config) -> int | None:
-    """``--kvconform-fuzz-seed``: None (fixed seeds), an int, or a random int for ``random`` (the header prints it).
-    Under xdist the controller draws it and the workers read it back from their ``workerinput``.
-
-    Raises:
-        pytest.UsageError: neither an integer ≥ 0 nor ``random``.
-    """
-    value = config.getoption(OPT_SEED)
-    worker = getattr(config, "workerinput", None)
-    if worker is not None and "kvconform_fuzz_seed" in worker:
-        return worker["kvconform_fuzz_seed"]
-    if value is None:
-        return None
-    if value == "random":
-        import random
-
-        seed = random.SystemRandom().randrange(2 ** 31)
-    elif value.isdigit():
-        seed = int(value)
-    else:
-        raise pytest.UsageError(f"kvconform: --kvconform-fuzz-seed {value!r}: an integer ≥ 0 or 'random'")
-    config._kvconform_fuzz_seed = seed
-    return seed
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """xdist controller → worker: the same fuzz seed in every worker (``random`` is drawn once)."""
     seed = getattr(node.config, "_kvconform_fuzz_seed", None)
     if seed is not None:
         node.workerinput["kvconform_fuzz_seed"] = seed
-    node.workerinput[_RUNDIR_KEY] = getattr(node.config, "_kvconform_rundir", None)
-
-
-def _reproduce_args(config, fuzz_seed: int | None) -> tuple:
-    """The flags of this run that change what an item does, shell-quoted, for its ``reproduce:`` line (paths made
-    absolute, so that the line works from any folder)."""
-    import shlex
-
-    args = []
-    for path in _opt(config, OPT_CASES) or ():
-        args += ["--kvconform-cases", shlex.quote(os.path.abspath(path))]
-    for path in _opt(config, OPT_FAULTS) or ():
-        args += ["--kvconform-known-faults", shlex.quote(os.path.abspath(path))]
-    if _opt(config, OPT_STRICT):
-        args.append("--kvconform-strict")
-    if _opt(config, OPT_FULL):
-        args.append("--kvconform-full")
-    timeout = _timeout(config)
-    if timeout != 300:
-        args += ["--kvconform-timeout", f"{timeout:g}"]
-    device = _opt(config, OPT_DEVICE) or "cpu"
-    if device != "cpu":
-        args += ["--kvconform-device", shlex.quote(device)]
-    if _opt(config, OPT_TRUST):
-        args.append("--kvconform-trust-remote-code")
-    if fuzz_seed is not None:
-        args += ["--kvconform-fuzz-seed", str(fuzz_seed)]
-    return tuple(args)
-
-
-def _hooked_specs(config) -> list:
-    """The subjects every ``pytest_kvconform_caches`` implementation returned, flattened.
-
-    Raises:
-        pytest.UsageError: an implementation returned something else than a list (or tuple) — e.g. one CacheSpec
-            instead of ``[CacheSpec(...)]`` — naming the plugin (the conftest.py) that did.
-    """
-    out = []
-    impls = config.pluginmanager.hook.pytest_kvconform_caches.get_hookimpls()
-    for impl in reversed(impls):  # pluggy's call order
-        specs = impl.function(**({"config": config} if "config" in impl.argnames else {}))
-        if specs is None:
-            continue
-        if not isinstance(specs, (list, tuple)):
-            where = getattr(impl.plugin, "__file__", None) or impl.plugin_name
-            raise pytest.UsageError(
-                f"kvconform: pytest_kvconform_caches in {where} returned {with_article(type(specs).__name__)}; it "
-                f"must return a list of subjects, e.g. return [kvconform.CacheSpec(...)]")
-        out.extend(specs)
-    return out
-
-
-def _timeout(config) -> float:
-    value = config.getoption(OPT_TIMEOUT)
-    return float(config.getini(OPT_TIMEOUT) if value is None else value)
-
-
-def _check_usage(config) -> None:
-    """Usage errors (exit 4, one line) for the option values that would otherwise fail every item or the end of
-    the run: the JSON report path, the per-item timeout, the torch device.
-
-    Raises:
-        pytest.UsageError: naming the option, the value and the cause.
-    """
-    from kvconform.report import json_path_problem
-
-    for option, flag in ((OPT_JSON, "--kvconform-json"), (OPT_HTML, "--kvconform-html")):
-        path = _opt(config, option)
-        if path and (problem := json_path_problem(path)):
-            raise pytest.UsageError(f"kvconform: {flag} {path!r}: {problem}")
-    try:
-        timeout = _timeout(config)
-    except ValueError:
-        raise pytest.UsageError(f"kvconform: kvconform_timeout {config.getini(OPT_TIMEOUT)!r}: not a number") from None
-    if timeout < 0:
-        raise pytest.UsageError(f"kvconform: --kvconform-timeout {timeout:g}: must be ≥ 0 (0 disables the timeout)")
-    device = _opt(config, OPT_DEVICE) or "cpu"
-    if device == "cpu":
-        return  # the default; torch is not imported for it here, so that usage errors found later come at once
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise pytest.UsageError(f"kvconform: --kvconform-device {device!r}: not a torch device ({exc})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise pytest.UsageError(f"kvconform: --kvconform-device {device!r}: CUDA is not available in this torch "
-                                f"({torch.__version__})")
-    if dev.type not in ("cpu", "cuda"):
-        raise pytest.UsageError(f"kvconform: --kvconform-device {device!r}: kvconform runs on cpu or cuda")
+    node.workerinput[RUNDIR_KEY] = getattr(node.config, "_kvconform_rundir", None)
 
 
 @pytest.fixture
@@ -764,7 +378,7 @@ def kv_runner(kv_session, request):
 
         metrics = {}
         benchmark = None
-        crashed = _crashed_subject_message(request.config, item)
+        crashed = crashed_subject_message(request.config, item)
         if crashed:
             request.node.user_properties.append((PROPERTY + "_metrics", encode_property({"crash": "earlier"})))
             raise ConformanceError(crashed)
@@ -779,7 +393,7 @@ def kv_runner(kv_session, request):
                 benchmark = request.getfixturevalue("benchmark")
         failure = skipped = xfailed = None
         try:
-            with item_timeout(_timeout(request.config), item, kv_session.reproduce_args):
+            with item_timeout(timeout_s(request.config), item, kv_session.reproduce_args):
                 metrics.update(kv_session.run(item, benchmark=benchmark))
         except CheckSkipped as exc:
             skipped = str(exc)
@@ -858,7 +472,7 @@ def _write_json_progress(config, final: bool = False, exitstatus=None, now: bool
     (``_lock_report``), and not in xdist workers (the controller writes the one report)."""
     import threading
 
-    path = _opt(config, OPT_JSON)
+    path = opt(config, JSON)
     if not path or hasattr(config, "workerinput") or getattr(config, "_kvconform_lock", None) is None:
         return
     from kvconform.report import write_json
@@ -943,7 +557,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     reference_gaps(results)
     write_terminal_matrix(terminalreporter, results, digest)
     _write_own_failures_hint(terminalreporter, results)
-    if _opt(config, OPT_SELFTEST):
+    if opt(config, SELFTEST):
         from kvconform.report import write_selftest_summary
 
         write_selftest_summary(terminalreporter)
@@ -955,7 +569,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not progress["complete"] and progress["planned"] is not None:
         terminalreporter.write_line(f"kvconform: INCOMPLETE: {progress['incomplete']}; the matrix shows only the "
                                     f"items that finished" + (" (and so does the JSON report, which says so)"
-                                                              if _opt(config, OPT_JSON) else ""), red=True)
+                                                              if opt(config, JSON) else ""), red=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -963,7 +577,7 @@ def pytest_sessionfinish(session, exitstatus):
     if not is_active(config):
         return
     if hasattr(config, "workerinput"):
-        _freeze_worker_heap()
+        freeze_worker_heap()
         return
     if RESULTS_KEY in config.stash:
         from kvconform.report import reference_gaps
@@ -987,7 +601,7 @@ never over an interruption (2)."""
 def _write_html(config, exitstatus=None) -> None:
     """``--kvconform-html PATH``: the page of the run's JSON report data (``html_report``), at the end of the run,
     with the run's state (``_progress``: an interrupted run's page says it is incomplete)."""
-    path = _opt(config, OPT_HTML)
+    path = opt(config, HTML)
     if path:
         from kvconform.html_report import write_html
         from kvconform.report import json_payload
@@ -998,20 +612,9 @@ def _write_html(config, exitstatus=None) -> None:
         write_html(path, payload, config.stash[DIGEST_KEY])
 
 
-def _freeze_worker_heap() -> None:
-    """xdist worker, at the end of its session: move every object to the collector's permanent generation
-    (``gc.freeze``). pytest's ``pytest_unconfigure`` then runs one full collection to report unraisable exceptions,
-    which in a worker walked the whole heap of torch, transformers and the models (~0.5 s, while the controller
-    waits for the worker to end) to report to nobody: the worker has sent its last event to the controller
-    (pytest-xdist's ``workerfinished``, right after this hook) and the controller reads no more."""
-    import gc
-
-    gc.freeze()
-
-
 def pytest_unconfigure(config):
     _CONFIG.pop("config", None)
-    _crash_teardown(config)
+    crash_teardown(config)
     lock = getattr(config, "_kvconform_lock", None)
     if lock is not None:
         lock.release()
@@ -1035,249 +638,31 @@ def pytest_testnodedown(node, error):
         import hypothesis.internal.observability  # noqa: F401 - imported for its cost, see the docstring
 
 
-
-# ------------------------------------------------------------------------------------------------------ crashes
-# A subject with a native kernel can kill its process (segfault, abort, os._exit, the OOM killer's SIGKILL), which no
-# try/except catches. `pytest --kvconform` therefore runs its items in pytest-xdist workers by default: the controller
-# replaces a crashed worker and the session goes on. The crashed item fails with a kvconform message naming the
-# subject, the signal and the last op started (read from the worker's breadcrumb file, kvconform.outcomes); the
-# subject's other items fail at once naming that crash (each would take a worker down again). `-n 0` (or
-# KVCONFORM_WORKERS=0) runs in-process, without that protection.
-WORKERS_ENV = "KVCONFORM_WORKERS"
-_RUNDIR_KEY = "kvconform_rundir"
-
-
-def default_workers() -> int:
-    """Workers of a default ``pytest --kvconform`` run: ``$KVCONFORM_WORKERS`` if set, else the usable CPU cores
-    (at most 4: every worker builds its own models and oracles). 0: run in-process."""
-    value = os.environ.get(WORKERS_ENV, "").strip()
-    if value:
-        if not value.isdigit():
-            raise pytest.UsageError(f"kvconform: {WORKERS_ENV}={value!r}: an integer ≥ 0 (0 runs in-process)")
-        return int(value)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 4))
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config):
     # a wrapper: runs before pytest-xdist's own pytest_cmdline_main, which turns -n into its workers
-    _distribute_by_default(config)
+    distribute_by_default(config)
     return (yield)
-
-
-def _distribute_by_default(config) -> None:
-    """Under ``--kvconform`` with pytest-xdist installed and no ``-n``/``--dist``/``--tx`` given: ``-n`` of
-    ``default_workers()`` (both cores working, and a crashing subject cannot take the session down)."""
-    if not is_active(config) or hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
-        return
-    opt = config.option
-    if getattr(opt, "numprocesses", 0) is not None or getattr(opt, "tx", None) or getattr(opt, "dist", "no") != "no":
-        return  # the user chose
-    if getattr(opt, "collectonly", False) or getattr(opt, "usepdb", False) or getattr(opt, "looponfail", False):
-        return
-    workers = default_workers()
-    if workers == 0:
-        return
-    from kvconform.scratch import is_scratch_spec
-
-    models = _opt(config, OPT_MODEL) or []
-    if models and all(is_scratch_spec(m) for m in models):
-        # only from-scratch models (plain PyTorch, kvconform.scratch): in process, since starting a worker costs
-        # more than their default tier (the worked example: 6 s of items, 17 s wall -n 0, 23 s with one worker,
-        # on a loaded 2-core machine); -n N restores the workers
-        return
-    opt.numprocesses = workers
-    if getattr(opt, "maxworkerrestart", None) is None:
-        opt.maxworkerrestart = "1000"  # bounded anyway: a crashed subject's other items do not run
-    config._kvconform_distributed = True
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist: under the default distribution (``_distribute_by_default``) the items of one model go to one
+    """pytest-xdist: under the default distribution (``distribute_by_default``) the items of one model go to one
     worker, a model at a time (``ModelScheduling``), so that each model and its oracle are built in one process
     instead of in every worker. A distribution the user chose (``-n``, ``--dist``) is left to pytest-xdist."""
     if not getattr(config, "_kvconform_distributed", False):
         return None
-    return _model_scheduling(config, log)
-
-
-def _model_scheduling(config, log):
-    """A ``ModelScheduling`` (defined here: pytest-xdist is imported only when it distributes)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ModelScheduling(LoadScopeScheduling):
-        """pytest-xdist's load-scope scheduling with one scope per model (``subject-model-check-case`` node ids;
-        a node id of another test is a scope of its own). Scopes go to workers largest first as they free up
-        (xdist's ``--loadscope-reorder``). A crashed worker's item is not run again by another worker: it is
-        reported once, by ``pytest_handlecrashitem``."""
-
-        def __init__(self, config, log=None):
-            super().__init__(config, log)
-            digest = config.stash[DIGEST_KEY]
-            self._subjects = sorted(digest.subject_names, key=len, reverse=True)
-            self._models = sorted(digest.models, key=len, reverse=True)
-
-        def _split_scope(self, nodeid: str) -> str:
-            param = nodeid.partition("[")[2].removesuffix("]")
-            for subject in self._subjects:
-                if param.startswith(subject + "-"):
-                    rest = param[len(subject) + 1:]
-                    model = next((m for m in self._models if rest.startswith(m + "-")), None)
-                    if model is not None:
-                        return "model " + model
-            return nodeid
-
-        def remove_node(self, node):
-            workload = self.assigned_work.pop(node)
-            pending = [(scope, nodeid) for scope, unit in workload.items()
-                       for nodeid, done in unit.items() if not done]
-            if not pending:
-                return None
-            scope, crashitem = pending[0]
-            workload[scope][crashitem] = True  # reported as crashed; the rest of its scope runs elsewhere
-            self.workqueue.update({s: unit for s, unit in workload.items() if not all(unit.values())})
-            for other in self.assigned_work:
-                self._reschedule(other)
-            return crashitem
-
-    return ModelScheduling(config, log)
-
-
-def _crash_setup(config) -> None:
-    """Controller: a folder for the workers' breadcrumbs and the crashed subjects. Worker: its breadcrumb file."""
-    worker = getattr(config, "workerinput", None)
-    if worker is not None:
-        if worker.get(_RUNDIR_KEY):
-            from kvconform.outcomes import open_breadcrumbs
-
-            open_breadcrumbs(os.path.join(worker[_RUNDIR_KEY], f"{worker.get('workerid', 'gw')}.crumb"))
-        return
-    if config.getoption("dist", "no") != "no":
-        config._kvconform_rundir = tempfile.mkdtemp(prefix="kvconform-run-")
-
-
-def _crash_teardown(config) -> None:
-    import shutil
-
-    from kvconform.outcomes import close_breadcrumbs
-
-    close_breadcrumbs()
-    rundir = getattr(config, "_kvconform_rundir", None)
-    if rundir:
-        shutil.rmtree(rundir, ignore_errors=True)
-
-
-def _exit_text(gateway) -> tuple[str, str]:
-    """``(short name, text)`` of how a crashed xdist worker process (its execnet ``gateway``) ended: the signal that
-    killed it (SIGSEGV, SIGABRT, SIGKILL…) or its exit status."""
-    import signal
-
-    popen = getattr(getattr(gateway, "_io", None), "popen", None)
-    code = None
-    if popen is not None:
-        try:
-            code = popen.wait(timeout=10)
-        except Exception:  # noqa: BLE001 - still running or already reaped elsewhere
-            code = popen.returncode
-    if code is None:
-        return "unknown", "the worker process died (its exit status could not be read)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        why = {"SIGSEGV": "a segmentation fault: memory read or written out of bounds, e.g. by a native kernel",
-               "SIGABRT": "abort(): a failed assertion or check in native code",
-               "SIGKILL": "killed: the kernel's OOM killer sends SIGKILL when memory runs out",
-               "SIGBUS": "a bus error: a misaligned or unmapped memory access",
-               "SIGFPE": "an arithmetic fault in native code",
-               "SIGILL": "an illegal instruction: a kernel built for another CPU"}.get(name, "a fatal signal")
-        return name, f"{name} ({why})"
-    return f"exit {code}", (f"exit status {code} without a Python exception (os._exit, or exit() called from "
-                            f"native code)")
-
-
-def _plan_item(config, nodeid: str) -> tuple[str, dict] | None:
-    """``(item id, PlanItem.describe())`` of a suite node id, from the controller's digest (None for other
-    tests)."""
-    digest = config.stash.get(DIGEST_KEY, None)
-    if digest is None or "[" not in nodeid:
-        return None
-    from kvconform.digest import item_id
-
-    described = digest.items.get(item_id(nodeid))
-    return None if described is None else (item_id(nodeid), described)
+    return model_scheduling(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem, report, sched):
     """pytest-xdist: a worker died while running ``crashitem``. Turn xdist's bare "worker crashed" into the item's
-    kvconform failure, and remember the subject so that its other items fail at once."""
+    kvconform failure, and remember the subject so that its other items fail at once (``workers.report_crash``)."""
     config = _CONFIG.get("config")
     if config is None or not is_active(config):
         return None
-    planned = _plan_item(config, crashitem)
-    if planned is None:
-        return None
-    from kvconform.digest import reproduce_line
-    from kvconform.outcomes import read_breadcrumbs
-    from kvconform.report import encode_property
-
-    worker = getattr(report, "node", None)
-    worker_id = getattr(getattr(worker, "gateway", None), "id", "?")
-    name, how = _exit_text(getattr(worker, "gateway", None))
-    rundir = getattr(config, "_kvconform_rundir", None)
-    crumb = read_breadcrumbs(os.path.join(rundir, f"{worker_id}.crumb")) if rundir else None
-    item_id, d = planned
-    op = crumb[1] if crumb and crumb[0] == item_id else "none recorded (before the item's first op)"
-    digest = config.stash[DIGEST_KEY]
-    subject = digest.subject(d["subject"])
-    message = "\n".join([
-        f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}",
-        f"  {d['subject']} killed its process: {how}",
-        f"  last op started: {op}",
-        f"  the session went on: pytest-xdist replaced worker {worker_id}; {d['subject']}'s other items fail "
-        f"without running (each would take a worker down)",
-        "  likely cause: a native kernel of the cache (C++, CUDA, Triton) crashed or aborted, the cache called "
-        "os._exit, or it exhausted memory",
-        "  " + reproduce_line(getattr(subject, "source", "builtin"), d["subject"],
-                              digest.model_specs.get(d["model"], d["model"]), item_id, digest.reproduce_args)
-        + "   (add -n 0 to see the crash itself)",
-    ])
-    report.longrepr = message
-    report.when = "call"
-    report.user_properties = [(PROPERTY, encode_property(d)),
-                              (PROPERTY + "_metrics", encode_property({"crash": name, "last_op": op}))]
-    if rundir:
-        with open(os.path.join(rundir, "crashed.tsv"), "a", encoding="utf-8") as fh:
-            fh.write(f"{d['subject']}\t{item_id}\t{how}\t{op}\n")
-    return None
-
-
-def _crashed_subject_message(config, item) -> str | None:
-    """In a worker: the failure message for ``item`` when its subject already killed a worker this session."""
-    rundir = getattr(config, "workerinput", {}).get(_RUNDIR_KEY)
-    if not rundir:
-        return None
-    try:
-        with open(os.path.join(rundir, "crashed.tsv"), encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        subject, first, how, op = (line.split("\t") + ["", "", ""])[:4]
-        if subject == item.subject.name:
-            d = item.describe()
-            return (f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}\n"
-                    f"  not run: {subject} killed its process earlier in this session, in {first}: {how}; last op "
-                    f"started: {op}\n"
-                    f"  each of its items would take a worker down again; fix that crash first (its item's message "
-                    f"says more)")
+    report_crash(config, crashitem, report)
     return None
 
 

@@ -11,6 +11,8 @@ import math
 import os
 import tempfile
 
+from kvconform.outcomes import KVConformError
+
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error", "internal")
 """``internal``: kvconform's own code failed on the item (``outcomes.KVConformInternalError``, or kvconform's
 reference cache failed where transformers' DynamicCache passed, ``reference_gaps``): an error of kvconform, no verdict
@@ -339,7 +341,7 @@ def progress_of(payload: dict) -> dict:
             "finished": payload.get("finished", finished), "incomplete": payload.get("incomplete")}
 
 
-class ReportLocked(Exception):
+class ReportLocked(KVConformError):
     """Another run is writing the same JSON report; ``str`` names it and the fix."""
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from kvconform.outcomes import KVConformError
+
 HOOK_ATTRIBUTE = "kvconform_image"
 """The attribute of a transformers model carrying its ``ImagePrefix`` (set by ``attach``)."""
 
@@ -81,7 +83,7 @@ def pixels(spec: ImagePrefix, key: int):
     return torch.rand(tuple(spec.pixel_shape), generator=gen) * 2 - 1
 
 
-class PartialImage(ValueError):
+class PartialImage(ValueError, KVConformError):
     """A sequence holds part of an image block (it was cut inside it): no uncached forward has those inputs."""
 
 

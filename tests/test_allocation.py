@@ -27,7 +27,7 @@ def test_allocation_policy_passes_memory_bytes(spec, model, declared):
 
 def test_without_the_policy_a_ring_over_holds_its_formula():
     """The same ring judged token by token (``min(S, window)``): the measurement really sees it hold more."""
-    from kvconform.checks.memory import expected_layer, LayerShape
+    from kvconform.checks._allocation import expected_layer, LayerShape
     from kvconform.testing.allocation import RingSlidingLayer
 
     layer = RingSlidingLayer(sliding_window=8)
@@ -77,7 +77,7 @@ def test_a_buffer_past_doubling_fails_saying_why_not_inferred():
 def test_a_plain_leak_is_not_inferred_as_doubling():
     """A layer that over-holds without a larger buffer behind its keys gets the line saying why nothing was
     inferred (no growth seen, no buffer capacity visible)."""
-    from kvconform.checks.memory import not_inferred
+    from kvconform.checks._allocation import not_inferred
 
     line = not_inferred([(200, 256 * 100, None)], [(200, None)], 100)
     assert "its keys are not a view of a larger buffer" in line and "1.28× the formula" in line
@@ -86,7 +86,7 @@ def test_a_plain_leak_is_not_inferred_as_doubling():
 
 
 def test_more_than_doubling_never_suggests_the_declaration():
-    from kvconform.checks.memory import hint_applies, not_inferred
+    from kvconform.checks._allocation import hint_applies, not_inferred
 
     series = [(6, 6 * 100 * 6, None)]
     assert not hint_applies(series, [(6, None)], 100)

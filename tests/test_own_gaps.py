@@ -127,7 +127,7 @@ def test_summary_and_matrix_name_kvconforms_gaps():
     class Digest:
         environment = {"transformers": "5.25.0", "torch": "2.13.0", "kvconform": "0.1.0"}
 
-    place = "kvconform/checks/_drive.py:219 in tensors_of"
+    place = "kvconform/checks/_measure.py:219 in tensors_of"
     results = {r["nodeid"]: r for r in [
         _record("AdaptQC", "internal", metrics={"kvconform_internal": place,
                                                 "internal_error": "TypeError: vars() argument must have __dict__"}),
@@ -162,7 +162,7 @@ def test_record_of_an_internal_error_has_its_own_outcome():
 
 
 PLANTED = '''
-import kvconform.checks._drive as drive
+import kvconform.checks._evidence as drive
 import kvconform.checks._interpreter as interpreter
 
 # a bug planted into kvconform's own evidence code (defined in its module's namespace, so its frames are kvconform's):
@@ -199,7 +199,7 @@ def test_internal_errors_are_reported_once_and_the_session_goes_on(pytester, run
     assert result.ret == 3, out
     assert out.count("kvconform's own gaps") == 1, out
     assert "kvconform internal error: check_prefill_then_decode on Victim on llama (fp32, batch" in out, out
-    assert ("kvconform's own code raised TypeError: planted kvconform bug (at kvconform.checks._drive (<string>):3 "
+    assert ("kvconform's own code raised TypeError: planted kvconform bug (at kvconform.checks._evidence (<string>):3 "
             "in _planted_nonfinite_in)") in out, out
     assert "not a verdict on Victim" in out and "report it to kvconform's maintainers" in out
     assert "Traceback" not in out and "def _planted" not in out

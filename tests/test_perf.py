@@ -72,7 +72,8 @@ def test_the_cpu_clock_counts_work_and_not_waiting_for_a_core():
 def test_memory_counts_each_storage_once_and_dynamic_cache_exactly():
     from transformers import DynamicCache
 
-    from kvconform.checks.memory import held_bytes, quant_ratio
+    from kvconform.checks._allocation import quant_ratio
+    from kvconform.checks._measure import held_bytes
     from kvconform.zoo import build_zoo_model
 
     x = torch.zeros(4, 256)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from odd_caches import EXTRAS, FORMS, LAYER_KINDS, odd_cache  # noqa: E402
 
-from kvconform.checks import _drive  # noqa: E402
+from kvconform.checks import _evidence, _measure  # noqa: E402
 from kvconform.zoo import load_model  # noqa: E402
 
 shapes = st.tuples(st.sampled_from(FORMS), st.sampled_from(LAYER_KINDS),
@@ -43,33 +43,33 @@ def test_readers_never_raise_on_a_cache_shape(llama_config, shape):
     for layer_idx in range(2):  # two layers fed as the model would: [B, H, T, D]
         cache.update(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), layer_idx)
     readable = form in ("list", "tuple", "dict", "generator")
-    items = _drive.layer_items(cache)
+    items = _measure.layer_items(cache)
     assert len(items) == (2 if readable else 0), (form, items)
     assert [i for i, _ in items] == ([0, 1] if readable else [])
-    tensors = _drive.tensors_of(cache)
+    tensors = _measure.tensors_of(cache)
     if readable and kind != "raising":  # a proxy's keys are properties over a private layer: not held attributes
         assert {"layers[0].keys", "layers[1].values"} <= set(tensors), sorted(tensors)
-    assert _drive.nonfinite_in(cache) is None
-    labels = [label for label, _ in _drive.cache_layers(cache)]
+    assert _evidence.nonfinite_in(cache) is None
+    labels = [label for label, _ in _measure.cache_layers(cache)]
     assert labels == (["layer 0", "layer 1"] if readable else ["cache"])
-    assert _drive.held_bytes(cache) >= 2 * 2 * (2 * 2 * 5 * 16 * 4)  # at least the keys and values fed
-    sizes, missing = _drive.public_kv_facts(cache)  # what layer.keys answers, read as transformers reads it
+    assert _measure.held_bytes(cache) >= 2 * 2 * (2 * 2 * 5 * 16 * 4)  # at least the keys and values fed
+    sizes, missing = _evidence.public_kv_facts(cache)  # what layer.keys answers, read as transformers reads it
     # an unreadable cache has no layer.keys to ask: no "answers None for layer.keys" claim either way
     assert (sizes.get("layer 0.keys") == 2) == readable and missing == []
-    _drive.layer_max_lengths(cache)
-    _drive.shared_layers(cache)
-    _drive.unmasked_slots(cache, 5, 1)
-    _drive.largest_holdings(cache)
-    _drive.narrow_stored(cache, torch.float32)
-    [_drive.quant_params(layer) for _, layer in items]
-    assert (_drive.layers_problem(cache) is None) == readable
+    _evidence.layer_max_lengths(cache)
+    _evidence.shared_layers(cache)
+    _evidence.unmasked_slots(cache, 5, 1)
+    _measure.largest_holdings(cache)
+    _measure.narrow_stored(cache, torch.float32)
+    [_measure.quant_params(layer) for _, layer in items]
+    assert (_measure.layers_problem(cache) is None) == readable
 
 
 def test_layers_problem_names_the_shape(llama_config):
     def problem(form):
         cache = odd_cache(form, "transformers")(llama_config)
         cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
-        return _drive.layers_problem(cache)
+        return _measure.layers_problem(cache)
 
     assert problem("raises") == "cache.layers raised RuntimeError: OddCache.layers is not readable from outside"
     assert problem("none") == "cache.layers is None"
@@ -85,8 +85,8 @@ def test_a_stored_iterator_is_not_consumed():
     cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
     real = cache.layers
     cache.layers = iter(real)
-    assert _drive.layer_items(cache) == []
-    assert _drive.layers_problem(cache) == ("cache.layers is a list_iterator the cache holds (reading it would "
+    assert _measure.layer_items(cache) == []
+    assert _measure.layers_problem(cache) == ("cache.layers is a list_iterator the cache holds (reading it would "
                                             "consume it)")
     assert len(list(cache.layers)) == 1  # still whole
 

@@ -209,7 +209,7 @@ def test_contract_compile_and_coverage_prompts_start_with_the_image(vlms):
         assert (tokens[:, block] == zm.image.image_token_id).all() and not (tokens[:, 1 + zm.image.tokens:]
                                                                             == zm.image.image_token_id).any(), name
     gen = case_generator(case, zm.name)
-    prompt, chunk = contract._tokens(ctx, gen, 2, 12, prompt=True), contract._tokens(ctx, gen, 2, 12)
+    prompt, chunk = contract.evicting._tokens(ctx, gen, 2, 12, prompt=True), contract.evicting._tokens(ctx, gen, 2, 12)
     assert (prompt[:, block] == zm.image.image_token_id).all() and not (chunk == zm.image.image_token_id).any()
     prompt, seq, _, _ = coverage._generate(ctx)
     assert (prompt[:, block] == zm.image.image_token_id).all() and torch.equal(seq[:, :12], prompt)

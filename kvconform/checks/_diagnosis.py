@@ -263,7 +263,7 @@ def _signature_error(cause: BaseException) -> bool:
 
 def measured_cause(exc: SubjectRaised) -> str | None:
     """The likely cause of a raise inside a forward, from what was measured there (``SubjectRaised.facts``, see
-    ``_drive.raise_facts``), or None when the measurements explain nothing. In order:
+    ``_evidence.raise_facts``), or None when the measurements explain nothing. In order:
 
     * one layer object serves several decoder layers (``shared_layers``);
     * the cache has fewer layers than the model's decoder (an ``update(layer_idx=i)`` found no layer ``i``, or an
@@ -355,7 +355,8 @@ def sliding_window_slots(ctx, cache, seq) -> str | None:
     import torch
     from transformers import DynamicCache
 
-    from kvconform.checks._drive import forward_kwargs, layer_list
+    from kvconform.checks._drive import forward_kwargs
+    from kvconform.checks._measure import layer_list
 
     if ctx.model.is_encoder_decoder or not ctx.model.sliding_window or cache is None:
         return None

@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING
 
 from kvconform import compat
 from kvconform.outcomes import breadcrumb
-from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, UpdateWatch, case_generator, encoder_ids_for,
-                                     forward, image_prompt, kv_length_mismatch, layer_max_lengths, nonfinite_in,
-                                     raise_facts, prefill_refusal, random_tokens, seq_length, shared_layers, tensors_of,
-                                     unmasked_slots)
+from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, case_generator, encoder_ids_for, forward, image_prompt,
+                                     prefill_refusal, random_tokens, seq_length)
+from kvconform.checks._evidence import (UpdateWatch, kv_length_mismatch, layer_max_lengths, nonfinite_in, raise_facts,
+                                        shared_layers, unmasked_slots)
+from kvconform.checks._measure import tensors_of
 from kvconform.ops import OPS
 from kvconform.outcomes import CheckSkipped, KVConformError
 
@@ -99,13 +100,13 @@ class Step:
     encoder_ids: Tensor | None = None
     nonfinite: str | None = None
     """A fault measured in the cache itself at this step, or None: ``update()`` returned NaN/inf or wrote into its
-    inputs (``_drive.UpdateWatch``), or the cache holds NaN/inf (``_drive.nonfinite_in``). It fails the step even
+    inputs (``_evidence.UpdateWatch``), or the cache holds NaN/inf (``_evidence.nonfinite_in``). It fails the step even
     where the logits look right (``_judge.judge``)."""
     kv_mismatch: str | None = None
     """An ``update()`` of this forward that returned another number of keys than the cache should hold
-    (``_drive.kv_length_mismatch``), or None; named first in the likely cause of a failure at this step."""
+    (``_evidence.kv_length_mismatch``), or None; named first in the likely cause of a failure at this step."""
     unmasked: str | None = None
-    """Evidence that this step attended empty slots of a fixed-size cache without a mask (``_drive.unmasked_slots``),
+    """Evidence that this step attended empty slots of a fixed-size cache without a mask (``_evidence.unmasked_slots``),
     or None; the likely cause of a failure at this step when present."""
     chunks: tuple = ()
     """The chunk structure of the history the cache is supposed to hold before this forward: the lengths of the

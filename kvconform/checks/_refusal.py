@@ -6,7 +6,8 @@ imports another.
 
 from __future__ import annotations
 
-from kvconform.checks._drive import seq_length, tensors_of
+from kvconform.checks._drive import seq_length
+from kvconform.checks._measure import tensors_of
 
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
 CROP_WORDS = ("crop", "croppable", "record", "roll", "window", "recurrent", "cannot", "not supported", "negative",

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
-                                     layer_items, read_attr, self_half, subject_call, tensors_of)
+                                     subject_call)
+from kvconform.checks._measure import layer_items, read_attr, self_half, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._compiled import compile_applies, declared_compileable  # noqa: F401 - re-exported
 from kvconform.checks._diagnosis import fail_raised

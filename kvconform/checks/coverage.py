@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from kvconform import compat
 from kvconform.checks import IGNORES_OPS, Param, register
-from kvconform.checks._drive import SubjectRaised, generate, generate_prompt, layer_list, read_attr, self_half
+from kvconform.checks._drive import SubjectRaised, generate, generate_prompt
+from kvconform.checks._measure import layer_list, read_attr, self_half
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.oracle import compare_logits
 

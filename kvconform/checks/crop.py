@@ -19,6 +19,7 @@ token; ``params.positive = true`` calls ``crop(+N)`` instead, whose meaning depe
 from __future__ import annotations
 
 from kvconform import compat
+from kvconform.outcomes import KVConformError
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner
@@ -140,7 +141,7 @@ def _length_cause(rec, runner) -> str:
     return "crop() removed a different number of tokens than asked"
 
 
-class PositiveCropNote(UserWarning):
+class PositiveCropNote(UserWarning, KVConformError):
     """A positive ``crop(+n)`` was accepted where the installed transformers refuses it (≥ 5.20). No caller of such
     a release passes a positive count, so this is reported (a warning and the item's ``note`` metric), not failed;
     the continuation after it is still judged."""
@@ -229,7 +230,7 @@ def recurrent_layers_claiming_crop(cache) -> list[str]:
     a recurrent state summarises every token it saw, so no ``crop()`` can rewind it and such a flag is a promise
     the layer cannot keep. A layer holds one when its ``is_recurrent_states_initialized`` (transformers' and
     kvconform's linear-attention layers) has a True value, or its ``recurrent_states`` holds a tensor."""
-    from kvconform.checks._drive import cache_layers, read_attr
+    from kvconform.checks._measure import cache_layers, read_attr
 
     out = []
     for label, layer in cache_layers(cache):
@@ -252,7 +253,7 @@ def recurrent_layers_claiming_crop(cache) -> list[str]:
 def layers_not_recording(cache) -> list[str]:
     """Labels (``cache_layers``) of the layers with a past-recording flag (transformers' ``record_past``) that is
     still False: after ``cache.activate_past_recording()`` every such layer should keep its past."""
-    from kvconform.checks._drive import cache_layers
+    from kvconform.checks._measure import cache_layers
 
     out = []
     for label, layer in cache_layers(cache):

@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised, tensors_of
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._measure import tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict

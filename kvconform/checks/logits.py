@@ -50,7 +50,7 @@ def _narrow_cause(ctx, cache) -> str | None:
     """The likely cause when the cache stores floating tensors narrower than the model's dtype (measured)."""
     if cache is None:
         return None
-    from kvconform.checks._drive import narrow_stored
+    from kvconform.checks._measure import narrow_stored
 
     narrow = narrow_stored(cache, ctx.model.dtype)
     if not narrow:

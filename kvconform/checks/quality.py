@@ -9,7 +9,7 @@ quantized caches keep the last 128 tokens exact), so that the compressor or the 
   (every forward after the first) against the float64 oracle: mean KL(oracle ‖ subject) ≤ ``budget.kl_max`` nats
   and top-1 agreement ≥ ``budget.top1_min``. When it fails, a subject with a fake-quant twin (``CacheSpec.twin``) has
   its twin's quality in the message too (is the loss the declared quantization's, or the subject's own?).
-* ``check_compression_real`` (lossy): the bytes the cache holds after the long context (``_drive.held_bytes``: every
+* ``check_compression_real`` (lossy): the bytes the cache holds after the long context (``_measure.held_bytes``: every
   reachable tensor once per storage, quanto's / HQQ's packed tensors through their inner data and scales) are fewer
   than an exact cache must hold after the same ops (every token's keys and values of a full-attention layer, the
   window of a sliding layer, the linear-attention states), and ≤ ``budget.bytes_ratio_max`` of it when declared. A
@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvconform.checks import ALL_KINDS, OpRule, Param, register
-from kvconform.checks._drive import (SubjectRaised, cache_layers, held_bytes, held_tensor_items, largest_holdings,
-                                     layer_bytes, storage_bytes)
+from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._measure import (cache_layers, held_bytes, held_tensor_items, largest_holdings, layer_bytes,
+                                       storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
 from kvconform.checks._observe import measured_at_batch_one
 from kvconform.memo import MEMO
@@ -235,7 +236,7 @@ class ExactLayer:
     """What an exact cache must hold in one layer, measured on ``ReferenceCache`` after a run.
 
     Attributes:
-        label: ``"layer 0"``… (``_drive.cache_layers``).
+        label: ``"layer 0"``… (``_measure.cache_layers``).
         token_bytes: one token's keys + values over the batch, ``B·H_kv·(D_k + D_v)·b`` bytes; 0 without attention.
         tokens: the tokens an exact cache must keep: every token fed, ``min(fed, window)`` for a sliding layer
             (whose older tokens the model no longer attends: ``DynamicCache`` drops them).
@@ -331,7 +332,7 @@ def _holdings(cache) -> str:
 }, ops=LONG_CONTEXT_RULE)
 def check_compression_real(ctx):
     """A lossy subject's compression is real: the bytes it holds after the case's long context
-    (``_drive.held_bytes``: each reachable storage once, wrapper tensors through their packed data and scales) are
+    (``_measure.held_bytes``: each reachable storage once, wrapper tensors through their packed data and scales) are
     below what an exact cache must hold after the same ops (``exact_layer_bytes`` on ``ReferenceCache``: every token's
     keys and values of a full-attention layer, the window of a sliding layer, the linear-attention states): ratio <
     1, and ≤ ``budget.bytes_ratio_max`` when the subject (or the case, ``params``) declares one. The ratio is of the

@@ -217,7 +217,7 @@ def _quantized(ctx) -> bool:
     """Whether the subject is declared lossy or its cache layers declare quantization (``nbits`` / ``fp8_dtype``, as
     the memory family reads them): such a cache dequantizes its whole history at every step (and re-quantizes it every
     ``residual_length`` steps), so its budget against the uncached forward is ``params.min_speedup_quantized``."""
-    from kvconform.checks._drive import cache_layers, quant_params
+    from kvconform.checks._measure import cache_layers, quant_params
 
     if ctx.kind.declared_lossy:  # declared lossy (kvconform_lossy / CacheSpec.kind)
         return True
@@ -426,7 +426,7 @@ def _prefill_loop_cause(ctx, tokens, context: int) -> str:
     per-token reading."""
     import torch
 
-    from kvconform.checks._drive import cache_layers, held_tensor_items
+    from kvconform.checks._measure import cache_layers, held_tensor_items
 
     generic = ("the prefill does work per token in Python — update() loops over the new tokens (a per-token copy, "
                "append or bookkeeping step) instead of one slice copy or cat per forward; decode steps feed one token "

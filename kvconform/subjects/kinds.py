@@ -17,7 +17,7 @@ Five kinds (``Kind.name``; a check names those it judges with ``@register(..., j
 * ``press`` (``Press``): compresses the prefill by keeping a subset of its tokens exactly, at any length, with no
   token bound (KV presses; ``kind="press"``, ``kvconform_press``): compared like ``lossy_fresh`` with a fresh
   instance fed the equivalent history, held to its quality budget and real compression, plus the press contract
-  (the press section of ``checks/contract.py``).
+  (``checks/contract/press.py``).
 
 A check that does not name a kind in ``judges`` does not apply to its subjects, with the reason the kind gives
 (``Kind.not_judged``); the default (``DEFAULT_JUDGES``) is every kind but ``evicting``, which is then judged only on
@@ -261,7 +261,7 @@ class Press(SelfConsistent):
     """A KV press: compresses each prefill by keeping a subset of its tokens exactly (no token bound, no eviction
     while decoding). Compared like ``SelfConsistent`` with a fresh instance fed the equivalent history (the press
     keeps the same tokens of the same chunks); its own contract (length = tokens seen, short prompts) is
-    the press section of ``checks/contract.py``."""
+    ``checks/contract/press.py``."""
 
     name = PRESS
 

@@ -45,7 +45,7 @@ KINDS = DECLARED_KINDS
   tokens, then judged by quality and by its memory bound;
 * ``press``: it compresses the prefill by keeping a subset of its tokens exactly, at any length, with no token bound
   (KV presses: StreamingLLM, Knorm, SnapKV, ExpectedAttention ratios): judged like ``lossy`` (self-consistency,
-  quality, real compression) plus the press contract (the press section of ``checks/contract.py``).
+  quality, real compression) plus the press contract (``checks/contract/press.py``).
 """
 
 

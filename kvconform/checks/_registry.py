@@ -1,0 +1,269 @@
+"""The check registry: ``register`` (the one place a check declares its family, the capabilities it needs, the kinds
+it judges, its params schema and its ops rule), ``CHECKS`` and ``load_checks``; ``Param`` and ``OpRule``, the
+schemas a case file is validated against at load. ``kvconform.checks`` re-exports every public name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvconform.ops import FORWARD_OPS, OPS_WITH_COUNT
+from kvconform.subjects.kinds import DEFAULT_JUDGES, check_judges
+
+_TYPE_NAMES = {bool: "bool", int: "int", float: "number", str: "string", list: "list", dict: "table"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One key of a check's ``params`` schema (what a case may write in ``params = {...}``).
+
+    Attributes:
+        types: accepted TOML value types (``int``, ``float`` — which also accepts an int —, ``bool``, ``str``,
+            ``list``, ``dict``); a single type or a tuple. A bool is never accepted as an int or a number.
+        default: the value the check uses when the case omits the key (``None``: the key has no value then, e.g.
+            no padding); ``kvconform.cases`` fills it into ``case.params`` at load.
+        required: the case must give the key (then ``default`` is unused).
+        choices: the allowed values (strings), or None.
+        min / max: inclusive bounds of a number, or of every number in a list or table value.
+        items: the types of a list's elements or a table's values (None: not checked).
+        doc: one line for messages and the README.
+    """
+
+    types: Any
+    default: object = None
+    required: bool = False
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    items: Any = None
+    doc: str = ""
+
+    def __post_init__(self):
+        for name in ("types", "items"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, (value,))
+
+    @staticmethod
+    def _is(value, types) -> bool:
+        if isinstance(value, bool):
+            return bool in types
+        if float in types and isinstance(value, int):
+            return True
+        return isinstance(value, tuple(t for t in types if t is not bool))
+
+    def describe(self) -> str:
+        """What the key accepts, e.g. ``"int ≥ 2"``, ``"'full_prompt' | 'suffix_only'"``, ``"list of int ≥ 0"``."""
+        if self.choices is not None:
+            return " | ".join(repr(c) for c in self.choices)
+        kinds = []
+        for t in self.types:
+            if t in (list, dict) and self.items:
+                what = "/".join(_TYPE_NAMES[i] for i in self.items)
+                kinds.append(f"list of {what}" if t is list else f"table of {what}")
+            else:
+                kinds.append(_TYPE_NAMES[t])
+        text = " or ".join(kinds)
+        if self.min is not None and self.max is not None:
+            return f"{text} in [{self.min:g}, {self.max:g}]"
+        if self.min is not None:
+            return f"{text} ≥ {self.min:g}"
+        if self.max is not None:
+            return f"{text} ≤ {self.max:g}"
+        return text
+
+    def problem(self, value) -> str | None:
+        """Why ``value`` is not allowed for this key (names the value and what is allowed), or None."""
+        if not self._is(value, self.types):
+            return f"expected {self.describe()}, got {type(value).__name__} {value!r}"
+        if self.choices is not None and value not in self.choices:
+            return f"{value!r} is not allowed; allowed values: {self.describe()}"
+        inner = list(value) if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else None
+        if inner is not None and self.items is not None:
+            bad = [v for v in inner if not self._is(v, self.items)]
+            if bad:
+                return f"expected {self.describe()}, got {value!r} (element {bad[0]!r})"
+        numbers = [v for v in (inner if inner is not None else [value])
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for v in numbers:
+            if (self.min is not None and v < self.min) or (self.max is not None and v > self.max):
+                return f"{v!r} is out of range; allowed: {self.describe()}"
+        return None
+
+
+OP_PARAMS = {
+    "padding": Param(list, items=int, min=0, doc="left pad tokens per row, with an attention mask (e.g. [0, 3])"),
+}
+"""Keys every op-based check (one that drives ``case.ops`` through ``_interpreter.Runner``) accepts: merged into their
+``params`` schemas."""
+
+
+TOKEN_OPS = FORWARD_OPS
+"""The ops that feed tokens (each makes forwards; ``kvconform.ops``)."""
+
+
+def _names(names) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """What a check needs of a case's ``ops``, declared with it (``@register(..., ops=OpRule(...))``) and checked
+    when case files load (``kvconform.cases``): a case that is valid key by key but wrong for its check is then a
+    usage error (exit code 4) naming the file, the case, what the check needs and the fix — never a ``ValueError``
+    counted against the cache at run time.
+
+    Attributes:
+        reads: the check reads ``ops``. False: it ignores them (it builds its own calls: generate, timing, random
+            programs), and a case that gives ``ops`` is an error instead of a silent no-op.
+        allowed: the op names its driver accepts (None: every op of ``kvconform.cases.OP_NAMES``).
+        required: op names that must each appear at least once.
+        first: the name the first op must have (e.g. ``"prefill"``).
+        shape: the exact op names in order (e.g. ``("prefill", "decode")``); None: any order.
+        optional: with ``shape``: ops may also be omitted (the check then uses its own default).
+        min_forwards: forwards the ops must make at least (``prefill N`` and ``chunk N``: one each; ``decode N``: N).
+        min_batch: the smallest case ``batch`` the check works with.
+        why: what the check does with the ops, for the message (e.g. "it compares the steps after the first").
+    """
+
+    reads: bool = True
+    allowed: tuple | None = None
+    required: tuple = ()
+    first: str | None = None
+    shape: tuple | None = None
+    optional: bool = False
+    min_forwards: int = 0
+    min_batch: int = 1
+    why: str = ""
+
+    def problem(self, case, check: str) -> tuple[str, str] | None:
+        """``(key, why this case is wrong for ``check``, with the fix)`` or None. ``case``: a ``cases.Case``."""
+        ops = [op.name for op in case.ops]
+        given = "ops = [" + ", ".join(repr(f"{op.name} {op.n}" if op.n else op.name) for op in case.ops) + "]"
+        why = f" ({self.why})" if self.why else ""
+        if not self.reads:
+            if ops:
+                return "ops", (f"{check} does not read 'ops' (it makes its own calls){why}; got {given}: remove "
+                               f"'ops' from the case (or from [defaults])")
+            return None
+        if self.shape is not None:
+            if ops == list(self.shape) or (self.optional and not ops):
+                pass
+            else:
+                want = "[" + ", ".join(f"'{n} N'" for n in self.shape) + "]"
+                return "ops", (f"{check} needs ops = {want}" + (" (or no ops)" if self.optional else "")
+                               + f"{why}; got {given}")
+        if self.allowed is not None:
+            bad = [n for n in ops if n not in self.allowed]
+            if bad:
+                return "ops", (f"{check} cannot run op {bad[0]!r}: its driver accepts only "
+                               f"{_names(self.allowed)}; got {given}: remove the {bad[0]!r} op or use a check that "
+                               f"takes it")
+        if self.first is not None and (not ops or ops[0] != self.first):
+            return "ops", f"{check} needs ops starting with '{self.first} N'{why}; got {given}"
+        for name in self.required:
+            if name not in ops:
+                example = f"'{name} N'" if name in OPS_WITH_COUNT else repr(name)
+                return "ops", f"{check} needs at least one {example} op{why}; got {given}: add one"
+        forwards = sum(op.spec.forwards(op.n) for op in case.ops)
+        if forwards < self.min_forwards:
+            return "ops", (f"{check} needs at least {self.min_forwards} forward(s) (prefill N and chunk N: one each, "
+                           f"decode N: N){why}; got {forwards} from {given}")
+        if case.batch < self.min_batch:
+            return "batch", f"{check} needs batch ≥ {self.min_batch}{why}; got batch = {case.batch}"
+        return None
+
+
+IGNORES_OPS = OpRule(reads=False)
+"""The rule of a check that does not read ``ops``: a case giving them is an error."""
+
+
+@dataclass(frozen=True)
+class CheckInfo:
+    """A registered check.
+
+    Attributes:
+        name: the function's name (``check_*``).
+        fn: ``fn(ctx) -> None``, raises ``ConformanceError``.
+        family: its matrix column (``FAMILIES``).
+        needs: the subject capabilities it needs (else the item is skipped, naming the first missing one).
+        doc: the function's docstring.
+        applies: ``applies(subject, model, case, device="cpu") -> reason or None``: the check's own applicability
+            rule (lossy subjects only, CUDA only, one subject's row, ...); ``plan.skip_reason`` calls it. None:
+            no rule of its own.
+        params: ``{key: Param}``: the keys a case of this check may give in ``params`` (validated at load).
+        ops: the ``OpRule`` its cases' ``ops`` must follow (checked at load); None: not declared (any ops; every
+            built-in check declares one).
+        validate: ``validate(case) -> (key, problem) | None``: the check's own load-time rule for what ``OpRule`` and
+            ``Param`` cannot say (a relation between params, a requirement); the problem names what the check needs
+            and the fix. None: no rule of its own.
+        judges: the subject kinds (``kvconform.subjects.kinds.KIND_NAMES``) the check judges as such; on a subject
+            of another kind the item is skipped with the reason its kind gives (``Kind.not_judged``: an evicting
+            subject keeps the cases that never make it hold more than ``tokens_max`` tokens). Default
+            ``DEFAULT_JUDGES``: every kind but ``evicting``.
+    """
+
+    name: str
+    fn: Callable
+    family: str
+    needs: frozenset = frozenset()
+    doc: str = ""
+    applies: Callable | None = None
+    params: dict = field(default_factory=dict)
+    ops: OpRule | None = None
+    validate: Callable | None = None
+    judges: frozenset = DEFAULT_JUDGES
+
+    def case_problem(self, case) -> tuple[str, str] | None:
+        """``(key, problem)`` when ``case`` (a ``cases.Case`` with its params filled in) is wrong for this check,
+        by its ``ops`` rule, then its ``validate``; None when it fits."""
+        if self.ops is not None:
+            found = self.ops.problem(case, self.name)
+            if found:
+                return found
+        return self.validate(case) if self.validate is not None else None
+
+
+CHECKS: dict[str, CheckInfo] = {}
+
+
+def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
+             ops: OpRule | None = None, validate: Callable | None = None, judges=DEFAULT_JUDGES):
+    """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
+    it ``needs``, the subject kinds it ``judges`` (``CheckInfo.judges``), its own applicability rule (``applies``,
+    see ``CheckInfo``), its ``params`` schema
+    (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check), what it needs of a case's ``ops``
+    (``OpRule``; ``IGNORES_OPS`` for a check that does not read them) and its own load-time case rule
+    (``validate(case) -> (key, problem) | None``). A case file breaking any of them is a usage error at load.
+
+    Raises:
+        TypeError: a ``params`` value that is not a ``Param``, an ``ops`` that is not an ``OpRule``, a ``judges``
+            name that is not a kind.
+    """
+    judged = check_judges(judges)
+    schema = dict(params or {})
+    for key, value in schema.items():
+        if not isinstance(value, Param):
+            raise TypeError(f"register(params=...): {key!r} must be a Param, got {value!r}")
+    if ops is not None and not isinstance(ops, OpRule):
+        raise TypeError(f"register(ops=...): must be an OpRule, got {ops!r}")
+
+    def deco(fn):
+        CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
+                                        applies, schema, ops, validate, judged)
+        return fn
+
+    return deco
+
+
+def load_checks() -> dict[str, CheckInfo]:
+    """Import every public module of this package (each registers its checks) and return the registry."""
+    import pkgutil
+
+    package = importlib.import_module("kvconform.checks")
+    for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"kvconform.checks.{module.name}")
+    return CHECKS
