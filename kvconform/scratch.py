@@ -66,6 +66,8 @@ def spec_problem(spec: str) -> str | None:
     """What is wrong with an adapter spec, seen from the file system and the source alone (no import), or None."""
     from kvconform.subjects.resolve import spec_problem_before_import
 
+    if spec in _ADAPTERS:  # registered from Python (register_adapter)
+        return None
     problem = spec_problem_before_import(spec)
     return f"--kvconform-model {problem}" if problem else None
 
@@ -108,6 +110,28 @@ def load_adapter(spec: str):
     sys.modules.setdefault(type(obj).__module__, module)
     _ADAPTERS[spec] = obj
     return obj
+
+
+def register_adapter(obj) -> str:
+    """The model spec of an adapter given as a Python object (``check_cache(models=[TinyDecoder()])``,
+    ``parametrize_with_checks``): ``module:Class`` of its class, bound to this very object for the process (a class
+    is instantiated with no arguments). A string is returned as it is.
+
+    Raises:
+        ValueError: the object is no model adapter (``adapter_problem``).
+    """
+    import inspect
+
+    if isinstance(obj, str):
+        return obj
+    adapter = obj() if inspect.isclass(obj) else obj
+    cls = type(adapter)
+    spec = f"{cls.__module__}:{cls.__qualname__}"
+    problem = adapter_problem(adapter) or (None if is_scratch_spec(spec) else f"{spec!r} is no module:attr name")
+    if problem:
+        raise ValueError(f"models: {cls.__name__}: {problem}")
+    _ADAPTERS[spec] = adapter
+    return spec
 
 
 def adapter_problem(adapter) -> str | None:

@@ -458,6 +458,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     from kvconform.memo import MEMO
     from kvconform.plan import spec_problem
 
+    # a model adapter given as a Python object (check_cache, parametrize_with_checks): its module:Class spec
+    models = [scratch.register_adapter(m) if not isinstance(m, str) else m for m in models or ()]
     # a mistyped model spec is a usage error before torch and transformers are imported (~5 s)
     for spec in models or ():
         if isinstance(spec, str) and (problem := spec_problem(spec, trust_remote_code)):

@@ -218,3 +218,14 @@ def test_the_faulty_chunk_is_off_where_decode_is_exact():
     full = adapter.forward_uncached(model, ids)
     assert (_cached(adapter, model, ids, [12] + [1] * 8) - full).abs().max().item() < 1e-12
     assert (_cached(adapter, model, ids, [12, 4, 4]) - full).abs().max().item() > 1e-2
+
+
+def test_check_cache_takes_an_adapter_object_as_its_model():
+    from kvconform import check_cache
+
+    results = check_cache([], models=[TinyDecoder()], checks=["check_chunked_continuation", "check_prefix_fork"])
+    ran = [r for r in results if r.outcome != "skipped"]
+    assert ran and all(r.outcome == "passed" for r in ran), [(r.id, r.outcome, r.message[:300]) for r in ran]
+    assert {r.subject for r in ran} == {"TinyDictCache"} and {r.model for r in ran} == {"tiny_decoder"}
+    bad = check_cache([], models=[faulty_scratch.NoCausalMaskInChunk()], checks=["check_chunked_continuation"])
+    assert any(r.outcome == "failed" and "causal mask" in r.message for r in bad), [(r.id, r.outcome) for r in bad]
