@@ -485,7 +485,9 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
     # the vision-language models are heavier (a vision tower per prefill): the full tier, or named explicitly
-    infos, surveyed = _model_infos(models or (zoo.ALL_NAMES if full else zoo.ZOO_NAMES), trust_remote_code)
+    # the full tier also runs the worked from-scratch examples (kvconform.scratch.EXAMPLES); named, they run alone
+    default = (*zoo.ALL_NAMES, *scratch.EXAMPLES) if full else zoo.ZOO_NAMES
+    infos, surveyed = _model_infos(models or default, trust_remote_code)
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise ValueError(f"--kvconform-model: duplicate model names {names}")

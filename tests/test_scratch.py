@@ -229,3 +229,17 @@ def test_check_cache_takes_an_adapter_object_as_its_model():
     assert {r.subject for r in ran} == {"TinyDictCache"} and {r.model for r in ran} == {"tiny_decoder"}
     bad = check_cache([], models=[faulty_scratch.NoCausalMaskInChunk()], checks=["check_chunked_continuation"])
     assert any(r.outcome == "failed" and "causal mask" in r.message for r in bad), [(r.id, r.outcome) for r in bad]
+
+
+def test_the_full_tier_runs_the_worked_examples_and_the_default_tier_does_not():
+    from kvconform.session import build_session
+
+    full = build_session(full=True, checks=["check_chunked_continuation"], runs_items=False)
+    names = {m.name for m in full.models}
+    assert {"tiny_decoder", "tiny_sliding_decoder"} <= names
+    pairs = {(i.subject.name, i.model.name) for i in full.items()}
+    assert ("TinyDictCache", "tiny_decoder") in pairs
+    assert not any(s == "TinyDictCache" and m != "tiny_decoder" for s, m in pairs)  # its cache on its model only
+    assert not any(m == "tiny_decoder" and s != "TinyDictCache" for s, m in pairs)  # and no other cache on it
+    default = build_session(checks=["check_chunked_continuation"], runs_items=False)
+    assert not {"tiny_decoder", "tiny_sliding_decoder"} & {m.name for m in default.models}
