@@ -18,6 +18,7 @@ The attention mask follows the usual convention: ``mask`` ``[B, start + T]``, 1 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -95,7 +96,8 @@ class TinyDecoderModel(nn.Module):
         b, t = ids.shape
         x = self.embed(ids)
         q_pos = self.positions(ids, start, mask)
-        for i, blk in enumerate(self.blocks):
+        for i, module in enumerate(self.blocks):
+            blk = cast(Block, module)
             h = blk.norm1(x)
             q = blk.q(h).view(b, t, blk.heads, blk.head_dim).transpose(1, 2)
             k, v = blk.kv(h).view(b, t, 2, blk.kv_heads, blk.head_dim).permute(2, 0, 3, 1, 4)
@@ -134,7 +136,7 @@ class TinyDecoder:
     name = "tiny_decoder"
     vocab_size = 128
     window: int | None = None
-    caches = {"TinyDictCache": {}}
+    caches: dict = {"TinyDictCache": {}}
     kv_layout = {"layers": 2, "kv_heads": 2, "head_dim": 8}  # keys and values held per token: the memory formula
 
     def build(self, dtype, device, seed: int = 0):
