@@ -52,7 +52,8 @@ REQUIRED = {
 }
 """The methods every adapter defines, with the signature its usage error shows."""
 
-EXAMPLES = ("kvconform.examples.tiny_decoder:TinyDecoder", "kvconform.examples.tiny_decoder:TinySlidingDecoder")
+EXAMPLES = ("kvconform.examples.tiny_decoder:TinyDecoder", "kvconform.examples.tiny_decoder:TinySlidingDecoder",
+            "kvconform.examples.tiny_decoder:TinyDecoderTwoCaches")
 """The worked examples: run when named with ``--kvconform-model``, and in the full tier (``--kvconform-full``)."""
 
 _SPEC = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*|.+\.py):[A-Za-z_]\w*$")

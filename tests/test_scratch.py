@@ -48,10 +48,11 @@ def _shared_run(tmp_path_factory) -> dict:
     """One run: both correct examples (every item of their default tier) and each faulty variant's target item."""
     if not _RUN:
         folder = tmp_path_factory.mktemp("scratch")
-        selection = " or ".join(["tiny_decoder", "tiny_sliding_decoder"]
+        selection = " or ".join(["tiny_decoder", "tiny_sliding_decoder", "tiny_decoder_two_caches"]
                                 + [f"({model} and {sel})" for model, sel, _, _ in TARGETS.values()])
         args = ["--kvconform-json", "r.json", "-k", selection,
-                "--kvconform-model", f"{EXAMPLE}:TinyDecoder", "--kvconform-model", f"{EXAMPLE}:TinySlidingDecoder"]
+                "--kvconform-model", f"{EXAMPLE}:TinyDecoder", "--kvconform-model", f"{EXAMPLE}:TinySlidingDecoder",
+                "--kvconform-model", f"{EXAMPLE}:TinyDecoderTwoCaches"]
         for attr in TARGETS:
             args += ["--kvconform-model", f"{FAULTY}:{attr}"]
         proc = _kvconform(folder, *args)
@@ -62,7 +63,7 @@ def _shared_run(tmp_path_factory) -> dict:
     return _RUN
 
 
-@pytest.mark.parametrize("model", ["tiny_decoder", "tiny_sliding_decoder"])
+@pytest.mark.parametrize("model", ["tiny_decoder", "tiny_sliding_decoder", "tiny_decoder_two_caches"])
 def test_the_worked_example_passes_every_family_that_applies(model, tmp_path_factory):
     run = _shared_run(tmp_path_factory)
     records = [r for r in run["records"] if r["model"] == model]
@@ -72,8 +73,10 @@ def test_the_worked_example_passes_every_family_that_applies(model, tmp_path_fac
     families = {r["family"] for r in ran}
     # every family that applies to an exact from-scratch cache ran and passed (coverage and quality do not apply)
     assert {"logits", "generate", "crop", "prefix", "batch", "lifecycle", "fuzz", "memory"} <= families
-    if model == "tiny_decoder":  # the speed cases are scoped to full-attention models
+    if model != "tiny_sliding_decoder":  # the speed cases are scoped to full-attention models
         assert "speed" in families
+    if model == "tiny_decoder_two_caches":  # two caches of one model, each checked
+        assert {r["subject"] for r in ran} == {"TinyGrowingCache", "TinyStaticCache"}
     assert len(ran) >= 30, len(ran)
     skipped = [r for r in records if r["outcome"] == "skipped"]
     reasons = " ".join(r.get("message") or r.get("skip_reason") or "" for r in skipped)
@@ -186,8 +189,8 @@ def test_a_bad_forward_fails_its_item_naming_what_is_wrong(bad_file, attr, words
 
 
 # ------------------------------------------------------------------------------------- by hand, in float64
-def _cached(adapter, model, ids, splits):
-    cache, out, start = adapter.new_cache(model, ids.shape[0], ids.shape[1]), [], 0
+def _cached(adapter, model, ids, splits, **options):
+    cache, out, start = adapter.new_cache(model, ids.shape[0], ids.shape[1], **options), [], 0
     for n in splits:
         logits, cache = adapter.forward(model, ids[:, start:start + n], cache, start)
         out.append(logits)
@@ -195,16 +198,17 @@ def _cached(adapter, model, ids, splits):
     return torch.cat(out, dim=1)
 
 
-@pytest.mark.parametrize("cls", [TinyDecoder, TinySlidingDecoder])
-def test_the_examples_cached_logits_equal_its_uncached_forward_in_float64(cls):
+@pytest.mark.parametrize("cls, options", [(TinyDecoder, {}), (TinyDecoder, {"static": True}),
+                                          (TinySlidingDecoder, {})])
+def test_the_examples_cached_logits_equal_its_uncached_forward_in_float64(cls, options):
     adapter = cls()
     model = adapter.build(torch.float64, "cpu")
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     full = adapter.forward_uncached(model, ids)
     for splits in ([12, 1, 1, 1, 1, 8], [5, 3, 4, 6, 6], [1] * 24):
-        assert (_cached(adapter, model, ids, splits) - full).abs().max().item() < 1e-12
+        assert (_cached(adapter, model, ids, splits, **options) - full).abs().max().item() < 1e-12
     # a crop, then the same tokens again: the same logits
-    cache = adapter.new_cache(model, 2, 24)
+    cache = adapter.new_cache(model, 2, 24, **options)
     _, cache = adapter.forward(model, ids[:, :16], cache, 0)
     cache = adapter.crop(cache, 4)
     logits, _ = adapter.forward(model, ids[:, 12:16], cache, 12)

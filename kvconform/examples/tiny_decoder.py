@@ -7,9 +7,9 @@ SiLU MLP, then a final norm and an untied output head. Weights are seeded (``bui
 every machine).
 
 The cache, as nanoVLM keeps it: a list with one ``{"key": [B, kv_heads, T, head_dim], "value": ...}`` dict per
-block (empty dicts before the first forward), which the forward extends by concatenation. A static variant
-(``static=True``, ``TinyStaticCache``) preallocates ``[B, kv_heads, max_len, head_dim]`` buffers per block and a
-write position instead (the gpt-fast layout).
+block (empty dicts before the first forward), which the forward extends by concatenation. The static variant
+(``new_cache(static=True)``, listed by ``TinyDecoderTwoCaches``) preallocates ``[B, kv_heads, max_len, head_dim]``
+buffers per block and writes at the start offset instead (the gpt-fast layout).
 
 The attention mask follows the usual convention: ``mask`` ``[B, start + T]``, 1 for a real token and 0 for a pad
 (left padding), over the tokens held and the new ones; positions are then ``cumsum(mask) - 1``.
@@ -84,6 +84,15 @@ class TinyDecoderModel(nn.Module):
     def store(self, layer_cache: dict, k, v, start: int):
         """Append this forward's keys / values ``[B, kv_heads, T, head_dim]`` to one block's cache; return what the
         queries attend (all keys and values held) and their slots (sequence offsets ``[Tk]``)."""
+        if "capacity" in layer_cache:  # static: buffers allocated at the first forward, written at the start offset
+            b, h, t, d = k.shape
+            if "key" not in layer_cache:
+                layer_cache["key"] = k.new_zeros(b, h, layer_cache["capacity"], d)
+                layer_cache["value"] = v.new_zeros(b, h, layer_cache["capacity"], d)
+            layer_cache["key"][:, :, start:start + t] = k
+            layer_cache["value"][:, :, start:start + t] = v
+            n = start + t
+            return layer_cache["key"][:, :, :n], layer_cache["value"][:, :, :n], torch.arange(n, device=k.device)
         if "key" in layer_cache:
             k = torch.cat([layer_cache["key"], k], dim=2)
             v = torch.cat([layer_cache["value"], v], dim=2)
@@ -147,9 +156,11 @@ class TinyDecoder:
         torch.random.set_rng_state(gen_state)
         return model.to(device=device, dtype=dtype).eval()
 
-    def new_cache(self, model, batch_size: int, max_len: int):
-        """An empty cache: one empty dict per block."""
-        return [{} for _ in model.blocks]
+    def new_cache(self, model, batch_size: int, max_len: int, static: bool = False):
+        """An empty cache: one empty dict per block, or (``static``) per block the capacity of the zero buffers
+        ``[B, kv_heads, max_len, head_dim]`` its first forward allocates (at that forward's batch size: the same
+        cache may be reset for another batch)."""
+        return [{"capacity": max_len} if static else {} for _ in model.blocks]
 
     def forward(self, model, ids, cache, start: int, mask=None):
         """Cached forward of the new tokens ``ids`` ``[B, T]`` at offsets ``start ..``: ``(logits [B, T, V],
@@ -162,9 +173,9 @@ class TinyDecoder:
 
     # optional capabilities
     def crop(self, cache, n: int):
-        """Forget the last ``n`` tokens (rollback)."""
+        """Forget the last ``n`` tokens (rollback). A static cache has nothing to do: it reads ``[:start]``."""
         for layer in cache:
-            if "key" in layer:
+            if "key" in layer and "capacity" not in layer:
                 keep = max(layer["key"].shape[2] - n, 0)
                 layer["key"], layer["value"] = layer["key"][:, :, :keep], layer["value"][:, :, :keep]
         return cache
@@ -176,9 +187,17 @@ class TinyDecoder:
                 layer["key"], layer["value"] = layer["key"][rows], layer["value"][rows]
         return cache
 
-    def tensors(self, cache) -> dict:
-        """The tensors the cache holds, by name (for the memory family)."""
-        return {f"{i}.{name}": t for i, layer in enumerate(cache) for name, t in layer.items()}
+    def capacity(self, cache) -> int:
+        """The most tokens per row the cache holds: a static cache's ``max_len``, else -1 (it grows)."""
+        return int(cache[0].get("capacity", -1)) if cache else -1
+
+
+class TinyDecoderTwoCaches(TinyDecoder):
+    """The same decoder with two caches listed, checked side by side: the growing dict cache and the static one
+    (preallocated buffers, the gpt-fast layout)."""
+
+    name = "tiny_decoder_two_caches"
+    caches = {"TinyGrowingCache": {}, "TinyStaticCache": {"static": True}}
 
 
 class TinySlidingDecoder(TinyDecoder):
