@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from kvconform.outcomes import KVConformError
+from kvconform.outcomes import KVConformError, UsageError
 
 PREFIX = "transformers:"
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, WINDOW = 64, 2, 4, 2, 16, 128, 256, 8
@@ -72,12 +72,12 @@ def model_types(pattern: str) -> list[str]:
     sorted.
 
     Raises:
-        ValueError: none matches (names the pattern and a few types).
+        UsageError: none matches (names the pattern and a few types).
     """
     known = known_types()
     found = [t for t in known if fnmatch.fnmatchcase(t, pattern)]
     if not found:
-        raise ValueError(f"--kvconform-model {PREFIX}{pattern}: no causal-LM architecture of transformers matches "
+        raise UsageError(f"--kvconform-model {PREFIX}{pattern}: no causal-LM architecture of transformers matches "
                          f"{pattern!r}, nor an image-text-to-text one ({len(known)} known, e.g. "
                          f"{', '.join(known[:6])}, ...)")
     return found

@@ -40,14 +40,14 @@ def parse_shard(text: str) -> tuple[int, int]:
     """``"I/N"`` → ``(I, N)`` with ``1 ≤ I ≤ N``.
 
     Raises:
-        ValueError: anything else, naming the value and the form expected.
+        UsageError: anything else, naming the value and the form expected.
     """
     index, sep, count = str(text).partition("/")
     if not sep or not index.strip().isdigit() or not count.strip().isdigit():
-        raise ValueError(f"--kvconform-shard {text!r}: expected I/N (e.g. 1/4: the first of 4 shards)")
+        raise UsageError(f"--kvconform-shard {text!r}: expected I/N (e.g. 1/4: the first of 4 shards)")
     i, n = int(index), int(count)
     if not 1 <= i <= n:
-        raise ValueError(f"--kvconform-shard {text!r}: I must be between 1 and N (got {i} of {n})")
+        raise UsageError(f"--kvconform-shard {text!r}: I must be between 1 and N (got {i} of {n})")
     return i, n
 
 
@@ -70,7 +70,7 @@ def resolve_shard(text: str, environ=None) -> tuple[int, int, str]:
     ``I/N``), e.g. ``"GitLab CI: CI_NODE_INDEX=2, CI_NODE_TOTAL=4"``. 1 ≤ I ≤ N, 1-based whatever the CI counts from.
 
     Raises:
-        ValueError: not ``I/N``, ``auto`` or ``auto/N``; ``auto`` where no CI variable is set (naming every variable
+        UsageError: not ``I/N``, ``auto`` or ``auto/N``; ``auto`` where no CI variable is set (naming every variable
             read, and GitHub Actions' matrix as the way there); a variable that is not an integer or out of range;
             half of a pair set; an ``auto/N`` whose N differs from the CI's count; two CIs' variables that disagree.
     """
@@ -82,7 +82,7 @@ def resolve_shard(text: str, environ=None) -> tuple[int, int, str]:
     given = None
     if rest:
         if not rest.startswith("/") or not rest[1:].strip().isdigit() or int(rest[1:]) < 1:
-            raise ValueError(f"--kvconform-shard {text!r}: expected auto, auto/N (N ≥ 1: the number of jobs) or I/N")
+            raise UsageError(f"--kvconform-shard {text!r}: expected auto, auto/N (N ≥ 1: the number of jobs) or I/N")
         given = int(rest[1:])
     found = []
     for ci, index_var, count_var, first in SHARD_VARIABLES:
@@ -90,31 +90,31 @@ def resolve_shard(text: str, environ=None) -> tuple[int, int, str]:
         if not index:
             continue  # GitLab sets CI_NODE_TOTAL=1 in every job, CI_NODE_INDEX only under parallel:
         if not count:
-            raise ValueError(f"--kvconform-shard auto: {index_var}={index!r} is set but {count_var} is not "
+            raise UsageError(f"--kvconform-shard auto: {index_var}={index!r} is set but {count_var} is not "
                              f"({ci} sets both)")
         found.append((_share(text, ci, index_var, index, count_var, count, first), ci, index_var, index,
                       count_var, count))
     k8s = env.get(K8S_INDEX, "").strip()
     if k8s:
         if given is None:
-            raise ValueError(f"--kvconform-shard auto: {K8S_INDEX}={k8s!r} (a Kubernetes indexed Job) does not say "
+            raise UsageError(f"--kvconform-shard auto: {K8S_INDEX}={k8s!r} (a Kubernetes indexed Job) does not say "
                              f"how many jobs there are: give their number, --kvconform-shard auto/N with N the "
                              f"Job's .spec.completions")
         found.append((_share(text, "Kubernetes indexed Job", K8S_INDEX, k8s, None, str(given), 0),
                       "Kubernetes indexed Job", K8S_INDEX, k8s, None, str(given)))
     if not found:
         read = "; ".join(f"{ci}: {i} and {n} ({'1' if first else '0'}-based)" for ci, i, n, first in SHARD_VARIABLES)
-        raise ValueError(
+        raise UsageError(
             f"--kvconform-shard {text}: no CI variable says this job's share. Read: {read}; a Kubernetes indexed Job: "
             f"{K8S_INDEX} (0-based) with --kvconform-shard auto/N. GitHub Actions exports no such variable: pass the "
             f"matrix's values, --kvconform-shard ${{{{ matrix.shard }}}}/N. Elsewhere give I/N (e.g. 2/4)")
     shares = {share for share, *_ in found}
     if len(shares) > 1:
         said = ", ".join(f"{ci.split(' (')[0]} says {i}/{n}" for (i, n), ci, *_ in found)
-        raise ValueError(f"--kvconform-shard {text}: the CI variables disagree ({said}); give I/N")
+        raise UsageError(f"--kvconform-shard {text}: the CI variables disagree ({said}); give I/N")
     (index, count), ci, index_var, index_value, count_var, count_value = found[0]
     if given is not None and given != count:
-        raise ValueError(f"--kvconform-shard {text}: {ci.split(' (')[0]} runs {count} jobs "
+        raise UsageError(f"--kvconform-shard {text}: {ci.split(' (')[0]} runs {count} jobs "
                          f"({count_var}={count_value}), not {given}")
     where = f"{ci.split(' (')[0]}: {index_var}={index_value}" + (f", {count_var}={count_value}" if count_var else
                                                                   f", {count} jobs from auto/{count}")
@@ -125,10 +125,10 @@ def _share(text, ci, index_var, index, count_var, count, first) -> tuple[int, in
     """One CI's ``(I, N)``, 1-based, from its variables' values (``first``: the index of its first job)."""
     what = f"{index_var}={index!r}, " + (f"{count_var}={count!r}" if count_var else f"N={count}")
     if not index.isdigit() or not count.isdigit() or int(count) < 1:
-        raise ValueError(f"--kvconform-shard {text}: {ci}: {what}: expected non-negative integers")
+        raise UsageError(f"--kvconform-shard {text}: {ci}: {what}: expected non-negative integers")
     i, n = int(index) - first + 1, int(count)
     if not 1 <= i <= n:
-        raise ValueError(f"--kvconform-shard {text}: {ci}: {what}: the index is outside the {n} jobs "
+        raise UsageError(f"--kvconform-shard {text}: {ci}: {what}: the index is outside the {n} jobs "
                          f"({index_var} counts from {first})")
     return i, n
 

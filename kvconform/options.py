@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
-from kvconform.outcomes import with_article
+from kvconform.outcomes import UsageError, with_article
 
 OPTIONS: list[Option] = []
 """Every option, in ``pytest --help`` order (each ``Option`` appends itself)."""
@@ -336,7 +336,7 @@ def read_shard(config) -> str | None:
 
     try:
         index, count, where = resolve_shard(value)
-    except ValueError as exc:
+    except UsageError as exc:
         raise pytest.UsageError(f"kvconform: {exc}") from None
     config._kvconform_shard_source = where
     return f"{index}/{count}"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvconform import zoo
 from kvconform.memo import MEMO
 from kvconform.ops import tokens_held
+from kvconform.outcomes import UsageError
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     """Inspect a zoo name or checkpoint folder (config only).
 
     Raises:
-        ValueError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed); a
+        UsageError: neither a zoo name nor a folder with a config.json (names the spec and what is allowed); a
             folder that ships its own code without ``trust_remote_code`` (names the flag and the code files).
     ``zoo_only``: ``spec`` is a zoo name, whatever folders the working directory holds (internal look-ups).
     ``trust_remote_code``: the user's consent to run a repository's own code (``--kvconform-trust-remote-code``).
@@ -87,7 +88,7 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
 
     problem = None if zoo_only else spec_problem(spec, trust_remote_code)
     if problem:
-        raise ValueError(problem)
+        raise UsageError(problem)
     if not zoo_only and scratch.is_scratch_spec(spec):
         adapter = scratch.load_adapter(spec)
         return ModelInfo(scratch.model_name(adapter), spec, scratch.layer_types(adapter), False, False)
@@ -100,17 +101,17 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
             config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote_code)
         except Exception as exc:  # noqa: BLE001
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
+            raise UsageError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
     # a vision-language checkpoint: its image-text-to-text class (zoo.load_checkpoint builds it with images)
     auto = auto_model_class(config, prefer_vision=zoo.is_checkpoint_spec(spec) and not zoo_only)
     remote_code = zoo.is_checkpoint_spec(spec) and not zoo_only and remote_code
     if remote_code and auto.__name__ not in (getattr(config, "auto_map", None) or {}) and \
             type(config) not in auto._model_mapping:
-        raise ValueError(f"--kvconform-model {spec!r}: its config.json auto_map names no {auto.__name__} class, "
+        raise UsageError(f"--kvconform-model {spec!r}: its config.json auto_map names no {auto.__name__} class, "
                          f"so it has no language-model class to check")
     if zoo.is_checkpoint_spec(spec) and not remote_code and type(config) not in auto._model_mapping:
-        raise ValueError(
+        raise UsageError(
             f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
             f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
             f"({auto.__name__}{'' if config.is_encoder_decoder else ' and AutoModelForImageTextToText'} do"
@@ -280,21 +281,17 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
 
 
 def most_tokens_held(case, check) -> int:
-    """The most tokens per row a cache holds while the case runs (an upper bound), from its ops: ``prefill``,
-    ``chunk`` and ``decode`` add their tokens, ``crop`` removes (not below 0), ``reset`` empties, batch ops and
-    ``fork`` keep; checks that also generate add the tokens they feed and generate (a case without ops: ``prompt +
-    max_new_tokens``; ``check_prefix_generate`` / ``check_multi_turn``: ``suffix`` / ``user`` + ``max_new_tokens``),
-    and the fuzz family its longest program (a prefill of ≤ 10, ``max_ops`` chunks of ≤ 5, a final decode)."""
-    if check.family == "fuzz":
-        return 10 + 5 * int(case.params["max_ops"]) + 1
+    """The most tokens per row a cache holds while the case runs (an upper bound): what the check declares
+    (``@register(..., tokens_held=...)``: a check that feeds tokens of its own, e.g. generate's or the fuzz family's
+    longest program), else from the case's ops — ``prefill``, ``chunk`` and ``decode`` add their tokens, ``crop``
+    removes (not below 0), ``reset`` empties, batch ops and ``fork`` keep; a case without ops: ``prompt +
+    max_new_tokens``."""
+    declared = getattr(check, "tokens_held", None)
+    if declared is not None:
+        return declared(case)
     if not case.ops:
         return case.prompt + case.max_new_tokens
-    counts = tokens_held(case.ops)
-    most, held = max(counts), counts[-1]
-    if check.name in ("check_prefix_generate", "check_multi_turn"):
-        extra = case.params.get("suffix") or case.params["user"]
-        most = max(most, held + int(extra) + case.max_new_tokens)
-    return most
+    return max(tokens_held(case.ops))
 
 
 def _cuda_device(device: str) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvconform.families import FAMILIES
+from kvconform.outcomes import UsageError
 from kvconform.options import (CACHE, CASES, DEVICE, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT, SUBJECT, TRUST,
                                add_options, check_usage, hooked_specs, is_active, opt, read_fuzz_seed, read_shard,
                                refuse_flags_without_kvconform, refuse_mistyped_specs, reproduce_args, timeout_s)
@@ -24,6 +25,7 @@ from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SE
                                crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
                                freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
                                starts_workers, write_digest)
+from kvconform.digest import USAGE_ERROR_FILE, write_atomically
 
 SUITE_DIR = Path(__file__).parent / "suite"
 SUITE_FILE = SUITE_DIR / "test_conformance.py"
@@ -95,8 +97,6 @@ def pytest_configure(config):
                 _set_digest(config, config.stash[SESSION_KEY].digest())
     except pytest.UsageError as exc:
         if worker_rundir:  # the controller raises it (exit 4) while it waits for the digest
-            from kvconform.digest import USAGE_ERROR_FILE, write_atomically
-
             write_atomically(os.path.join(worker_rundir, USAGE_ERROR_FILE), str(exc))
         raise
     suite_ids = _point_suite_node_ids_at_the_suite(config)
@@ -169,7 +169,7 @@ def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) ->
             only_subjects=opt(config, SUBJECT), trust_remote_code=bool(opt(config, TRUST)),
             runs_items=runs_items,
         )
-    except ValueError as exc:  # SpecError, CaseFileError, KnownFaultsError, bad model spec
+    except UsageError as exc:  # SpecError, CaseFileError, KnownFaultsError, a bad model or subject name
         raise pytest.UsageError(f"kvconform: {exc}") from None
     session.fuzz_seed, session.shard, session.reproduce_args = fuzz_seed, shard, reproduce_args
     config.stash[SESSION_KEY] = session

@@ -11,7 +11,9 @@ import math
 import os
 import tempfile
 
-from kvconform.outcomes import KVConformError
+from kvconform.outcomes import KVConformError, REPORT_TO
+from kvconform.families import FAMILIES
+from kvconform.digest import write_atomically
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error", "internal")
 """``internal``: kvconform's own code failed on the item (``outcomes.KVConformInternalError``, or kvconform's
@@ -147,8 +149,6 @@ def matrix(results: dict, rows_key: str, cols: list, cols_key: str, order=None) 
 
 
 def _families(results) -> list:
-    from kvconform.families import FAMILIES
-
     present = {r["family"] for r in results.values()}
     return [f for f in FAMILIES if f in present] + sorted(present - set(FAMILIES))
 
@@ -314,8 +314,6 @@ def json_payload(results: dict, digest, progress: dict | None = None) -> dict:
 
 def write_json(path: str, results: dict, digest, progress: dict | None = None) -> None:
     """Write ``json_payload(results, digest, progress)`` to ``path`` atomically (temp file, then rename)."""
-    from kvconform.digest import write_atomically
-
     write_atomically(path, json.dumps(json_payload(results, digest, progress), indent=1, ensure_ascii=False))
 
 
@@ -567,8 +565,6 @@ def own_gaps(results: dict, digest=None) -> list[str]:
     """The lines of the run's "kvconform's own gaps" summary (empty when kvconform's own code failed nowhere): the
     installed transformers, one line per place kvconform's code failed (items, the exception, an example item), the
     reference's gaps, and where to report them."""
-    from kvconform.outcomes import REPORT_TO
-
     internal = sorted((r for r in results.values() if r["outcome"] == "internal"), key=lambda r: r["nodeid"])
     if not internal:
         return []

@@ -79,11 +79,23 @@ def spec_problem(spec: str) -> str | None:
 _ADAPTERS: dict = {}
 
 
+def _usage_error_class():
+    from kvconform.outcomes import UsageError
+
+    class AdapterUsageError(UsageError, ValueError):
+        """A model adapter that cannot be used (exit 4): ``str(err)`` names the spec, what is wrong and the fix."""
+
+    return AdapterUsageError
+
+
+AdapterUsageError = _usage_error_class()
+
+
 def load_adapter(spec: str):
     """The adapter object a spec names (a class is instantiated with no arguments), imported once per process.
 
     Raises:
-        ValueError: the module does not import, has no such attribute, or the adapter lacks a required method
+        AdapterUsageError: the module does not import, has no such attribute, or the adapter lacks a required method
             (``adapter_problem``): the message names the spec, the method and the fix.
     """
     if spec in _ADAPTERS:
@@ -97,20 +109,20 @@ def load_adapter(spec: str):
     try:
         module = _import_file(target) if target.endswith(".py") else _import_module(target)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's spec problem
-        raise ValueError(f"--kvconform-model {spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}"
+        raise AdapterUsageError(f"--kvconform-model {spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}"
                          ) from None
     if not hasattr(module, attr):
-        raise ValueError(f"--kvconform-model {spec!r}: module {target!r} has no attribute {attr!r}")
+        raise AdapterUsageError(f"--kvconform-model {spec!r}: module {target!r} has no attribute {attr!r}")
     obj = getattr(module, attr)
     if inspect.isclass(obj):
         try:
             obj = obj()
         except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"--kvconform-model {spec!r}: {attr}() raised {type(exc).__name__}: {exc} (an "
+            raise AdapterUsageError(f"--kvconform-model {spec!r}: {attr}() raised {type(exc).__name__}: {exc} (an "
                              f"adapter class is instantiated with no arguments)") from None
     problem = adapter_problem(obj)
     if problem:
-        raise ValueError(f"--kvconform-model {spec!r}: {problem}")
+        raise AdapterUsageError(f"--kvconform-model {spec!r}: {problem}")
     sys.modules.setdefault(type(obj).__module__, module)
     _ADAPTERS[spec] = obj
     return obj
@@ -122,7 +134,7 @@ def register_adapter(obj) -> str:
     is instantiated with no arguments). A string is returned as it is.
 
     Raises:
-        ValueError: the object is no model adapter (``adapter_problem``).
+        AdapterUsageError: the object is no model adapter (``adapter_problem``).
     """
     import inspect
 
@@ -133,7 +145,7 @@ def register_adapter(obj) -> str:
     spec = f"{cls.__module__}:{cls.__qualname__}"
     problem = adapter_problem(adapter) or (None if is_scratch_spec(spec) else f"{spec!r} is no module:attr name")
     if problem:
-        raise ValueError(f"models: {cls.__name__}: {problem}")
+        raise AdapterUsageError(f"models: {cls.__name__}: {problem}")
     _ADAPTERS[spec] = adapter
     return spec
 

@@ -16,7 +16,9 @@ from kvconform.plan import (ModelInfo, PlanItem, in_scope, model_info, most_toke
 from kvconform.plan import architecture_names as _architecture_names
 from kvconform.plan import external as _external
 from kvconform.plan import zoo_family as _zoo_family
-from kvconform.outcomes import breadcrumb
+from kvconform.outcomes import UsageError, breadcrumb
+from kvconform.memo import MEMO
+from kvconform.digest import RunDigest, SubjectFacts
 
 
 @dataclass
@@ -278,7 +280,6 @@ class KVSession:
         """The ``digest.RunDigest`` of this session: what the reports need (header, environment, subjects' facts,
         the plan's items, the known faults that name them, the stale ones), as plain data. ~0.1 s for the default
         run's 1,980 items."""
-        from kvconform.digest import RunDigest, SubjectFacts
         from kvconform.subjects import FRESH, kind_of
 
         builtin = _builtin_names()
@@ -447,7 +448,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             the items): the subjects' optional backends (quanto: ~1.1 s) are not imported.
 
     Raises:
-        ValueError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
+        UsageError (``SpecError``, ``CaseFileError``, ``KnownFaultsError``): bad input, naming the spec / file and
             the cause.
     """
     from kvconform.cases import load_cases
@@ -455,7 +456,6 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     from kvconform.known_faults import load_all
     from kvconform.subjects import CacheSpec, as_cache_spec, builtin_subjects, check_factory_builds_cache, validate_spec
 
-    from kvconform.memo import MEMO
     from kvconform.plan import spec_problem
 
     # a model adapter given as a Python object (check_cache, parametrize_with_checks): its module:Class spec
@@ -463,7 +463,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     # a mistyped model spec is a usage error before torch and transformers are imported (~5 s)
     for spec in models or ():
         if isinstance(spec, str) and (problem := spec_problem(spec, trust_remote_code)):
-            raise ValueError(problem)
+            raise UsageError(problem)
     # the user's subjects first: a spec that does not import (or names no attribute of its module) is refused before
     # the checks, cases and built-in subjects are loaded, seconds sooner in every process that builds a session
     MEMO.clear()  # a new run measures afresh (the process's memo tables: kvconform.memo)
@@ -482,7 +482,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         check_factory_builds_cache(subject, zoo.zoo_config("llama"))
         if any(s.name == subject.name for s in subjects):
             kind = "a built-in subject" if subject.name in builtin_names else "another subject"
-            raise ValueError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
+            raise UsageError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
     # the vision-language models are heavier (a vision tower per prefill): the full tier, or named explicitly
     # the full tier also runs the worked from-scratch examples (kvconform.scratch.EXAMPLES); named, they run alone
@@ -490,16 +490,16 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     infos, surveyed = _model_infos(models or default, trust_remote_code)
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
-        raise ValueError(f"--kvconform-model: duplicate model names {names}")
+        raise UsageError(f"--kvconform-model: duplicate model names {names}")
     for name in checks or ():
         if name not in registry:
-            raise ValueError(f"unknown check {name!r}; known: {', '.join(sorted(registry))}")
+            raise UsageError(f"unknown check {name!r}; known: {', '.join(sorted(registry))}")
     if checks:
         cases = [c for c in cases if c.check in set(checks)]
     if case_ids:
         unknown = set(case_ids) - {c.id for c in cases}
         if unknown:
-            raise ValueError(f"unknown case id(s) {sorted(unknown)}")
+            raise UsageError(f"unknown case id(s) {sorted(unknown)}")
         cases = [c for c in cases if c.id in set(case_ids)]
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
                       models={*zoo.ALL_NAMES, *names, *_architecture_names()})
@@ -526,7 +526,7 @@ def _model_infos(specs, trust_remote_code: bool) -> tuple[list, list]:
     builds and is a causal language model keeping a cache (``sweep.survey``). Returns ``(infos, [(spec, records)])``.
 
     Raises:
-        ValueError: a bad spec (``model_info``), a pattern matching no architecture, no model left to run (every
+        UsageError: a bad spec (``model_info``), a pattern matching no architecture, no model left to run (every
             architecture refused, each reason listed).
     """
     from kvconform import architectures, sweep
@@ -542,7 +542,7 @@ def _model_infos(specs, trust_remote_code: bool) -> tuple[list, list]:
                             bool(r["accepts_position_ids"])) for r in records if r["built"]]
     if not infos and surveyed:  # every architecture refused: nothing to run, each with its reason
         refused = [f"{r['name']}: {r['reason']}" for _, records in surveyed for r in records][:10]
-        raise ValueError(f"--kvconform-model {', '.join(spec for spec, _ in surveyed)}: no architecture it names "
+        raise UsageError(f"--kvconform-model {', '.join(spec for spec, _ in surveyed)}: no architecture it names "
                          f"can be run — " + "; ".join(refused))
     return infos, surveyed
 
@@ -559,7 +559,7 @@ def _add_repository_subjects(session, info, known_checks, known_cases) -> None:
         validate_spec(subject, where, known_checks, known_cases)
         check_factory_builds_cache(subject, zm.config)
         if any(s.name == subject.name for s in session.subjects):
-            raise ValueError(f"{where}: another subject is already named {subject.name!r}")
+            raise UsageError(f"{where}: another subject is already named {subject.name!r}")
         session.subjects.append(subject)
     session.notes.extend(lines)
 
@@ -569,19 +569,20 @@ def _add_adapter_subjects(session, info, known_checks, known_cases) -> None:
     forward can be the float64 oracle.
 
     Raises:
-        ValueError: the float64 forward fails (``scratch.float64_problem``) or a subject name is taken.
+        scratch.AdapterUsageError: the float64 forward fails (``scratch.float64_problem``) or a subject name is
+            taken.
     """
     from kvconform.subjects import validate_spec
 
     problem = scratch.float64_problem(info.spec)
     if problem:
-        raise ValueError(f"--kvconform-model {info.spec!r}: {problem}")
+        raise scratch.AdapterUsageError(f"--kvconform-model {info.spec!r}: {problem}")
     for subject in scratch.subjects(info.spec):
         where = f"--kvconform-model {info.spec!r} (its cache {subject.name})"
         validate_spec(subject, where, known_checks, known_cases)
         if any(s.name == subject.name for s in session.subjects):
-            raise ValueError(f"{where}: another subject is already named {subject.name!r}; rename it in the "
-                             f"adapter's caches")
+            raise scratch.AdapterUsageError(f"{where}: another subject is already named {subject.name!r}; rename "
+                                            f"it in the adapter's caches")
         session.subjects.append(subject)
 
 
@@ -589,7 +590,7 @@ def _select_subjects(subjects: list, names) -> list:
     """The subjects named in ``names`` (``--kvconform-subject``), in the run's order.
 
     Raises:
-        ValueError: a name that is no subject of this run (with the closest name and the list).
+        UsageError: a name that is no subject of this run (with the closest name and the list).
     """
     import difflib
 
@@ -598,7 +599,7 @@ def _select_subjects(subjects: list, names) -> list:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"--kvconform-subject {name!r}: no such subject{hint} (subjects of this run: "
+            raise UsageError(f"--kvconform-subject {name!r}: no such subject{hint} (subjects of this run: "
                              f"{', '.join(known)}; add yours with --kvconform-cache)")
     return [s for s in subjects if s.name in set(names)]
 
@@ -636,7 +637,7 @@ def _refuse_unusable_checkpoint(session, info) -> None:
     """Load a checkpoint folder (the session keeps it for the items) and check it is a causal language model.
 
     Raises:
-        ValueError: it cannot be loaded, or changing its last input token changes the logits of earlier positions
+        UsageError: it cannot be loaded, or changing its last input token changes the logits of earlier positions
             (a bidirectional encoder), or its layer types include one kvconform's ReferenceCache does not model
             (``sweep.reference_gap``): a usage error naming the folder and the reason.
     """
@@ -644,10 +645,10 @@ def _refuse_unusable_checkpoint(session, info) -> None:
         zm = session.zoo_model(info, "float32")
     except Exception as exc:  # noqa: BLE001 - any loading failure is the user's input problem
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ValueError(f"--kvconform-model {info.spec!r}: loading it failed: {type(exc).__name__}: {first}") from None
+        raise UsageError(f"--kvconform-model {info.spec!r}: loading it failed: {type(exc).__name__}: {first}") from None
     gap = causality_gap(zm)
     if not gap <= CAUSALITY_TOLERANCE:
-        raise ValueError(
+        raise UsageError(
             f"--kvconform-model {info.spec!r}: not a causal language model: changing later input tokens changed "
             f"the logits of earlier positions by {gap:.2g} (relative; a causal model: 0). A bidirectional encoder "
             f"({zm.config.model_type}) keeps no KV cache between decode steps; kvconform needs a decoder-only or "
@@ -656,7 +657,7 @@ def _refuse_unusable_checkpoint(session, info) -> None:
 
     gap = sweep.reference_gap(zm.config)
     if gap:
-        raise ValueError(f"--kvconform-model {info.spec!r}: refused: {gap}")
+        raise UsageError(f"--kvconform-model {info.spec!r}: refused: {gap}")
 
 
 class ItemTimeout(BaseException):

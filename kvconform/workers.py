@@ -15,6 +15,8 @@ import tempfile
 import pytest
 
 from kvconform.options import CACHE, is_active, opt
+from kvconform.digest import DIGEST_FILE, RunDigest, USAGE_ERROR_FILE, item_id, reproduce_line
+from kvconform.outcomes import close_breadcrumbs, open_breadcrumbs, read_breadcrumbs
 
 PROPERTY = "kvconform"
 """The user property that carries an item's record (``PlanItem.record``) on its report."""
@@ -137,8 +139,6 @@ def model_scheduling(config, log):
 def write_digest(session, rundir: str) -> None:
     """xdist worker: write the session's digest for the controller, unless another worker already has (every
     worker builds the same session)."""
-    from kvconform.digest import DIGEST_FILE
-
     if not os.path.exists(os.path.join(rundir, DIGEST_FILE)):
         session.digest().write(rundir)
 
@@ -154,8 +154,6 @@ def await_digest(config):
         pytest.UsageError: the usage error a worker found building its session (exit 4, its message).
     """
     import time
-
-    from kvconform.digest import USAGE_ERROR_FILE, RunDigest
 
     rundir = getattr(config, "_kvconform_rundir", None)
     if not rundir:
@@ -212,8 +210,6 @@ def crash_setup(config) -> None:
     worker = getattr(config, "workerinput", None)
     if worker is not None:
         if worker.get(RUNDIR_KEY):
-            from kvconform.outcomes import open_breadcrumbs
-
             open_breadcrumbs(os.path.join(worker[RUNDIR_KEY], f"{worker.get('workerid', 'gw')}.crumb"))
         return
     if config.getoption("dist", "no") != "no":
@@ -221,8 +217,6 @@ def crash_setup(config) -> None:
 
 def crash_teardown(config) -> None:
     import shutil
-
-    from kvconform.outcomes import close_breadcrumbs
 
     close_breadcrumbs()
     rundir = getattr(config, "_kvconform_rundir", None)
@@ -264,7 +258,6 @@ def _plan_item(config, nodeid: str) -> tuple[str, dict] | None:
     digest = config.stash.get(DIGEST_KEY, None)
     if digest is None or "[" not in nodeid:
         return None
-    from kvconform.digest import item_id
 
     described = digest.items.get(item_id(nodeid))
     return None if described is None else (item_id(nodeid), described)
@@ -277,8 +270,6 @@ def report_crash(config, crashitem: str, report) -> None:
     planned = _plan_item(config, crashitem)
     if planned is None:
         return
-    from kvconform.digest import reproduce_line
-    from kvconform.outcomes import read_breadcrumbs
     from kvconform.report import encode_property
 
     worker = getattr(report, "node", None)

@@ -4,6 +4,8 @@ like any model otherwise. A handful of architectures, direct API calls: cheap.""
 
 import pytest
 
+from kvconform.outcomes import UsageError
+
 
 def test_a_bidirectional_encoder_and_a_cacheless_model_are_refused_with_their_reason():
     from kvconform import sweep
@@ -33,7 +35,7 @@ def test_generic_shrink_keeps_one_layer_of_each_type_and_sub_configs_small():
     assert kimi.layer_types == ["linear_attention", "linear_attention", "full_attention"], kimi.layer_types
     granite = architectures.tiny_config("granitemoehybrid")
     assert granite.layer_types == ["linear_attention", "full_attention"], granite.layer_types
-    with pytest.raises(ValueError, match="no causal-LM architecture of transformers matches 'nosuch\\*'"):
+    with pytest.raises(UsageError, match="no causal-LM architecture of transformers matches 'nosuch\\*'"):
         architectures.model_types("nosuch*")
 
 

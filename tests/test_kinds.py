@@ -3,6 +3,7 @@ checks declare the kinds they judge at registration. Direct API calls only (no r
 
 import ast
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,11 +69,55 @@ def test_checks_declare_the_kinds_they_judge():
     assert {n for n, j in judges.items() if j == {EXACT, LOSSY_TWIN}} == {
         "check_memory_bytes", "check_memory_cuda_allocated"}
     assert {n for n, j in judges.items() if j == ALL_KINDS} == {
-        n for n, info in registry.items() if info.family in ("quality", "speed") or n.startswith("check_evicting_")
-        or n in ("check_press_contract", "check_identity_ops", "check_padded_row_alone")}
+        n for n, info in registry.items() if info.family in ("quality", "speed") and n != "check_memory_bound"}
+    # one word for the kinds a check judges: a check of one kind names it in judges, with no applies= filter
+    assert {n for n, j in judges.items() if j == {EVICTING}} == {
+        "check_memory_bound", *(n for n in registry if n.startswith("check_evicting_"))}
+    assert {n for n, j in judges.items() if j == {PRESS}} == {"check_press_contract"}
+    assert {n for n, j in judges.items() if j == ALL_KINDS - {EXACT}} == {
+        "check_identity_ops", "check_padded_row_alone"}
     assert {n for n, j in judges.items() if j == {LOSSY_FRESH, PRESS}} == {
         "check_generate_self_consistent", "check_beam_search_self_consistent"}
     assert not any(hasattr(info.fn, "evicting_judged") for info in registry.values())
+
+
+def test_kinds_register_themselves_and_own_their_facts():
+    """Each kind is a class that registers itself (``__init_subclass__``): the kind lists are derived from the
+    classes, and a new kind needs no list edited by hand."""
+    from kvconform.subjects import kinds
+
+    assert kinds.KIND_NAMES == (EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING, PRESS)
+    assert kinds.DECLARED_KINDS == ("exact", "lossy", "evicting", "press")
+    assert kinds.DEFAULT_JUDGES == ALL_KINDS - {EVICTING}
+    try:
+        class Sketch(kinds.Kind):  # a new kind: one class
+            name = "sketch"
+            declares = "sketch"
+            precedence = 0
+            judged_by_default = False
+
+        assert "sketch" in kinds.KINDS and kinds.KINDS["sketch"] is Sketch
+        assert Sketch.claims(SimpleNamespace(kind="sketch")) and not Sketch.claims(SimpleNamespace(kind="lossy"))
+    finally:
+        kinds.KINDS.pop("sketch", None)
+
+
+def test_a_check_supplies_the_skip_reason_of_a_kind_it_does_not_judge():
+    """The reason an item is skipped for its kind comes from the check (``@register(..., unjudged=...)``), not
+    from family names in the kinds module."""
+    from kvconform.checks import load_checks
+
+    registry = load_checks()
+    lossy = SimpleNamespace(name="Q", kind="lossy", twin=None, budget=None)
+    exact = SimpleNamespace(name="E", kind="exact", twin=None, budget=None)
+    case = SimpleNamespace(id="c")
+    greedy, press = registry["check_generate_greedy"], registry["check_press_contract"]
+    assert kind_of(lossy).not_judged(greedy, case, held=lambda: 0).startswith(
+        "Q is lossy: its greedy generate() is not compared token for token")
+    assert kind_of(exact).not_judged(press, case, held=lambda: 0) == (
+        "applies to press subjects only (kind='press': a cache that compresses the prefill)")
+    source = (ROOT / "kvconform" / "subjects" / "kinds.py").read_text()
+    assert "check.family" not in source and "check.name" not in source
 
 
 def test_no_module_outside_the_subjects_package_reads_a_subjects_kind_or_twin():

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from kvconform.outcomes import UsageError
+
 CONFIGURATION = '''
 from transformers import LlamaConfig
 
@@ -97,7 +99,7 @@ def test_repository_code_is_refused_without_consent_and_never_prompts(repositori
     from kvconform.session import build_session
 
     faulty, _ = repositories
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UsageError) as err:
         build_session(models=[faulty], builtin=False, checks=["check_reorder_then_decode"])
     text = str(err.value)
     assert "--kvconform-trust-remote-code" in text and "configuration_repo.py, modeling_repo.py" in text

@@ -17,6 +17,7 @@ import yaml
 
 from kvconform import junit, merge
 from kvconform.digest import item_id
+from kvconform.outcomes import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 CI_VARIABLES = ("CI_NODE_INDEX", "CI_NODE_TOTAL", "BUILDKITE_PARALLEL_JOB", "BUILDKITE_PARALLEL_JOB_COUNT",
@@ -174,7 +175,7 @@ def test_shard_auto_reads_the_ci_variables(text, env, share):
     ("automatic", {}, "expected auto, auto/N"),
 ])
 def test_shard_auto_refuses_what_does_not_give_one_share(text, env, message):
-    with pytest.raises(ValueError, match="--kvconform-shard") as info:
+    with pytest.raises(UsageError, match="--kvconform-shard") as info:
         merge.resolve_shard(text, env)
     assert message in str(info.value)
 

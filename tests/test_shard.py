@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvconform import merge
+from kvconform.outcomes import UsageError
 
 
 def test_shards_are_contiguous_by_model_balanced_and_cover_every_item_once():
@@ -24,7 +25,7 @@ def test_shards_are_contiguous_by_model_balanced_and_cover_every_item_once():
 
 @pytest.mark.parametrize("text", ["2", "0/2", "3/2", "a/b", "1/"])
 def test_a_bad_shard_is_refused(text):
-    with pytest.raises(ValueError, match="--kvconform-shard"):
+    with pytest.raises(UsageError, match="--kvconform-shard"):
         merge.parse_shard(text)
 
 

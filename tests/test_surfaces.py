@@ -5,6 +5,8 @@ import textwrap
 
 import pytest
 
+from kvconform.outcomes import UsageError
+
 BAD_CACHES = textwrap.dedent("""
     import time
     import torch
@@ -132,7 +134,7 @@ def test_check_cache_for_scripts():
     with pytest.raises(kvconform.ConformanceError, match="HiddenWindowCache on llama"):
         kvconform.check_cache(HiddenWindowCache, models=["llama"], cases=["decode_explicit_positions"],
                               raise_on_failure=True)
-    with pytest.raises(ValueError, match="unknown check 'check_nothing'"):
+    with pytest.raises(UsageError, match="unknown check 'check_nothing'"):
         kvconform.check_cache(HiddenWindowCache, checks=["check_nothing"])
 
 

@@ -19,6 +19,7 @@ from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT
                                       LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
 from kvconform.checks._registry import (CHECKS, IGNORES_OPS, OP_PARAMS, TOKEN_OPS, CheckInfo,  # noqa: F401 - the
                                         OpRule, Param, load_checks, register)  # registry, re-exported
+from kvconform.digest import reproduce_line as digest_reproduce_line
 
 if TYPE_CHECKING:  # the types of CheckContext's fields, without importing torch-heavy modules at run time
     from kvconform.cases import Case
@@ -113,6 +114,25 @@ class CheckContext:
 
         return kind_of(self.subject)
 
+    def replace(self, **changes) -> CheckContext:
+        """A shallow copy of this context with ``changes`` (field name → value) applied; everything else is shared
+        with this one — ``metrics`` too unless given (``metrics={}`` for a run whose numbers are not the item's),
+        and the attributes a driver set on it (``encoder_ids``).
+
+        Raises:
+            TypeError: a name that is no field of ``CheckContext``.
+        """
+        import copy
+        import dataclasses
+
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"CheckContext.replace: no field {', '.join(map(repr, unknown))}")
+        out = copy.copy(self)
+        for name, value in changes.items():
+            setattr(out, name, value)
+        return out
+
     @property
     def max_cache_len(self) -> int:
         return max(64, self.case.total_tokens)
@@ -158,9 +178,7 @@ class CheckContext:
 def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
     """The ``reproduce:`` line of a failure message for ``subject`` (a ``CacheSpec``): ``digest.reproduce_line``
     with its name and source (the controller of an xdist run, which holds no subjects, calls that directly)."""
-    from kvconform.digest import reproduce_line as line
-
-    return line(getattr(subject, "source", "builtin"), subject.name, model_spec, selection, options)
+    return digest_reproduce_line(getattr(subject, "source", "builtin"), subject.name, model_spec, selection, options)
 
 
 def run_check(name: str, ctx: CheckContext) -> dict:

@@ -11,6 +11,7 @@ from kvconform import compat
 from kvconform.checks._drive import SubjectRaised, prefill_refusal
 from kvconform.checks._judge import Verdict, run_and_judge
 from kvconform.ops import op_names
+from kvconform.outcomes import CheckSkipped
 
 
 MODEL_AT_FAULT = "transformers' modeling code mishandles this case, whatever the cache (see the known faults)"
@@ -210,8 +211,6 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
 
     reason = prefill_refusal(ctx, exc)
     if reason:
-        from kvconform.outcomes import CheckSkipped
-
         raise CheckSkipped(reason)
     if isinstance(exc.cause, ModelLeftChanged):
         cause = ModelLeftChanged.likely_cause

@@ -267,7 +267,8 @@ class Runner:
         self._notify("before_forward", label, n)
         if self.mask is not None or new_mask is not None:
             grown = torch.ones(self.batch, n, dtype=torch.long) if new_mask is None else new_mask
-            mask = grown if first else torch.cat([self.mask, grown], dim=1)
+            # (a later forward of a padded run has self.mask)
+            mask = grown if first else torch.cat([self.mask, grown], dim=1)  # type: ignore[list-item]
         else:
             mask = None
         start = self.length

@@ -221,12 +221,10 @@ def record_verdict(ctx, verdict: Verdict, steps: int, **extra) -> None:
 
 def run_and_judge(ctx, spec=None, position_mode=None, driver=None) -> Verdict:
     """Build a fresh cache of ``spec`` (default: the subject), run the case (or ``driver(ctx, cache)``), judge it."""
-    import copy as _copy
 
     spec = spec or ctx.subject
     if driver is None:
         cache = ctx.new_cache(spec)
         return judge(ctx, run_ops(ctx, cache, position_mode), spec)
-    sctx = _copy.copy(ctx)
-    sctx.subject, sctx.metrics = spec, {}
+    sctx = ctx.replace(subject=spec, metrics={})
     return judge(sctx, driver(sctx, sctx.new_cache()), spec, driver)

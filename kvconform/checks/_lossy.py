@@ -21,6 +21,7 @@ from kvconform.checks._interpreter import Runner
 from kvconform.ops import op_names
 from kvconform.oracle import compare_logits
 from kvconform.subjects import kind_of
+from kvconform.outcomes import CheckSkipped
 
 LOSSY_OPS = op_names(copies=False, rows=("keep", "permute"))
 """The ops the lossy checks' driver accepts: those that keep the batch size and copy nothing (the twin follows
@@ -132,8 +133,6 @@ def fail_subject_raised(ctx, exc: SubjectRaised, cause: str):
 
     reason = prefill_refusal(ctx, exc)
     if reason:
-        from kvconform.outcomes import CheckSkipped
-
         raise CheckSkipped(reason)
     if isinstance(exc.cause, ModelLeftChanged):
         cause = ModelLeftChanged.likely_cause

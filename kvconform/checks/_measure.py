@@ -6,7 +6,7 @@ subject's cache only through these (ARCHITECTURE.md, "Reading a subject"). Impor
 
 from __future__ import annotations
 
-
+from kvconform.outcomes import with_article
 
 
 # ------------------------------------------------------------------------------------------------ reading a cache
@@ -67,7 +67,6 @@ def layers_problem(cache) -> str | None:
         return "cache.layers is None" if hasattr(target, "layers") else "the cache has no layers attribute"
     if layer_items(target) or (isinstance(layers, (list, tuple, dict)) and not layers):
         return None
-    from kvconform.outcomes import with_article
 
     try:
         iter(layers)
@@ -189,7 +188,7 @@ def held_tensor_items(obj, max_depth: int = 8, skip=()) -> list:
         if isinstance(x, torch.Tensor):
             if _is_wrapper_subclass(x):
                 try:
-                    names, _ = x.__tensor_flatten__()
+                    names, _ = x.__tensor_flatten__()  # type: ignore[attr-defined]  # a wrapper subclass's
                     inner = [(name, getattr(x, name)) for name in names]
                 except Exception:  # noqa: BLE001 - a wrapper that cannot be flattened: counted as itself
                     out.append((path, x))

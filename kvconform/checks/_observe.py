@@ -44,12 +44,9 @@ AT_BATCH_ONE = "_kvconform_at_batch_one"
 def at_batch(ctx, batch: int):
     """A shallow copy of ``ctx`` whose case runs at ``batch`` rows (the caller's context is not changed; the copy
     shares its ``metrics``)."""
-    import copy
     import dataclasses
 
-    one = copy.copy(ctx)
-    one.case = dataclasses.replace(ctx.case, batch=batch)
-    return one
+    return ctx.replace(case=dataclasses.replace(ctx.case, batch=batch))
 
 
 def _with_line(err, line: str, **metrics):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvconform.ops import FORWARD_OPS, OPS_WITH_COUNT
-from kvconform.subjects.kinds import DEFAULT_JUDGES, check_judges
+from kvconform.subjects.kinds import ALL_KINDS, DEFAULT_JUDGES, check_judges
 
 _TYPE_NAMES = {bool: "bool", int: "int", float: "number", str: "string", list: "list", dict: "table"}
 
@@ -203,6 +203,12 @@ class CheckInfo:
             of another kind the item is skipped with the reason its kind gives (``Kind.not_judged``: an evicting
             subject keeps the cases that never make it hold more than ``tokens_max`` tokens). Default
             ``DEFAULT_JUDGES``: every kind but ``evicting``.
+        unjudged: why the check does not judge a kind, in the check's words (``{subject}`` is the subject's name):
+            ``{kind name: reason}`` (``"*"``: every other kind), or one reason for every kind it does not judge;
+            ``Kind.not_judged`` gives it as the skip reason (else the kind's own). None: the kinds' own reasons.
+        tokens_held: ``tokens_held(case) -> int``: the most tokens per row a cache holds while the check runs
+            ``case``, declared by a check that feeds tokens of its own beyond the case's ops (generate, random
+            programs); ``plan.most_tokens_held`` asks it (the evicting skip rule). None: counted from the ops.
     """
 
     name: str
@@ -215,6 +221,14 @@ class CheckInfo:
     ops: OpRule | None = None
     validate: Callable | None = None
     judges: frozenset = DEFAULT_JUDGES
+    unjudged: dict = field(default_factory=dict)
+    tokens_held: Callable | None = None
+
+    def unjudged_reason(self, kind: str, subject: str) -> str | None:
+        """The check's reason for not judging a subject named ``subject`` of kind ``kind`` (``unjudged``), or
+        None."""
+        reason = self.unjudged.get(kind, self.unjudged.get("*"))
+        return None if reason is None else reason.replace("{subject}", subject)
 
     def case_problem(self, case) -> tuple[str, str] | None:
         """``(key, problem)`` when ``case`` (a ``cases.Case`` with its params filled in) is wrong for this check,
@@ -230,19 +244,26 @@ CHECKS: dict[str, CheckInfo] = {}
 
 
 def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
-             ops: OpRule | None = None, validate: Callable | None = None, judges=DEFAULT_JUDGES):
+             ops: OpRule | None = None, validate: Callable | None = None, judges=DEFAULT_JUDGES,
+             unjudged: dict | str | None = None, tokens_held: Callable | None = None):
     """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
     it ``needs``, the subject kinds it ``judges`` (``CheckInfo.judges``), its own applicability rule (``applies``,
     see ``CheckInfo``), its ``params`` schema
     (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check), what it needs of a case's ``ops``
-    (``OpRule``; ``IGNORES_OPS`` for a check that does not read them) and its own load-time case rule
-    (``validate(case) -> (key, problem) | None``). A case file breaking any of them is a usage error at load.
+    (``OpRule``; ``IGNORES_OPS`` for a check that does not read them), its own load-time case rule
+    (``validate(case) -> (key, problem) | None``), why it skips the kinds it does not judge (``unjudged``) and, for
+    a check that feeds tokens of its own, the most tokens it makes a cache hold (``tokens_held(case)``). A case
+    file breaking any of them is a usage error at load.
 
     Raises:
         TypeError: a ``params`` value that is not a ``Param``, an ``ops`` that is not an ``OpRule``, a ``judges``
             name that is not a kind.
     """
     judged = check_judges(judges)
+    reasons = {"*": unjudged} if isinstance(unjudged, str) else dict(unjudged or {})
+    for kind in reasons:
+        if kind != "*" and kind not in ALL_KINDS:
+            raise TypeError(f"register(unjudged=...): unknown kind {kind!r}; known: {', '.join(sorted(ALL_KINDS))}")
     schema = dict(params or {})
     for key, value in schema.items():
         if not isinstance(value, Param):
@@ -252,7 +273,7 @@ def register(family: str, needs=(), applies: Callable | None = None, params: dic
 
     def deco(fn):
         CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
-                                        applies, schema, ops, validate, judged)
+                                        applies, schema, ops, validate, judged, reasons, tokens_held)
         return fn
 
     return deco

@@ -8,7 +8,6 @@ so that this module stays below the engine (see ARCHITECTURE.md and the import c
 
 from __future__ import annotations
 
-import copy
 
 import torch
 
@@ -38,8 +37,7 @@ def twin_targets(ctx, spec, steps, driver) -> dict:
             feeds tokens some other way than ``driver`` and cannot judge a lossy subject.
     """
     twin_spec = kind_of(spec).twin_spec()
-    tctx = copy.copy(ctx)
-    tctx.subject, tctx.metrics = twin_spec, {}
+    tctx = ctx.replace(subject=twin_spec, metrics={})
     twin_steps = driver(tctx, tctx.new_cache())
     enc = getattr(tctx, "encoder_ids", None)
     out = {}

@@ -115,7 +115,9 @@ def _beam(m, prompt, mask, n, beams, cache_kwargs):
 
 @register("batch", needs=("generate", "reorder"), judges=(EXACT,),
           params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
-          ops=IGNORES_OPS)
+          ops=IGNORES_OPS, unjudged={
+              LOSSY_FRESH: "{subject} is lossy: its beam search is not compared with the exact model's but with a "
+                           "fresh instance fed each beam's tokens (check_beam_search_self_consistent)"})
 def check_beam_search(ctx):
     """``generate(num_beams=params.beams)`` on distinct, left-padded prompts with the subject's cache equals uncached
     beam search: the same sequences, and sequence scores within the tolerance (noise floor: uncached beam search in
@@ -164,14 +166,10 @@ def check_beam_search(ctx):
     ctx.fail(lines, {"wrong_without_reorder": without is not None})
 
 
-def fresh_only(subject, model, case, device="cpu"):
-    """Applicability rule of ``check_beam_search_self_consistent``: subjects compared with a fresh instance of their
-    own class (lossy without a twin, presses)."""
-    if kind_of(subject).target == FRESH:
-        return None
-    return ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'), whose beam search is "
-            "compared with a fresh instance of their class; an exact subject's is compared with uncached beam search "
-            "(check_beam_search)")
+FRESH_ONLY = ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'), whose beam search is "
+              "compared with a fresh instance of their class; an exact subject's is compared with uncached beam "
+              "search (check_beam_search)")
+"""The skip reason of ``check_beam_search_self_consistent`` (``judges=(LOSSY_FRESH, PRESS)``) on the other kinds."""
 
 
 def cache_before_any_token(cache) -> bool:
@@ -201,7 +199,7 @@ def _beam_prompts(ctx):
     return prompt, mask, text
 
 
-@register("batch", needs=("generate", "reorder"), judges=(LOSSY_FRESH, PRESS), applies=fresh_only,
+@register("batch", needs=("generate", "reorder"), judges=(LOSSY_FRESH, PRESS), unjudged=FRESH_ONLY,
           params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
           ops=IGNORES_OPS)
 def check_beam_search_self_consistent(ctx):
@@ -389,12 +387,10 @@ CAUSES = {
 }
 
 
-def non_exact(subject, model, case, device="cpu"):
-    """Applicability rule: every kind but ``exact`` (lossy with or without a twin, evicting, press)."""
-    if kind_of(subject).exact:
-        return ("applies to lossy, evicting and press subjects: an exact subject is held to the float64 oracle by "
-                "every family already")
-    return None
+NON_EXACT = ALL_KINDS - {EXACT}
+"""The kinds the exactness checks judge: every kind but ``exact`` (lossy with or without a twin, evicting, press)."""
+NOT_FOR_EXACT = ("applies to lossy, evicting and press subjects: an exact subject is held to the float64 oracle by "
+                 "every family already")
 
 
 def _tokens(ctx, gen, n):
@@ -409,7 +405,7 @@ def _floor_target(ctx, seq, target, length):
     return target + (uncached - oracle)
 
 
-@register("batch", needs=("forward",), judges=ALL_KINDS, applies=non_exact, params={
+@register("batch", needs=("forward",), judges=NON_EXACT, unjudged=NOT_FOR_EXACT, params={
     "identity": Param(list, default=list(IDENTITY_OPS), items=str, doc="identity ops checked, each on its own run: "
                       "reorder, select, repeat, fork"),
     "prefill": Param(int, default=24, min=2, doc="prefill length (an evicting subject: at least tokens_max + 5)"),
@@ -503,7 +499,7 @@ least (KnormPress at 25 % with pads [0, 3]: 3 and 3 tokens dropped at 12, 4 and 
 dropped the same tokens in both and passed at 4e-16."""
 
 
-@register("batch", needs=("forward",), judges=ALL_KINDS, applies=non_exact, params={
+@register("batch", needs=("forward",), judges=NON_EXACT, unjudged=NOT_FOR_EXACT, params={
     "pads": Param(list, required=True, items=int, min=0, doc="left pad tokens per row (one per row of batch)"),
     "prefill": Param((int, list), default=list(PADDED_PREFILLS), items=int, min=2,
                      doc="prefill length(s), pads included: each is run on its own (a compressing cache keeps a share "

@@ -41,6 +41,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
@@ -152,7 +153,7 @@ def _drive(ctx, seqs, step_fn):
 
     prefill, steps = _protocol_shape(ctx.case)
     m = ctx.model.model
-    cache = None
+    cache: Any = None
     for name, (enc, tokens) in seqs.items():
         if name == "A" or name == "C":
             cache = ctx.new_cache()

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvconform import compat
 from kvconform.checks import IGNORES_OPS, Param, register
 from kvconform.checks._drive import SubjectRaised, generate, generate_prompt
@@ -69,7 +71,7 @@ def check_cache_implementation(ctx):
     if not isinstance(impl, str) or not isinstance(expected_subject, str):
         raise ValueError(f"case {case.id}: check_cache_implementation needs params = {{implementation = '<string>', "
                          f"subject = '<subject name>'}}")
-    kwargs = {"cache_implementation": impl}
+    kwargs: dict[str, Any] = {"cache_implementation": impl}
     qc = getattr(ctx.subject.factory, "quant_config", None)
     if impl == "quantized" and qc is not None:
         from kvconform.quant import group_size_for

@@ -19,7 +19,7 @@ token; ``params.positive = true`` calls ``crop(+N)`` instead, whose meaning depe
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.outcomes import KVConformError
+from kvconform.outcomes import CheckSkipped, KVConformError
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner
@@ -59,8 +59,6 @@ def _recording_call(cache, keep: int):
     if not keep:
         return "activate_past_recording()", lambda: cache.activate_past_recording()
     if not compat.records_recurrent_states():
-        from kvconform.outcomes import CheckSkipped
-
         raise CheckSkipped(f"transformers {compat.transformers_version()} records no recurrent states "
                            "(activate_past_recording takes no recurrent_states_to_keep before 5.25)")
     return (f"activate_past_recording(recurrent_states_to_keep={keep})",
@@ -311,7 +309,7 @@ def _cause(ctx, records, cache=None):
 
 def _crop_check(ctx):
     cache = ctx.new_cache()
-    records = []
+    records: list = []
     try:
         runner, _ = run_crop_case(ctx, cache, records)
     except SubjectRaised as exc:

@@ -22,7 +22,6 @@ replayable with the same N; ``random`` picks N and prints it in the header.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 
 from kvconform.ops import OP_CAPABILITY, OPS as OP_SPECS, OPS_WITH_COUNT, Op
@@ -106,9 +105,8 @@ def run_program(ctx, cache, program, info=None):
 def _outcome(ctx, spec, program):
     """None if ``spec`` passes ``program``, else ``(lines, metrics, info)`` describing the failure (``info["done"]``:
     the ops executed, the failing one last)."""
-    sctx = copy.copy(ctx)
-    sctx.subject, sctx.metrics = spec, {}
-    info = {}
+    sctx = ctx.replace(subject=spec, metrics={})
+    info: dict = {}
     try:
         steps = run_program(sctx, sctx.new_cache(), program, info)
     except CheckSkipped:
@@ -123,7 +121,7 @@ def _outcome(ctx, spec, program):
     verdict = judge(sctx, steps, spec, driver)
     if verdict.passed:
         return None
-    step, cmp = verdict.first_fail
+    step, cmp = verdict.first_fail  # type: ignore[misc]  # set where the verdict did not pass
     observed = "NaN/inf" if cmp.max_abs == float("inf") else f"{cmp.max_abs:.1e}"
     versus = f" vs {verdict.target}" if verdict.target else ""
     return ([f"max|Δlogit| = {observed}{versus}, but should be ≤ {cmp.tol:.1e} "
@@ -151,7 +149,7 @@ def _strategy(ctx, ops, max_ops):
     from hypothesis import strategies as st
 
     def draw(name):
-        low, high = OP_SPECS[name].fuzz
+        low, high = OP_SPECS[name].fuzz  # type: ignore[misc]  # the fuzzer draws only ops with fuzz bounds
         return st.tuples(st.just(name), st.just(low) if low == high else st.integers(low, high))
 
     choices = [draw(name) for name in ops]
@@ -176,7 +174,7 @@ def _available_ops(ctx):
             left_out.append(f"{name} (capability '{need}' not declared)")
             continue
         if not OP_SPECS[name].feeds:
-            probe = [("prefill", 6), (name, OP_SPECS[name].fuzz[0]), ("decode", 1)]
+            probe = [("prefill", 6), (name, OP_SPECS[name].fuzz[0]), ("decode", 1)]  # type: ignore[index]
             outcome = _outcome(ctx, ctx.subject, probe)
             if outcome is not None and (ctx.reference is None or ctx.reference.name == ctx.subject.name
                                         or _outcome(ctx, ctx.reference, probe) is None):
@@ -217,7 +215,13 @@ def _hypothesis_storage_outside_the_folder():
         set_hypothesis_home_dir(None)
 
 
-@register("fuzz", needs=("forward",), applies=_applies, params={
+def _longest_program(case) -> int:
+    """The most tokens per row a program of ``case`` makes a cache hold: a prefill of ≤ 10, ``max_ops`` chunks of
+    ≤ 5, a final decode (``@register(tokens_held=...)``)."""
+    return 10 + 5 * int(case.params["max_ops"]) + 1
+
+
+@register("fuzz", needs=("forward",), applies=_applies, tokens_held=_longest_program, params={
     **OP_PARAMS,
     "max_examples": Param(int, default=8, min=1, doc="programs drawn by a default-tier case"),
     "max_ops": Param(int, default=6, min=1, doc="ops after the prefill, at most"),

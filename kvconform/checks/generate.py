@@ -10,7 +10,7 @@ kvconform's own greedy loop on a fresh instance of the subject's class, fed the 
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import EXACT, IGNORES_OPS, LOSSY_FRESH, Param, register
+from kvconform.checks import EXACT, IGNORES_OPS, LOSSY_FRESH, LOSSY_TWIN, Param, register
 from kvconform.subjects.kinds import PRESS
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, generate_prompt, seq_length
 from kvconform.checks._diagnosis import describe_raise, token_mismatch
@@ -28,7 +28,19 @@ def _generate(ctx, cache_kwargs, prompt_len=None):
     return prompt, seq, logits
 
 
-@register("generate", needs=("generate",), ops=IGNORES_OPS, judges=(EXACT,))
+UNJUDGED = {
+    LOSSY_TWIN: "{subject} is lossy: its greedy generate() is compared with its fake-quant twin "
+                "(check_generate_vs_twin), not token for token with the exact model",
+    LOSSY_FRESH: "{subject} is lossy: its greedy generate() is not compared token for token with the exact "
+                 "model (a near-tie would flip a greedy token) but with kvconform's own greedy loop on a fresh "
+                 "instance fed the same tokens (check_generate_self_consistent); its cache operations are "
+                 "judged by self-consistency (logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by "
+                 "the quality family (check_quality_budget against the float64 oracle)",
+}
+"""Why a check of this family skips a lossy subject it does not judge: what judges its generate() instead."""
+
+
+@register("generate", needs=("generate",), ops=IGNORES_OPS, judges=(EXACT,), unjudged=UNJUDGED)
 def check_generate_greedy(ctx):
     """Greedy ``generate(cache=subject)`` equals ``generate(use_cache=False)`` token for token; its step logits
     equal the oracle's."""
@@ -76,7 +88,7 @@ def _generate_with(ctx, cache):
     return _generate(ctx, compat.generate_cache_kwargs(cache, ctx.model.model), ctx.case.prompt)
 
 
-@register("generate", needs=("generate",), applies=lossy_only, ops=IGNORES_OPS)
+@register("generate", needs=("generate",), applies=lossy_only, ops=IGNORES_OPS, unjudged=UNJUDGED)
 def check_generate_vs_twin(ctx):
     """Greedy ``generate(cache=subject)`` produces the tokens of ``generate(cache=twin)`` and, at every step,
     logits within the tolerance of the twin's (same model, same dtype); noise floor: the oracle's on the generated
@@ -123,15 +135,9 @@ def check_generate_vs_twin(ctx):
 
 
 # ------------------------------------------------------------------------------------------ generate vs own loop
-def self_consistent(subject, model, case, device="cpu"):
-    """Applicability rule of ``check_generate_self_consistent``: subjects compared with a fresh instance of their own
-    class (lossy without a twin, presses)."""
-    from kvconform.subjects import FRESH, kind_of
-
-    if kind_of(subject).target == FRESH:
-        return None
-    return ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'); exact subjects are "
-            "judged by check_generate_greedy, subjects with a twin by check_generate_vs_twin")
+SELF_CONSISTENT_ONLY = ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'); exact subjects "
+                        "are judged by check_generate_greedy, subjects with a twin by check_generate_vs_twin")
+"""The skip reason of ``check_generate_self_consistent`` (``judges=(LOSSY_FRESH, PRESS)``) on the other kinds."""
 
 
 def replay_greedy(ctx, turns):
@@ -161,7 +167,8 @@ def replay_greedy(ctx, turns):
     return torch.cat(out, dim=1)
 
 
-@register("generate", needs=("generate",), judges=(LOSSY_FRESH, PRESS), applies=self_consistent, ops=IGNORES_OPS,
+@register("generate", needs=("generate",), judges=(LOSSY_FRESH, PRESS), ops=IGNORES_OPS,
+          unjudged=SELF_CONSISTENT_ONLY,
           params={"user": Param(int, default=4, min=1, doc="tokens of the second turn's user message")})
 def check_generate_self_consistent(ctx):
     """Greedy ``generate(cache=subject)`` of a lossy subject without a twin, over two turns (a prompt, then the same

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._measure import tensors_of
@@ -60,7 +62,7 @@ def check_reset_then_reuse(ctx):
     fresh cache; a compileable cache keeps its tensors' data pointers across the reset."""
     if not any(op.name == "reset" for op in ctx.case.ops):
         raise ValueError(f"case {ctx.case.id}: check_reset_then_reuse needs a 'reset' op")
-    info = {}
+    info: dict = {}
     try:
         steps = run_reset_case(ctx, ctx.new_cache(), info)
     except SubjectRaised as exc:
@@ -108,7 +110,9 @@ class Overflow:
     [])``."""
 
     def __init__(self, cap: int, info):
-        self.cap, self.info, self.pending, self.before = cap, info, None, None
+        self.cap, self.info = cap, info
+        self.pending: tuple | None = None
+        self.before: Any = None  # the snapshot taken with pending
 
     def before_forward(self, runner, label, n):
         """Snapshot before the first overflowing forward."""
@@ -162,7 +166,7 @@ def check_capacity(ctx):
     total = sum(op.new_tokens for op in ctx.case.ops)
     if total <= cap:
         raise ValueError(f"case {ctx.case.id}: the ops feed {total} tokens, not more than max_cache_len {cap}")
-    info = {}
+    info: dict = {}
     try:
         steps = run_capacity_case(ctx, None, info)
     except SubjectRaised as exc:

@@ -21,6 +21,7 @@ from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import (describe_raise, fail_raised, fail_verdict, positions_label,
                                          sliding_window_slots)
+from kvconform.outcomes import CheckSkipped
 
 
 def _length_note(steps, upto) -> str | None:
@@ -97,7 +98,6 @@ def run_recorded(ctx, cache):
     speculative-decoding callers do before any crop; the same driver replays the case on the reference and twins."""
     if ctx.case.params.get("record"):
         if not hasattr(cache, "activate_past_recording"):
-            from kvconform.outcomes import CheckSkipped
             raise CheckSkipped(f"{type(cache).__name__} has no activate_past_recording() (the installed "
                                f"transformers has no past recording)")
         try:
@@ -260,10 +260,10 @@ def check_mamba_kernel_paths(ctx):
                 ctx.fail([f"the {label} path raised {describe_raise(exc)}", f"ops: {ctx.case.ops_label()}",
                           f"likely cause: the cache does not give the {label} path the states it expects"])
         verdict = judge(ctx, steps)
-        _, cmp = verdict.first_fail or verdict.worst
+        _, cmp = verdict.first_fail or verdict.worst  # type: ignore[misc]  # judge() of one step or more sets worst
         ctx.metrics[f"max_abs_{label.split()[0]}"] = cmp.max_abs
         if not verdict.passed:
-            step, bad = verdict.first_fail
+            step, bad = verdict.first_fail  # type: ignore[misc]  # set where the verdict did not pass
             ctx.fail([f"{label} path: max|Δlogit| = {bad.max_abs:.1e} at {step.label}, but should be ≤ "
                       f"{bad.tol:.1e} ({ctx.tolerance().describe(bad.floor)})",
                       f"ops: {ctx.case.ops_label()}; kernels: {', '.join(kernels)}",

@@ -55,8 +55,9 @@ lower GPU peak while decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvconform.checks import EXACT, LOSSY_TWIN, OpRule, Param, register
+from kvconform.checks import EXACT, LOSSY_FRESH, LOSSY_TWIN, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._measure import layer_bytes, layers_problem
 # counting bytes lives in _measure (the quality family's compression checks count them too); re-exported here
@@ -82,7 +83,9 @@ class MemoryCheckpoints:
     token-feeding op and after ``crop``, calls ``on_checkpoint(label, tokens_held, after_reset)``."""
 
     def __init__(self, on_checkpoint):
-        self.on_checkpoint, self.after_reset, self.current = on_checkpoint, False, None
+        self.on_checkpoint, self.after_reset = on_checkpoint, False
+        self.current: Any = None
+        """The op being applied (an ``ops.Op``; None before the first)."""
 
     def before_op(self, runner, op, op_index):
         """Refuse an op the memory checks cannot account for."""
@@ -203,8 +206,13 @@ def _shapes_for(ctx) -> dict:
     return _SHAPES[key]
 
 
+LOSSY_BYTES = ("{subject} is lossy: its held bytes are judged by the quality family's compression check "
+               "(check_compression), not by the exact cache's byte formula")
+"""Why the byte-formula checks skip a lossy subject without a twin (they judge exact subjects and twins)."""
+
+
 @register("memory", needs=("forward",), judges=(EXACT, LOSSY_TWIN), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1),
-          params={
+          unjudged={LOSSY_FRESH: LOSSY_BYTES}, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0, doc="bytes per layer allowed above the formula")})
 def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
@@ -219,12 +227,11 @@ def check_memory_bytes(ctx):
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
                   and op.name not in ctx.subject.capabilities]
     if undeclared:  # measured on a view of the context whose case stops there (the context itself is not changed)
-        import copy
         import dataclasses
 
         first = ctx.case.ops[undeclared[0]].name
-        ctx = copy.copy(ctx)  # shares metrics with the caller's context
-        ctx.case = dataclasses.replace(ctx.case, ops=ctx.case.ops[:undeclared[0]])
+        # shares metrics with the caller's context
+        ctx = ctx.replace(case=dataclasses.replace(ctx.case, ops=ctx.case.ops[:undeclared[0]]))
         ctx.metrics["note"] = f"{ctx.subject.name} does not declare {first!r}: measured up to the first {first}"
     shapes = _shapes_for(ctx)
     cache = ctx.new_cache()
@@ -459,7 +466,7 @@ def _cuda_applies(subject, model, case, device="cpu"):
 
 
 @register("memory", needs=("forward",), applies=_cuda_applies, judges=(EXACT, LOSSY_TWIN),
-          ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
+          unjudged={LOSSY_FRESH: LOSSY_BYTES}, ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "cuda_slack_bytes": Param(int, default=1 << 20, min=0, doc="bytes allowed above the counted bytes")})
 def check_memory_cuda_allocated(ctx):
     """On CUDA: the allocator's view agrees with the counted bytes — ``memory_allocated`` after the ops minus before
@@ -601,7 +608,6 @@ def check_offloaded_matches(ctx):
     """An offloaded subject (CUDA) decodes to the logits of the non-offloaded subject it names (``same_as``) and
     allocates less GPU memory at its decode peak, on a deeper copy of the model (``params.layers``, default 6) so
     that offloading has layers to move."""
-    import copy
     import dataclasses
 
     import torch
@@ -614,8 +620,7 @@ def check_offloaded_matches(ctx):
     if not torch.cuda.is_available():  # the session's rule skips this item; a direct call must not pass
         raise RuntimeError("offloading needs CUDA")
     model = _deeper(ctx.model, int(ctx.case.params["layers"]))
-    dctx = copy.copy(ctx)
-    dctx.model = dataclasses.replace(ctx.model, model=model, config=model.config)
+    dctx = ctx.replace(model=dataclasses.replace(ctx.model, model=model, config=model.config))
     prefill = next(op.n for op in ctx.case.ops if op.name == "prefill")
     runs = {}
     for spec in (baseline, ctx.subject):  # one after the other in this process: the same other allocations

@@ -28,6 +28,7 @@ from kvconform.checks._drive import forward, seq_length
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.checks._lossy import CLEAR_ERRORS, LOSSY_OPS, drive, fail_subject_raised
 from kvconform.checks._refusal import changed, snapshot
+from kvconform.ops import tokens_held
 from kvconform.oracle import compare_logits
 
 
@@ -91,7 +92,7 @@ def _fork_ops_text(ctx):
 def check_prefix_fork(ctx):
     """Prefill a shared prefix, deepcopy it, continue each copy with a different suffix (single steps or a chunk):
     every step equals the oracle and the original is untouched (bit for bit, and it still continues correctly)."""
-    info = {}
+    info: dict = {}
     try:
         steps = run_fork_case(ctx, ctx.new_cache(), info)
     except SubjectRaised as exc:
@@ -205,8 +206,7 @@ def _run_prefix_generate(ctx, spec, ops_text):
     mode = ctx.case.params["mode"]
     prefix, suffix, full = _prefix_tokens(ctx)
     cache = _new_cache(ctx, spec)
-    sctx = copy.copy(ctx)
-    sctx.subject = spec
+    sctx = ctx.replace(subject=spec)
     runner = Runner(sctx, cache)
     try:
         runner.feed(prefix.shape[1], "forward(prefix)", tokens=prefix)
@@ -231,7 +231,18 @@ def _generate_or_fail(ctx, ops_text, *args, **kwargs):
                   "from (see the exception)"], {"raised": type(exc).__name__})
 
 
-@register("prefix", needs=("forward", "generate"), judges=(EXACT,), params={
+def _held_with_generate(case) -> int:
+    """The most tokens per row ``case`` makes a cache hold where ``generate`` continues it
+    (``@register(tokens_held=...)``): a case without ops ``prompt + max_new_tokens``; else its ops' most, or what it
+    holds at the end plus the ``suffix`` (``user``) tokens and ``max_new_tokens``."""
+    if not case.ops:
+        return case.prompt + case.max_new_tokens
+    counts = tokens_held(case.ops)
+    extra = case.params.get("suffix") or case.params["user"]
+    return max(max(counts), counts[-1] + int(extra) + case.max_new_tokens)
+
+
+@register("prefix", needs=("forward", "generate"), judges=(EXACT,), tokens_held=_held_with_generate, params={
     **OP_PARAMS,
     "mode": Param(str, default="full_prompt", choices=("full_prompt", "suffix_only"),
                   doc="full_prompt: generate gets the whole prompt and skips the cached tokens; suffix_only: the "
@@ -279,7 +290,7 @@ def _run_turns(ctx, spec, ops_text):
     return turn2.shape[1], seq, logits
 
 
-@register("prefix", needs=("forward", "generate"), judges=(EXACT,),
+@register("prefix", needs=("forward", "generate"), judges=(EXACT,), tokens_held=_held_with_generate,
           params={"user": Param(int, default=3, min=1, doc="new tokens in the second turn")}, ops=IGNORES_OPS)
 def check_multi_turn(ctx):
     """Turn 1: ``generate(prompt, cache=c)``; turn 2: ``generate(turn-1 output + new tokens, cache=c)`` equals a

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvconform.checks import ALL_KINDS, OpRule, Param, register
+from kvconform.checks import ALL_KINDS, EVICTING, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._measure import (cache_layers, held_bytes, held_tensor_items, largest_holdings, layer_bytes,
                                        storage_bytes)
@@ -79,11 +79,8 @@ def compressing(subject, model, case, device="cpu"):
     return "applies to lossy subjects only (CacheSpec kind='lossy')"
 
 
-def evicting(subject, model, case, device="cpu"):
-    """Applicability rule of ``check_memory_bound``: evicting subjects (kind ``evicting``, ``budget.tokens_max``)."""
-    if kind_of(subject).evicts:
-        return None
-    return "applies to evicting subjects only (CacheSpec kind='evicting' with budget.tokens_max)"
+EVICTING_ONLY = "applies to evicting subjects only (CacheSpec kind='evicting' with budget.tokens_max)"
+"""The skip reason of ``check_memory_bound`` (``judges=(EVICTING,)``) on every other kind."""
 
 
 # ------------------------------------------------------------------------------------------ quality budget
@@ -496,7 +493,7 @@ def _stored_vs_exact(ctx, cache, paths) -> tuple | None:
     return best
 
 
-@register("quality", needs=("forward",), judges=ALL_KINDS, applies=evicting, params={
+@register("quality", needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0,
                          doc="bytes per layer allowed above the bound (bookkeeping: positions, counters)"),
 }, ops=LONG_CONTEXT_RULE)

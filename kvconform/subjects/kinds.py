@@ -19,35 +19,27 @@ Five kinds (``Kind.name``; a check names those it judges with ``@register(..., j
   instance fed the equivalent history, held to its quality budget and real compression, plus the press contract
   (``checks/contract/press.py``).
 
-A check that does not name a kind in ``judges`` does not apply to its subjects, with the reason the kind gives
-(``Kind.not_judged``); the default (``DEFAULT_JUDGES``) is every kind but ``evicting``, which is then judged only on
-the cases that never make it hold more than ``tokens_max`` tokens.
+A check that does not name a kind in ``judges`` does not apply to its subjects, with the reason the check gives
+for that kind (``@register(..., unjudged=...)``) or else the kind's own (``Kind.not_judged``); the default
+(``DEFAULT_JUDGES``) is every kind but ``evicting``, which is then judged only on the cases that never make it hold
+more than ``tokens_max`` tokens.
 
-Adding a kind: here, a ``Kind`` subclass (its ``name``, ``target``, ``not_judged`` reason), its name in
-``KIND_NAMES``, its declared name in ``DECLARED_KINDS`` (which gives the ``kvconform_<kind>`` attribute) and its case
-in ``kind_of``; the budget rules of its declaration in ``declare.validate_kind``; ``judges=`` on the checks that
-judge it.
+Each kind is a ``Kind`` subclass that owns its facts as class attributes (``name``, ``target``, ``declares``,
+``precedence``, ``judged_by_default``) and registers itself when it is defined (``__init_subclass__``, as
+transformers' cache layers do): ``KINDS``, ``KIND_NAMES``, ``DECLARED_KINDS``, ``DEFAULT_JUDGES`` and ``kind_of`` are
+derived from the registered classes. Adding a kind: one subclass here (plus, for a declared budget, its rules in
+``declare.validate_kind``) and ``judges=`` on the checks that judge it.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-DECLARED_KINDS = ("exact", "lossy", "evicting", "press")
-"""What a subject may declare as its ``CacheSpec.kind`` (``kind="..."``, or a ``kvconform_<kind> = {budget}``
-attribute on a Cache subclass or factory for every kind but exact); ``kind_of`` maps a declaration (with its twin,
-if any) to a ``Kind``."""
-
 EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING, PRESS = "exact", "lossy_twin", "lossy_fresh", "evicting", "press"
-KIND_NAMES = (EXACT, LOSSY_TWIN, LOSSY_FRESH, EVICTING, PRESS)
-"""The names a check may give in ``@register(..., judges=...)``."""
+"""The kinds' names (``Kind.name``), for ``@register(..., judges=...)``."""
 
-ALL_KINDS = frozenset(KIND_NAMES)
-"""``judges=ALL_KINDS``: the check judges every kind as such, at any length (quality, speed, the evicting contract)."""
-
-DEFAULT_JUDGES = frozenset({EXACT, LOSSY_TWIN, LOSSY_FRESH, PRESS})
-"""What a check judges unless it declares ``judges``: every kind but ``evicting`` (an evicting subject then gets the
-check's cases that never make it hold more than ``tokens_max`` tokens, where it must be exact)."""
+KINDS: dict[str, type[Kind]] = {}
+"""Every registered kind by name, in the order the classes were defined (``Kind.__init_subclass__``)."""
 
 ORACLE, TWIN, FRESH = "oracle", "twin", "fresh"
 """``Kind.target``: what a check compares the subject's steps with — the float64 oracle, its fake-quant twin run on
@@ -55,16 +47,35 @@ the same ops, or a fresh instance of its own class fed the equivalent history.""
 
 
 class Kind:
-    """A subject's kind (see the module docstring). Built by ``kind_of``; ``subject`` is the ``CacheSpec``.
+    """A subject's kind (see the module docstring). Built by ``kind_of``; ``subject`` is the ``CacheSpec``. A
+    subclass that sets ``name`` registers itself in ``KINDS``.
 
     Attributes:
         name: one of ``KIND_NAMES`` (what ``judges=`` names).
         target: ``ORACLE``, ``TWIN`` or ``FRESH``.
+        declares: the ``CacheSpec.kind`` a subject declares to be of this kind (``kind="..."``, or a
+            ``kvconform_<declares>`` attribute); None: the kind is not declared by name (``lossy_twin``: a twin).
+        precedence: ``kind_of`` asks the kinds in this order (lowest first) which one ``claims`` the subject.
+        judged_by_default: whether a check that declares no ``judges`` judges this kind (``DEFAULT_JUDGES``).
         subject: the ``CacheSpec`` (or any object with its fields).
     """
 
     name = EXACT
     target = ORACLE
+    declares: str | None = None
+    precedence = 0
+    judged_by_default = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            KINDS[cls.name] = cls
+
+    @classmethod
+    def claims(cls, subject) -> bool:
+        """Whether ``subject`` is of this kind, asked in ``precedence`` order: by default, it declares
+        ``declares``."""
+        return cls.declares is not None and getattr(subject, "kind", "exact") == cls.declares
 
     def __init__(self, subject):
         self.subject = subject
@@ -172,8 +183,15 @@ class Kind:
     def not_judged(self, check, case, held: Callable[[], int]) -> str | None:
         """Why an item of ``check`` (a ``CheckInfo``) on ``case`` does not apply to this kind, or None. Consulted
         only for checks whose ``judges`` do not name this kind. ``held()``: the most tokens per row the case makes
-        a cache hold (``plan.most_tokens_held``), asked only where the kind needs it."""
-        return None
+        a cache hold (``plan.most_tokens_held``), asked only where the kind needs it. By default the reason the
+        check gives for this kind (``CheckInfo.unjudged_reason``)."""
+        return self.check_reason(check)
+
+    def check_reason(self, check, kind: str | None = None) -> str | None:
+        """The reason ``check`` gives for not judging this kind (``@register(..., unjudged=...)``; ``kind``: look it
+        up under another kind's name), the subject's name filled in, or None."""
+        reason = getattr(check, "unjudged_reason", None)
+        return reason(kind or self.name, self.subject.name) if reason is not None else None
 
 
 def _generate_tokens_reason(subject_name: str, twin: bool) -> str:
@@ -183,7 +201,15 @@ def _generate_tokens_reason(subject_name: str, twin: bool) -> str:
 
 
 class Exact(Kind):
-    """Exact: compared with the float64 oracle; every check applies."""
+    """Exact: compared with the float64 oracle; every check applies. The kind of a subject no other kind claims."""
+
+    name = EXACT
+    declares = "exact"
+    precedence = 3
+
+    @classmethod
+    def claims(cls, subject) -> bool:
+        return True
 
 
 class LossyWithTwin(Kind):
@@ -192,20 +218,15 @@ class LossyWithTwin(Kind):
 
     name = LOSSY_TWIN
     target = TWIN
+    precedence = 1
+
+    @classmethod
+    def claims(cls, subject) -> bool:
+        """A subject with a fake-quant twin (``CacheSpec.twin``) that declares neither evicting nor press."""
+        return getattr(subject, "twin", None) is not None
 
     def not_judged(self, check, case, held) -> str | None:
-        name = self.subject.name
-        if check.family == "generate":
-            return (f"{name} is lossy: its greedy generate() is compared with its fake-quant twin "
-                    f"(check_generate_vs_twin), not token for token with the exact model")
-        return _generate_tokens_reason(name, twin=True)
-
-
-LOSSY_NOT_EXACT = {
-    "memory": "its held bytes are judged by the quality family's compression check (check_compression), not by the "
-              "exact cache's byte formula",
-}
-"""Why a check of these families that does not judge ``lossy_fresh`` skips it: what judges that property instead."""
+        return self.check_reason(check) or _generate_tokens_reason(self.subject.name, twin=True)
 
 
 class SelfConsistent(Kind):
@@ -214,21 +235,11 @@ class SelfConsistent(Kind):
 
     name = LOSSY_FRESH
     target = FRESH
+    declares = "lossy"
+    precedence = 2
 
     def not_judged(self, check, case, held) -> str | None:
-        name = self.subject.name
-        if check.family == "generate":
-            return (f"{name} is lossy: its greedy generate() is not compared token for token with the exact "
-                    f"model (a near-tie would flip a greedy token) but with kvconform's own greedy loop on a fresh "
-                    f"instance fed the same tokens (check_generate_self_consistent); its cache operations are "
-                    f"judged by self-consistency (logits, crop, prefix, batch, lifecycle, fuzz) and its outputs by "
-                    f"the quality family (check_quality_budget against the float64 oracle)")
-        if check.name == "check_beam_search":
-            return (f"{name} is lossy: its beam search is not compared with the exact model's but with a fresh "
-                    f"instance fed each beam's tokens (check_beam_search_self_consistent)")
-        if check.family in LOSSY_NOT_EXACT:
-            return f"{name} is lossy: {LOSSY_NOT_EXACT[check.family]}"
-        return _generate_tokens_reason(name, twin=False)
+        return self.check_reason(check, LOSSY_FRESH) or _generate_tokens_reason(self.subject.name, twin=False)
 
 
 class Evicting(Kind):
@@ -236,12 +247,17 @@ class Evicting(Kind):
     tokens; a check that does not judge evicting subjects keeps only the cases that never make it hold more."""
 
     name = EVICTING
+    declares = "evicting"
+    judged_by_default = False
 
     @property
     def target(self) -> str:  # type: ignore[override]
         return TWIN if self.has_twin else ORACLE
 
     def not_judged(self, check, case, held) -> str | None:
+        own = self.check_reason(check)  # a check that judges no evicting subject says why first
+        if own:
+            return own
         limit = self.exact_limit
         if getattr(self.subject, "budget", None) is not None and limit is not None:
             most = held()
@@ -264,27 +280,38 @@ class Press(SelfConsistent):
     ``checks/contract/press.py``."""
 
     name = PRESS
+    declares = "press"
+    precedence = 0
 
     def not_judged(self, check, case, held) -> str | None:
         reason = super().not_judged(check, case, held)
         return None if reason is None else reason.replace("is lossy", "is a press (it compresses the prefill)")
 
 
+KIND_NAMES = tuple(KINDS)
+"""The names a check may give in ``@register(..., judges=...)``, in the order the kinds are defined."""
+
+ALL_KINDS = frozenset(KIND_NAMES)
+"""``judges=ALL_KINDS``: the check judges every kind as such, at any length (quality, speed)."""
+
+DEFAULT_JUDGES = frozenset(name for name, cls in KINDS.items() if cls.judged_by_default)
+"""What a check judges unless it declares ``judges``: every kind but ``evicting`` (an evicting subject then gets the
+check's cases that never make it hold more than ``tokens_max`` tokens, where it must be exact)."""
+
+DECLARED_KINDS = tuple(cls.declares for cls in KINDS.values() if cls.declares is not None)
+"""What a subject may declare as its ``CacheSpec.kind`` (``kind="..."``, or a ``kvconform_<kind> = {budget}``
+attribute on a Cache subclass or factory for every kind but exact), the registered kinds' ``declares``;
+``kind_of`` maps a declaration (with its twin, if any) to a ``Kind``."""
+
+_BY_PRECEDENCE = sorted(KINDS.values(), key=lambda cls: cls.precedence)
+
+
 def kind_of(subject) -> Kind:
     """The ``Kind`` of ``subject`` (a ``CacheSpec``, or any object with its ``kind`` / ``twin`` / ``budget``
-    fields; missing ones mean exact, no twin, no budget): ``Evicting`` when it declares ``kind="evicting"``,
-    ``Press`` when it declares ``kind="press"``,
+    fields; missing ones mean exact, no twin, no budget): the first registered kind, in ``precedence`` order, that
+    ``claims`` it — ``Evicting`` when it declares ``kind="evicting"``, ``Press`` when it declares ``kind="press"``,
     ``LossyWithTwin`` when it has a twin, ``SelfConsistent`` when it declares ``kind="lossy"``, else ``Exact``."""
-    declared = getattr(subject, "kind", "exact")
-    if declared == "evicting":
-        return Evicting(subject)
-    if declared == "press":
-        return Press(subject)
-    if getattr(subject, "twin", None) is not None:
-        return LossyWithTwin(subject)
-    if declared == "lossy":
-        return SelfConsistent(subject)
-    return Exact(subject)
+    return next(cls for cls in _BY_PRECEDENCE if cls.claims(subject))(subject)
 
 
 def check_judges(judges) -> frozenset:

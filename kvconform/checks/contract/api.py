@@ -20,6 +20,7 @@ is true.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, OpRule, register
@@ -194,13 +195,13 @@ class UpdateSpy:
 
     def __init__(self, cache):
         self.target = getattr(cache, "self_attention_cache", cache)
-        self.calls = []
+        self.calls: list[tuple] = []
         original = self.target.update
 
         def update(*args, **kwargs):
             keys, values = original(*args, **kwargs)
             layer_idx = kwargs.get("layer_idx", args[2] if len(args) > 2 else None)
-            key_states = kwargs.get("key_states", args[0] if args else None)
+            key_states: Any = kwargs.get("key_states", args[0] if args else None)
             self.calls.append((layer_idx, int(key_states.shape[-2]), int(keys.shape[-2])))
             return keys, values
 
@@ -466,7 +467,9 @@ def check_encoder_decoder_subcaches(ctx):
     if not ctx.model.is_encoder_decoder:
         raise ValueError(f"case {ctx.case.id}: check_encoder_decoder_subcaches needs requires = ['encoder_decoder']")
     cache = ctx.new_cache()
-    first_cross, problems, fed = [], [], [0]
+    first_cross: list = []
+    problems: list[str] = []
+    fed = [0]
 
     def cross_state():
         return [(read_attr(layer, "keys").clone(), read_attr(layer, "values").clone())
@@ -499,13 +502,14 @@ def check_encoder_decoder_subcaches(ctx):
                                       or "the subject cannot serve as one half of an EncoderDecoderCache")],
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})
     tol = ctx.tolerance()
+    cmps: list[Any]  # (step, Comparison) pairs
     if ctx.kind.target == FRESH:  # a lossy subject: against a fresh instance fed the same history
         verdict = judge(ctx, steps)
         cmps = [verdict.first_fail or verdict.worst]
         record_verdict(ctx, verdict, len(steps))
     else:
-        exact = oracle_slices(ctx, steps)
-        cmps = [(step, compare_logits(step.logits, *exact[step.index], tol)) for step in steps]
+        exact: dict[int, tuple] = oracle_slices(ctx, steps)  # step index → (oracle, uncached)
+        cmps = [(step, compare_logits(step.logits, exact[step.index][0], exact[step.index][1], tol)) for step in steps]
     worst = max(cmps, key=lambda sc: sc[1].max_abs)[1]
     ctx.metrics.update(max_abs=worst.max_abs, tolerance=worst.tol, noise_floor=worst.floor, steps=len(steps),
                        cross_layers_compared=len(first_cross))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import ALL_KINDS, IGNORES_OPS, CheckSkipped, Param, register
+from kvconform.checks import EVICTING, IGNORES_OPS, CheckSkipped, Param, register
 from kvconform.checks._diagnosis import describe_exception, fail_raised
 from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_ids_for, image_prompt,
                                      random_tokens, seq_length)
@@ -45,12 +45,8 @@ from kvconform.oracle import compare_logits
 # steps and a chunk longer than ``T``; ``params.over`` (default 5) sets how far past ``T`` the prefill goes.
 
 
-def evicting_only(subject, model, case, device="cpu"):
-    """Applicability rule: evicting subjects only (``kind="evicting"`` with a ``tokens_max`` budget)."""
-    kind = kind_of(subject)
-    if not kind.evicts or kind.exact_limit is None:
-        return "applies to evicting subjects only (kind='evicting' with a tokens_max or keep_ratio budget)"
-    return None
+EVICTING_ONLY = "applies to evicting subjects only (kind='evicting' with a tokens_max or keep_ratio budget)"
+"""The skip reason of the evicting contract's checks (``judges=(EVICTING,)``) on every other kind."""
 
 
 def held_tokens(cache) -> dict:
@@ -144,7 +140,7 @@ def _max_abs(a, b) -> float:
 
 
 # ------------------------------------------------------------------------------------------ bounds and length
-@register("contract", needs=("forward",), judges=ALL_KINDS, applies=evicting_only, params=_PARAMS, ops=IGNORES_OPS)
+@register("contract", needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, params=_PARAMS, ops=IGNORES_OPS)
 def check_evicting_bounds(ctx):
     """Past ``tokens_max``: the forward that brings the cache past it is exact, ``get_seq_length()`` counts the
     tokens seen, and each attention layer holds at most ``tokens_max`` tokens per row after every forward."""
@@ -153,7 +149,8 @@ def check_evicting_bounds(ctx):
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
     kind = kind_of(ctx.subject)
-    exact_upto = kind.exact_limit if kind.keep_ratio is not None else 0  # a share: exact while ≤ tokens_exact seen
+    # a share: exact while ≤ tokens_exact seen
+    exact_upto = (kind.exact_limit or 0) if kind.keep_ratio is not None else 0
     program = [("prefill", T + over), ("decode", 3), ("chunk", T + 3), ("decode", 2)]
     if exact_upto:  # below tokens_exact first, one token at a time, then the forward that crosses it
         first = max(exact_upto - 2, 1)
@@ -251,7 +248,7 @@ def _judge_bounds(ctx, run, label, ops_text, T):
 
 
 # ------------------------------------------------------------------------------------------ crop
-@register("contract", needs=("forward", "crop"), judges=ALL_KINDS, applies=evicting_only, params={
+@register("contract", needs=("forward", "crop"), judges=(EVICTING,), unjudged=EVICTING_ONLY, params={
     **_PARAMS, "crop": Param(int, default=2, min=1, doc="tokens the crop removes after the eviction")},
     ops=IGNORES_OPS)
 def check_evicting_crop(ctx):
@@ -326,7 +323,7 @@ EVICTING_OPS = ("reorder", "select", "repeat", "reset", "fork")
 _NEEDS = OP_CAPABILITY
 
 
-@register("contract", needs=("forward",), judges=ALL_KINDS, applies=evicting_only, params={
+@register("contract", needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, params={
     **_PARAMS, "op": Param(str, required=True, choices=EVICTING_OPS, doc="the op applied after the eviction")},
     ops=IGNORES_OPS)
 def check_evicting_ops(ctx):

@@ -4,13 +4,13 @@ tokens seen, held keys a subset of the prefill's (``check_press_contract``).
 
 from __future__ import annotations
 
-from kvconform.checks import ALL_KINDS, IGNORES_OPS, Param, register
+from kvconform.checks import IGNORES_OPS, Param, register
 from kvconform.checks._diagnosis import describe_exception
 from kvconform.checks._drive import case_generator, encoder_ids_for, forward, seq_length
 from kvconform.checks._measure import layer_items, read_attr, self_half
 from kvconform.checks.contract.evicting import _tokens
 from kvconform.oracle import compare_logits
-from kvconform.subjects import kind_of
+from kvconform.subjects import PRESS
 
 
 # ======================================================================================================================
@@ -37,11 +37,8 @@ CLEAR_WORDS = ("prompt", "short", "token", "compress", "press", "length", "at le
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
 
 
-def press_only(subject, model, case, device="cpu"):
-    """Applicability rule: press subjects only (``kind="press"``)."""
-    if not kind_of(subject).presses:
-        return "applies to press subjects only (kind='press': a cache that compresses the prefill)"
-    return None
+PRESS_ONLY = "applies to press subjects only (kind='press': a cache that compresses the prefill)"
+"""The skip reason of ``check_press_contract`` (``judges=(PRESS,)``) on every other kind."""
 
 
 def _layer_keys(cache) -> dict:
@@ -69,7 +66,7 @@ def _not_a_subset(held, fed) -> tuple | None:
     return None
 
 
-@register("contract", needs=("forward",), judges=ALL_KINDS, applies=press_only, params={
+@register("contract", needs=("forward",), judges=(PRESS,), unjudged=PRESS_ONLY, params={
     "prompts": Param(list, default=[1, 2, 3, 12], items=int, min=1,
                      doc="prompt lengths prefilled (short ones included)"),
     "decode": Param(int, default=3, min=1, doc="decode steps after each prefill"),
