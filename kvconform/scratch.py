@@ -375,7 +375,12 @@ def scratch_cache_class():
             self.state = adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
 
         def feed(self, net, ids, mask):
-            logits, state = self.adapter.forward(net, ids, self.state, self.held, mask)
+            out = self.adapter.forward(net, ids, self.state, self.held, mask)
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                what = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+                raise AdapterError(f"{type(self.adapter).__name__}.forward returned {what}, but should return "
+                                   f"(logits [B, T, V], cache)")
+            logits, state = out
             if state is None:
                 raise AdapterError(f"{type(self.adapter).__name__}.forward returned None as its cache; it returns "
                                    f"(logits, cache)")

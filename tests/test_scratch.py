@@ -144,6 +144,13 @@ class WrongDtype(TinyDecoder):
         return logits.double(), cache
 
 
+class LogitsOnly(TinyDecoder):
+    name = "logits_only"
+
+    def forward(self, model, ids, cache, start, mask=None):
+        return super().forward(model, ids, cache, start, mask)[0]
+
+
 class MutatesIds(TinyDecoder):
     name = "mutates_ids"
 
@@ -178,6 +185,7 @@ def test_an_uncached_forward_failing_at_float64_says_so(bad_file):
     ("WrongShape", ["forward returned logits of shape [2, 1, 128], but should return [2, 12, 128]"]),
     ("WrongDtype", ["forward returned torch.float64 logits of shape [2, 12, 128] from a torch.float32 model"]),
     ("MutatesIds", ["MutatesIds.forward changed the input ids in place"]),
+    ("LogitsOnly", ["LogitsOnly.forward returned Tensor, but should return (logits [B, T, V], cache)"]),
 ])
 def test_a_bad_forward_fails_its_item_naming_what_is_wrong(bad_file, attr, words):
     proc = _kvconform(bad_file, "--kvconform-model", f"bad_adapters.py:{attr}", "-k",
