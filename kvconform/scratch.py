@@ -128,6 +128,12 @@ def load_adapter(spec: str):
     return obj
 
 
+def is_adapter(obj) -> bool:
+    """Whether a Python object (not a spec string) is a model adapter: it (or, for a class, its instances) has every
+    ``REQUIRED`` method — what tells it from a cache class or factory in ``pytest_kvconform_caches``'s list."""
+    return not isinstance(obj, str) and all(callable(getattr(obj, name, None)) for name in REQUIRED)
+
+
 def register_adapter(obj) -> str:
     """The model spec of an adapter given as a Python object (``check_cache(models=[TinyDecoder()])``,
     ``parametrize_with_checks``): ``module:Class`` of its class, bound to this very object for the process (a class

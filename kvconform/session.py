@@ -429,7 +429,7 @@ def _import_backends_quietly(subjects) -> None:
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
                   builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=(),
-                  trust_remote_code=False, runs_items=True) -> KVSession:
+                  trust_remote_code=False, runs_items=True, extra_models=()) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -444,6 +444,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             still runs for the oracle line of each failure.
         trust_remote_code: run the code of checkpoint folders that ship their own (``remote.py``); their own cache
             classes become subjects. Without it such a folder is refused.
+        extra_models: models added to ``models`` (or to the default ones): model adapters the
+            ``pytest_kvconform_caches`` hook returned (``kvconform.scratch``).
         runs_items: False for a session that only plans and reports (a pytest-xdist controller, whose workers run
             the items): the subjects' optional backends (quanto: ~1.1 s) are not imported.
 
@@ -487,7 +489,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     # the vision-language models are heavier (a vision tower per prefill): the full tier, or named explicitly
     # the full tier also runs the worked from-scratch examples (kvconform.scratch.EXAMPLES); named, they run alone
     default = (*zoo.ALL_NAMES, *scratch.EXAMPLES) if full else zoo.ZOO_NAMES
-    infos, surveyed = _model_infos(models or default, trust_remote_code)
+    extra = [scratch.register_adapter(m) for m in extra_models]
+    infos, surveyed = _model_infos([*(models or default), *extra], trust_remote_code)
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise UsageError(f"--kvconform-model: duplicate model names {names}")

@@ -255,3 +255,19 @@ def test_the_full_tier_runs_the_worked_examples_and_the_default_tier_does_not():
     assert not any(m == "tiny_decoder" and s != "TinyDictCache" for s, m in pairs)  # and no other cache on it
     default = build_session(checks=["check_chunked_continuation"], runs_items=False)
     assert not {"tiny_decoder", "tiny_sliding_decoder"} & {m.name for m in default.models}
+
+
+def test_the_conftest_hook_adds_an_adapter_as_a_model(tmp_path):
+    (tmp_path / "conftest.py").write_text(textwrap.dedent('''
+        from kvconform.examples.tiny_decoder import TinyDecoder
+
+
+        def pytest_kvconform_caches(config):
+            return [TinyDecoder()]
+    '''))
+    proc = _kvconform(tmp_path, "--kvconform-model", "llama", "-n", "0", "--kvconform-json", "r.json", "-k",
+                      "chunked_continuation and chunk2 and (TinyDictCache or ReferenceCache)")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    records = json.loads((tmp_path / "r.json").read_text())["results"]
+    ran = {(r["subject"], r["model"], r["outcome"]) for r in records}
+    assert ran == {("TinyDictCache", "tiny_decoder", "passed"), ("ReferenceCache", "llama", "passed")}, ran
