@@ -255,7 +255,7 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     scoped = unsupported(subject, model)
     if scoped:
         return scoped
-    if scratch.is_scratch_spec(model.spec) and (reason := scratch.not_applicable(check, case)):
+    if scratch.is_scratch_spec(model.spec) and (reason := scratch.not_applicable(check, case, model.spec)):
         return reason
     missing = sorted(check.needs - subject.capabilities)
     if missing:

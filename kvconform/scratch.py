@@ -22,6 +22,7 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
 * ``fork(cache)`` → an independent copy (default ``copy.deepcopy``) — prefix forks.
 * ``seq_length(cache)`` → the tokens it says it holds (default: kvconform's own count).
 * ``reset(cache)`` → the cache emptied for a new sequence, its batch size free (default: ``new_cache`` again).
+* ``takes_mask = False``: its forward takes no padding mask (the left-padded cases skip).
 * ``capacity(cache)`` → the most tokens per row it keeps (a ring buffer of its window), or -1 (default).
 * ``kv_layout``: ``{"layers", "kv_heads", "head_dim"}`` — the keys and values it must hold per token, for the
   memory family's byte formula (without it the memory items skip, saying so).
@@ -569,11 +570,14 @@ FULL_TIER = ("check_speed_prefill", "check_speed_flat_decode")
 stays."""
 
 
-def not_applicable(check, case) -> str | None:
-    """Why ``check`` (a registered check) on ``case`` cannot apply to a from-scratch model, or None."""
+def not_applicable(check, case, spec: str | None = None) -> str | None:
+    """Why ``check`` (a registered check) on ``case`` cannot apply to a from-scratch model (the adapter ``spec``
+    names), or None."""
     reason = NOT_APPLICABLE.get(check.name) or NOT_APPLICABLE.get(check.family)
     if reason:
         return f"not for a model outside transformers: {reason}"
+    if case.params.get("padding") and spec is not None and getattr(load_adapter(spec), "takes_mask", True) is False:
+        return "the model adapter declares takes_mask = False: its forward takes no padding mask"
     if case.position_ids == "explicit":
         return ("not for a model outside transformers: its positions come from the start offset the adapter is "
                 "given, not from position_ids")
