@@ -54,7 +54,9 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
     Args:
         cache: a ``CacheSpec``, a ``transformers.Cache`` subclass, a factory, or a ``"module:attr"`` string (or a
             list of these).
-        models: zoo names / checkpoint folders (default: the whole zoo).
+        models: zoo names / checkpoint folders (default: the whole zoo), or model adapters of models written from
+            scratch (``"module:Attr"`` strings or the adapter objects themselves; ``kvconform.scratch``): their own
+            caches are the subjects then, so ``cache`` may be ``[]``.
         checks: check names to run (default: all), e.g. ``["check_prefill_then_decode"]``.
         cases: case ids to run (default: all).
         strict: known upstream faults count as failures.

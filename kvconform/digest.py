@@ -157,7 +157,8 @@ def reproduce_line(source: str, subject: str, model_spec: str, selection: str, o
     Args:
         source: the subject's ``CacheSpec.source``. A subject given as a ``module:attr`` / ``file.py:attr`` spec is
             named with ``--kvconform-cache``; a repository's own cache (``remote code ...``) is found again in its
-            code (the line adds ``--kvconform-trust-remote-code``); one declared in Python (conftest hook,
+            code (the line adds ``--kvconform-trust-remote-code``); a model adapter's cache (``model adapter SPEC``,
+            ``kvconform.scratch``) is found again by its ``--kvconform-model``; one declared in Python (conftest hook,
             ``parametrize_with_checks``, ``check_cache``) is said to need that code.
         subject: the subject's name.
         model_spec: the ``--kvconform-model`` value.
@@ -169,9 +170,11 @@ def reproduce_line(source: str, subject: str, model_spec: str, selection: str, o
 
     args = ["pytest", "--kvconform"]
     remote = source.startswith("remote code ")
-    if ":" in source and not remote:
+    adapter = source.startswith("model adapter ")  # a from-scratch model's cache: --kvconform-model finds it again
+    if ":" in source and not remote and not adapter:
         args += ["--kvconform-cache", shlex.quote(source)]
     trust = ["--kvconform-trust-remote-code"] if remote and "--kvconform-trust-remote-code" not in options else []
     args += ["--kvconform-model", shlex.quote(model_spec), *options, *trust, "-k", f'"{selection}"']
-    where = "" if source == "builtin" or ":" in source or remote else f"   (where your code declares {subject})"
+    where = "" if source == "builtin" or ":" in source or remote or adapter else \
+        f"   (where your code declares {subject})"
     return "reproduce: " + " ".join(args) + where

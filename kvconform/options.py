@@ -77,7 +77,8 @@ SUBJECT = Option("--kvconform-subject", action="append", metavar="NAME",
                       "gives every failure its oracle line; repeatable",
                  ini="linelist", ini_help="subjects to run (same as --kvconform-subject)", ini_default=[])
 MODEL = Option("--kvconform-model", action="append", metavar="SPEC",
-               help="limit the run to these models: a zoo name or a local checkpoint folder; repeatable",
+               help="limit the run to these models: a zoo name, a local checkpoint folder or the adapter of a model "
+                    "written from scratch (MODULE:ATTR or FILE.py:ATTR); repeatable",
                ini="linelist", ini_help="models to run (same as --kvconform-model)", ini_default=[], paths="model")
 CASES = Option("--kvconform-cases", action="append", metavar="PATH",
                help="extra case files or folders of *.toml (added to the built-in cases); repeatable",

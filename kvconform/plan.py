@@ -39,10 +39,12 @@ def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
     bare zoo name that is also a folder here, a folder that is not a checkpoint (no config.json, no weights), a bare
     word that is neither, a folder that ships its own code without ``trust_remote_code``. What needs its config
     (the kind of model) is checked by ``model_info``."""
-    from kvconform import remote
+    from kvconform import remote, scratch
 
     import os
 
+    if scratch.is_scratch_spec(spec):  # a model written from scratch, through its adapter (kvconform.scratch)
+        return scratch.spec_problem(spec)
     if not zoo.is_checkpoint_spec(spec):
         if os.path.isfile(os.path.join(spec, "config.json")):
             return (f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; write ./{spec} for "
@@ -76,7 +78,7 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     only need the features or the scope of items (``zoo_features``, the known-fault universe), which would otherwise
     import the modeling code of every zoo family in every run.
     """
-    from kvconform import remote
+    from kvconform import remote, scratch
 
     import os
 
@@ -87,6 +89,9 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     problem = None if zoo_only else spec_problem(spec, trust_remote_code)
     if problem:
         raise UsageError(problem)
+    if not zoo_only and scratch.is_scratch_spec(spec):
+        adapter = scratch.load_adapter(spec)
+        return ModelInfo(scratch.model_name(adapter), spec, scratch.layer_types(adapter), False, False)
     if zoo_only or not zoo.is_checkpoint_spec(spec):
         config, name = zoo.zoo_config(spec), spec
     else:
@@ -164,6 +169,7 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
     (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
     model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
     ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
+    from kvconform import scratch
     from kvconform.cases import model_requirements_unmet
 
     if (case.tier == "full" or subject.tier == "full") and not full:
@@ -173,6 +179,11 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
         return False
     if model_requirements_unmet(case, model.features):
         return False
+    adapter = model.spec if scratch.is_scratch_spec(model.spec) else None
+    if (getattr(subject, "adapter_spec", None) or None) != adapter:
+        return False  # a from-scratch model runs its own caches only, and they run on it only
+    if adapter and not full and case.check in scratch.FULL_TIER:
+        return False  # its default tier keeps within its time budget (scratch.FULL_TIER)
     return subject.applies_to is None or subject.applies_to(model) is None
 
 
@@ -237,12 +248,15 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     more than its ``tokens_max`` tokens, ``most_tokens_held``); ``CacheSpec.requires`` and ``CacheSpec.needs_cuda``
     (optional backends and hardware); explicit ``position_ids`` on a model whose forward takes none.
     """
+    from kvconform import scratch
     from kvconform.compat import missing_requirement
     from kvconform.subjects import kind_of, unsupported
 
     scoped = unsupported(subject, model)
     if scoped:
         return scoped
+    if scratch.is_scratch_spec(model.spec) and (reason := scratch.not_applicable(check, case, model.spec)):
+        return reason
     missing = sorted(check.needs - subject.capabilities)
     if missing:
         note = getattr(subject, "notes", {}).get(missing[0])

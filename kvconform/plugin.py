@@ -159,10 +159,14 @@ def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) ->
     """
     from kvconform.session import build_session
 
+    from kvconform.scratch import is_adapter
+
     hooked = hooked_specs(config)
+    adapters = [h for h in hooked if is_adapter(h)]  # a model written from scratch (kvconform.scratch)
+    hooked = [h for h in hooked if not is_adapter(h)]
     try:
         session = build_session(
-            caches=[*opt(config, CACHE), *hooked], models=opt(config, MODEL),
+            caches=[*opt(config, CACHE), *hooked], models=opt(config, MODEL), extra_models=adapters,
             case_paths=opt(config, CASES),
             strict=bool(opt(config, STRICT)), device=opt(config, DEVICE) or "cpu",
             full=bool(opt(config, FULL)), known_faults=opt(config, FAULTS),

@@ -10,7 +10,7 @@ import functools
 import platform
 from dataclasses import dataclass, field
 
-from kvconform import zoo
+from kvconform import scratch, zoo
 from kvconform.plan import (ModelInfo, PlanItem, in_scope, model_info, most_tokens_held,  # noqa: F401 - re-exported
                             same_kind, skip_reason, stands_in_for, zoo_features)
 from kvconform.plan import architecture_names as _architecture_names
@@ -77,6 +77,8 @@ class KVSession:
         import torch
 
         key = (model.spec, dtype_name)
+        if key not in self._built and scratch.is_scratch_spec(model.spec):
+            self._built[key] = scratch.build_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device)
         if key not in self._built:
             self._built[key] = zoo.load_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device,
                                               trust_remote_code=model.trust_remote_code)
@@ -99,7 +101,8 @@ class KVSession:
         breadcrumb("building the model, the oracle and the cache (before the case's first op)", item=item.id)
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
-        ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=self.reference,
+        reference = None if scratch.is_scratch_spec(item.model.spec) else self.reference  # no ReferenceCache there
+        ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=reference,
                            known_fault=self.known_fault(item), full=self.full, benchmark=benchmark,
                            reproduce_args=tuple(self.reproduce_args), fuzz_seed=self.fuzz_seed)
         try:
@@ -115,6 +118,8 @@ class KVSession:
         matches *every* zoo model of the checkpoint's kind (same features): then it is a fault of that kind of model
         or cache, not of one family's modeling code (a fault of Jamba's chunked continuation says nothing about
         another hybrid architecture)."""
+        if scratch.is_scratch_spec(item.model.spec):
+            return None  # a model outside transformers has no transformers faults (kvconform.scratch)
         if own_failures and (item.subject.expected_failures.get(f"{item.check.name}:{item.case.id}") or
                              item.subject.expected_failures.get(item.check.name)):
             return None
@@ -162,6 +167,8 @@ class KVSession:
             why = fault.outside(exc.metrics) or f"the message does not show {fault.evidence!r}"
             raise ConformanceError(f"{exc}\n  not known upstream fault {fault.id!r}: this failure lies outside what "
                                    f"that fault does ({why}), so it is the subject's own", exc.metrics) from None
+        if scratch.is_scratch_spec(item.model.spec):
+            return  # its cache inherits no transformers method that a known fault lives in
         try:
             cache = ctx.new_cache()
         except Exception:  # noqa: BLE001 - a subject that cannot be built inherits nothing we can show
@@ -422,7 +429,7 @@ def _import_backends_quietly(subjects) -> None:
 
 def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
                   builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=(),
-                  trust_remote_code=False, runs_items=True) -> KVSession:
+                  trust_remote_code=False, runs_items=True, extra_models=()) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
@@ -437,6 +444,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             still runs for the oracle line of each failure.
         trust_remote_code: run the code of checkpoint folders that ship their own (``remote.py``); their own cache
             classes become subjects. Without it such a folder is refused.
+        extra_models: models added to ``models`` (or to the default ones): model adapters the
+            ``pytest_kvconform_caches`` hook returned (``kvconform.scratch``).
         runs_items: False for a session that only plans and reports (a pytest-xdist controller, whose workers run
             the items): the subjects' optional backends (quanto: ~1.1 s) are not imported.
 
@@ -451,6 +460,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
 
     from kvconform.plan import spec_problem
 
+    # a model adapter given as a Python object (check_cache, parametrize_with_checks): its module:Class spec
+    models = [scratch.register_adapter(m) if not isinstance(m, str) else m for m in models or ()]
     # a mistyped model spec is a usage error before torch and transformers are imported (~5 s)
     for spec in models or ():
         if isinstance(spec, str) and (problem := spec_problem(spec, trust_remote_code)):
@@ -476,7 +487,10 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
             raise UsageError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
         subjects.append(subject)
     # the vision-language models are heavier (a vision tower per prefill): the full tier, or named explicitly
-    infos, surveyed = _model_infos(models or (zoo.ALL_NAMES if full else zoo.ZOO_NAMES), trust_remote_code)
+    # the full tier also runs the worked from-scratch examples (kvconform.scratch.EXAMPLES); named, they run alone
+    default = (*zoo.ALL_NAMES, *scratch.EXAMPLES) if full else zoo.ZOO_NAMES
+    extra = [scratch.register_adapter(m) for m in extra_models]
+    infos, surveyed = _model_infos([*(models or default), *extra], trust_remote_code)
     names = [i.name for i in infos]
     if len(set(names)) != len(names):
         raise UsageError(f"--kvconform-model: duplicate model names {names}")
@@ -495,6 +509,9 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
     session.architectures = surveyed
     for info in infos:
+        if scratch.is_scratch_spec(info.spec):  # a model written from scratch: its adapter's caches are subjects
+            _add_adapter_subjects(session, info, set(registry), {c.id for c in cases})
+            continue
         # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
         if zoo.is_checkpoint_spec(info.spec):
             _refuse_unusable_checkpoint(session, info)
@@ -548,6 +565,28 @@ def _add_repository_subjects(session, info, known_checks, known_cases) -> None:
             raise UsageError(f"{where}: another subject is already named {subject.name!r}")
         session.subjects.append(subject)
     session.notes.extend(lines)
+
+
+def _add_adapter_subjects(session, info, known_checks, known_cases) -> None:
+    """Add the caches of a model adapter (``kvconform.scratch``) as subjects, after checking that its uncached
+    forward can be the float64 oracle.
+
+    Raises:
+        scratch.AdapterUsageError: the float64 forward fails (``scratch.float64_problem``) or a subject name is
+            taken.
+    """
+    from kvconform.subjects import validate_spec
+
+    problem = scratch.float64_problem(info.spec)
+    if problem:
+        raise scratch.AdapterUsageError(f"--kvconform-model {info.spec!r}: {problem}")
+    for subject in scratch.subjects(info.spec):
+        where = f"--kvconform-model {info.spec!r} (its cache {subject.name})"
+        validate_spec(subject, where, known_checks, known_cases)
+        if any(s.name == subject.name for s in session.subjects):
+            raise scratch.AdapterUsageError(f"{where}: another subject is already named {subject.name!r}; rename "
+                                            f"it in the adapter's caches")
+        session.subjects.append(subject)
 
 
 def _select_subjects(subjects: list, names) -> list:

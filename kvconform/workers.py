@@ -66,10 +66,25 @@ def distribute_by_default(config) -> None:
     workers = default_workers()
     if workers == 0:
         return
+    if _only_scratch_models(config):
+        # only from-scratch models (plain PyTorch, kvconform.scratch): in process, since starting a worker costs
+        # more than their default tier (the worked example: 6 s of items, 17 s wall -n 0, 23 s with one worker,
+        # on a loaded 2-core machine); -n N restores the workers
+        return
     opt.numprocesses = workers
     if getattr(opt, "maxworkerrestart", None) is None:
         opt.maxworkerrestart = "1000"  # bounded anyway: a crashed subject's other items do not run
     config._kvconform_distributed = True
+
+
+def _only_scratch_models(config) -> bool:
+    """Whether every ``--kvconform-model`` names a model adapter (``kvconform.scratch``)."""
+    from kvconform.options import MODEL
+    from kvconform.scratch import is_scratch_spec
+
+    models = opt(config, MODEL) or []
+    return bool(models) and all(is_scratch_spec(m) for m in models)
+
 
 def starts_workers(config) -> bool:
     """True in the controller of a pytest-xdist run (pytest-xdist's own condition for starting workers: a

@@ -160,6 +160,10 @@ class CheckContext:
         """Raise ``ConformanceError`` with the headline, ``lines`` (indented) and the reproduce line."""
         self.metrics.update(metrics or {})
         lines = list(lines)
+        if getattr(self.model.model, "adapter", None) is not None:  # a from-scratch model: its own terms
+            from kvconform.scratch import adapter_lines
+
+            lines = adapter_lines(self.check_name, [line for line in lines if line])
         if self.known_fault:
             short = self.known_fault if len(self.known_fault) <= 220 else self.known_fault[:217] + "..."
             lines.append(f"known upstream fault: {short}")

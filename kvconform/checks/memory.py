@@ -62,7 +62,7 @@ from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._measure import layer_bytes, layers_problem
 # counting bytes lives in _measure (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._measure import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
-from kvconform.checks._allocation import (NO_POLICY, TOKEN_BY_TOKEN, Allocation, Expectation, GrowthProbe,
+from kvconform.checks._allocation import (NO_POLICY, TOKEN_BY_TOKEN, Allocation, Expectation, GrowthProbe, LayerShape,
                                           allocations, expected_layer, reference_shapes,
                                           buffer_tokens, granularities, granularity_summary, hint_applies,
                                           not_inferred)
@@ -168,7 +168,29 @@ _SHAPES: dict = MEMO.table("memory.shapes")
 """Reference shapes per (model, dtype, case): the same for every subject of a run, so measured once."""
 
 
+def _declared_shapes(ctx) -> dict:
+    """A from-scratch model's formula (``kvconform.scratch``: no ReferenceCache runs it): one pseudo-layer
+    ``"cache"`` holding ``layers × kv_heads`` heads of ``head_dim`` keys and values per token and row, at the rows
+    the case ends with; ``{}`` where its adapter declares no ``kv_layout`` (the item is skipped, saying so)."""
+    from kvconform.outcomes import CheckSkipped
+
+    dims = getattr(ctx.model.model, "kv_token_dims", lambda: None)()
+    if dims is None:
+        raise CheckSkipped("the model adapter declares no kv_layout {'layers', 'kv_heads', 'head_dim'}: no K/V byte "
+                           "formula to measure its cache against")
+    probe = ctx.new_cache()
+    run_memory_ops(ctx, probe, lambda *_: None)
+    import torch
+
+    heads, dim = dims
+    size = torch.empty((), dtype=ctx.model.dtype).element_size()
+    rows = int(getattr(probe, "batch", ctx.case.batch))
+    return {"cache": LayerShape("attention", rows * heads * 2 * dim * size, (rows, heads, dim, size), 0, 0)}
+
+
 def _shapes_for(ctx) -> dict:
+    if ctx.reference is None:
+        return _declared_shapes(ctx)
     key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
     if key not in _SHAPES:
         ref = ctx.new_cache(ctx.reference)

@@ -1,0 +1,646 @@
+"""Models written from scratch (no transformers), with their own KV cache: the model adapter behind
+``--kvconform-model MODULE:ATTR`` (or ``FILE.py:ATTR``).
+
+An **adapter** is a class (instantiated with no arguments) or an object its author writes in 20–40 lines; it is the
+model and its subjects at once. Required (``REQUIRED``):
+
+* ``build(dtype, device)`` → the model, an ``nn.Module`` with seeded weights (float64 must work: the oracle is
+  this model's own uncached forward in float64).
+* ``new_cache(model, batch_size, max_len, **options)`` → an empty cache (any object: a list of dicts, a class
+  of the author's...). ``max_len`` is the most tokens a row holds in the item.
+* ``forward(model, ids, cache, start, mask=None)`` → ``(logits, cache)``: the cached forward of the new token ids
+  ``ids`` ``[B, T]`` (int64) at sequence offsets ``start .. start+T-1`` (``start``: the tokens the cache holds,
+  pads included); ``mask`` ``[B, start+T]`` (1 real token, 0 left pad) or None; logits ``[B, T, V]`` float in the
+  model's dtype.
+* ``forward_uncached(model, ids, mask=None)`` → logits ``[B, T, V]`` of the whole sequence without a cache.
+
+Optional, each a capability (a check needing one the adapter lacks skips, saying which method would enable it):
+
+* ``crop(cache, n)`` → cache: forget the last ``n`` tokens (rollback, speculative decoding) — capability ``crop``.
+* ``select(cache, rows)`` → cache: keep the batch rows ``rows`` (int64 ``[B']``) in that order — one method gives
+  beam reorder, select and repeat (``reorder``, ``batch_select``, ``batch_repeat``).
+* ``fork(cache)`` → an independent copy (default ``copy.deepcopy``) — prefix forks.
+* ``seq_length(cache)`` → the tokens it says it holds (default: kvconform's own count).
+* ``reset(cache)`` → the cache emptied for a new sequence, its batch size free (default: ``new_cache`` again).
+* ``takes_mask = False``: its forward takes no padding mask (the left-padded cases skip).
+* ``capacity(cache)`` → the most tokens per row it keeps (a ring buffer of its window), or -1 (default).
+* ``kv_layout``: ``{"layers", "kv_heads", "head_dim"}`` — the keys and values it must hold per token, for the
+  memory family's byte formula (without it the memory items skip, saying so).
+* ``caches``: ``{subject name: new_cache keyword arguments}`` — several caches of one model (default one, named
+  after the adapter's class with ``Cache`` appended); ``name``: the model's name in ids (default the class name);
+  ``vocab_size`` (default 128): tokens are drawn below it; ``window``: a sliding window in tokens, or None.
+
+kvconform wraps the adapter's model in ``ScratchModule`` (an ``nn.Module`` whose forward takes the keyword
+arguments kvconform's drivers pass a transformers model) and each cache in ``ScratchCache`` (a
+``transformers.Cache`` whose ``crop`` / ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` /
+``reset`` / ``deepcopy`` call the adapter), so the op interpreter (``checks/_interpreter.py``) drives it like any
+subject; ``ScratchModule.generate`` is kvconform's own greedy decoding loop over the cached forward. What cannot
+apply to a model outside transformers is skipped with its reason (``not_applicable``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import weakref
+
+REQUIRED = {
+    "build": "build(self, dtype, device) -> nn.Module with seeded weights",
+    "new_cache": "new_cache(self, model, batch_size, max_len) -> an empty cache",
+    "forward": "forward(self, model, ids, cache, start, mask=None) -> (logits [B, T, V], cache)",
+    "forward_uncached": "forward_uncached(self, model, ids, mask=None) -> logits [B, T, V]",
+}
+"""The methods every adapter defines, with the signature its usage error shows."""
+
+EXAMPLES = ("kvconform.examples.tiny_decoder:TinyDecoder", "kvconform.examples.tiny_decoder:TinySlidingDecoder",
+            "kvconform.examples.tiny_decoder:TinyDecoderTwoCaches")
+"""The worked examples: run when named with ``--kvconform-model``, and in the full tier (``--kvconform-full``)."""
+
+_SPEC = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*|.+\.py):[A-Za-z_]\w*$")
+
+
+def is_scratch_spec(spec) -> bool:
+    """Whether a ``--kvconform-model`` value names a model adapter (``pkg.module:Attr`` or ``path/file.py:Attr``)
+    rather than a zoo name, a checkpoint folder or ``transformers:PATTERN``."""
+    return (isinstance(spec, str) and not spec.startswith("transformers:") and bool(_SPEC.match(spec))
+            and not os.path.isdir(os.path.expanduser(spec)))
+
+
+def spec_problem(spec: str) -> str | None:
+    """What is wrong with an adapter spec, seen from the file system and the source alone (no import), or None."""
+    from kvconform.subjects.resolve import spec_problem_before_import
+
+    if spec in _ADAPTERS:  # registered from Python (register_adapter)
+        return None
+    problem = spec_problem_before_import(spec)
+    return f"--kvconform-model {problem}" if problem else None
+
+
+_ADAPTERS: dict = {}
+
+
+def _usage_error_class():
+    from kvconform.outcomes import UsageError
+
+    class AdapterUsageError(UsageError, ValueError):
+        """A model adapter that cannot be used (exit 4): ``str(err)`` names the spec, what is wrong and the fix."""
+
+    return AdapterUsageError
+
+
+AdapterUsageError = _usage_error_class()
+
+
+def load_adapter(spec: str):
+    """The adapter object a spec names (a class is instantiated with no arguments), imported once per process.
+
+    Raises:
+        AdapterUsageError: the module does not import, has no such attribute, or the adapter lacks a required method
+            (``adapter_problem``): the message names the spec, the method and the fix.
+    """
+    if spec in _ADAPTERS:
+        return _ADAPTERS[spec]
+    import inspect
+    import sys
+
+    from kvconform.subjects.resolve import _import_file, _import_module
+
+    target, attr = spec.rsplit(":", 1)
+    try:
+        module = _import_file(target) if target.endswith(".py") else _import_module(target)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's spec problem
+        raise AdapterUsageError(f"--kvconform-model {spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}"
+                         ) from None
+    if not hasattr(module, attr):
+        raise AdapterUsageError(f"--kvconform-model {spec!r}: module {target!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except Exception as exc:  # noqa: BLE001
+            raise AdapterUsageError(f"--kvconform-model {spec!r}: {attr}() raised {type(exc).__name__}: {exc} (an "
+                             f"adapter class is instantiated with no arguments)") from None
+    problem = adapter_problem(obj)
+    if problem:
+        raise AdapterUsageError(f"--kvconform-model {spec!r}: {problem}")
+    sys.modules.setdefault(type(obj).__module__, module)
+    _ADAPTERS[spec] = obj
+    return obj
+
+
+def is_adapter(obj) -> bool:
+    """Whether a Python object (not a spec string) is a model adapter: it (or, for a class, its instances) has every
+    ``REQUIRED`` method — what tells it from a cache class or factory in ``pytest_kvconform_caches``'s list."""
+    return not isinstance(obj, str) and all(callable(getattr(obj, name, None)) for name in REQUIRED)
+
+
+def register_adapter(obj) -> str:
+    """The model spec of an adapter given as a Python object (``check_cache(models=[TinyDecoder()])``,
+    ``parametrize_with_checks``): ``module:Class`` of its class, bound to this very object for the process (a class
+    is instantiated with no arguments). A string is returned as it is.
+
+    Raises:
+        AdapterUsageError: the object is no model adapter (``adapter_problem``).
+    """
+    import inspect
+
+    if isinstance(obj, str):
+        return obj
+    adapter = obj() if inspect.isclass(obj) else obj
+    cls = type(adapter)
+    spec = f"{cls.__module__}:{cls.__qualname__}"
+    problem = adapter_problem(adapter) or (None if is_scratch_spec(spec) else f"{spec!r} is no module:attr name")
+    if problem:
+        raise AdapterUsageError(f"models: {cls.__name__}: {problem}")
+    _ADAPTERS[spec] = adapter
+    return spec
+
+
+def adapter_problem(adapter) -> str | None:
+    """Why ``adapter`` is not a model adapter (a required method missing or not callable; ``caches`` not a dict of
+    dicts), naming the method and the fix, or None."""
+    missing = [name for name in REQUIRED if not callable(getattr(adapter, name, None))]
+    if missing:
+        what = type(adapter).__name__
+        return (f"{what} has no {', '.join(missing)} method{'s' if len(missing) > 1 else ''}; a model adapter "
+                f"defines " + "; ".join(REQUIRED[m] for m in missing) + " (kvconform.scratch documents the protocol; "
+                "kvconform.examples.tiny_decoder is a worked example)")
+    caches = getattr(adapter, "caches", None)
+    if caches is not None and (not isinstance(caches, dict) or not all(
+            isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_.]+", k) and isinstance(v, dict)
+            for k, v in caches.items())):
+        return ("caches must be a dict {subject name ([A-Za-z0-9_.]+): new_cache keyword arguments (a dict)}, got "
+                f"{caches!r}")
+    return None
+
+
+def model_name(adapter) -> str:
+    """The model's name in item ids: the adapter's ``name``, else its class name (``[A-Za-z0-9_.]`` kept)."""
+    name = str(getattr(adapter, "name", None) or type(adapter).__name__)
+    return "".join(c if c.isalnum() or c in "_." else "_" for c in name)
+
+
+def layer_types(adapter) -> tuple:
+    """The cache layer types of the adapter's model for the case scope: ``sliding_attention`` where it declares a
+    ``window``, else ``full_attention`` (a from-scratch model's layers are not introspected)."""
+    return ("sliding_attention",) if getattr(adapter, "window", None) else ("full_attention",)
+
+
+def vocab_size(adapter) -> int:
+    """The ids tokens are drawn below (the adapter's ``vocab_size``, default 128)."""
+    return int(getattr(adapter, "vocab_size", 128))
+
+
+def capabilities(adapter) -> frozenset:
+    """The capabilities the adapter's optional methods give (module docstring)."""
+    caps = {"forward", "deepcopy", "reset", "generate"}
+    if callable(getattr(adapter, "crop", None)):
+        caps.add("crop")
+    if callable(getattr(adapter, "select", None)):
+        caps |= {"reorder", "batch_select", "batch_repeat"}
+    return frozenset(caps)
+
+
+_NOTES = {
+    "crop": "the adapter defines no crop(cache, n) (rollback of the last n tokens)",
+    "reorder": "the adapter defines no select(cache, rows) (batch rows kept, in order)",
+    "batch_select": "the adapter defines no select(cache, rows) (batch rows kept, in order)",
+    "batch_repeat": "the adapter defines no select(cache, rows) (batch rows kept, in order)",
+    "compile": "a model adapter declares no compiled decode step",
+}
+
+
+# ----------------------------------------------------------------------------------------------- the wrapped model
+def _torch():
+    import torch
+
+    return torch
+
+
+class ScratchOutput:
+    """What ``ScratchModule.forward`` returns: ``logits`` ``[B, T, V]`` and the cache (``past_key_values``)."""
+
+    def __init__(self, logits, past_key_values=None):
+        self.logits, self.past_key_values = logits, past_key_values
+
+
+class ScratchConfig:
+    """The little of a transformers config that kvconform's drivers read of a model adapter's model."""
+
+    is_encoder_decoder = False
+
+    def __init__(self, adapter):
+        self.vocab_size = vocab_size(adapter)
+        self.model_type = "scratch"
+        self.sliding_window = getattr(adapter, "window", None)
+        self.layer_types = list(layer_types(adapter))
+        self.per_layer_config = [self for _ in self.layer_types]
+
+    def get_text_config(self, decoder=True):
+        """This config (a from-scratch model has one)."""
+        return self
+
+
+class AdapterError(Exception):
+    """A model adapter broke its protocol in a forward (wrong logits shape or dtype, input ids changed in place,
+    a cache not returned): raised inside the call on the subject, so it fails the item as the subject's fault."""
+
+
+def _module_class():
+    torch = _torch()
+
+    class ScratchModule(torch.nn.Module):
+        """A model adapter's model behind the forward keywords kvconform passes a transformers model:
+        ``forward(input_ids, cache=None, use_cache=False, attention_mask=None, position_ids=None)`` →
+        ``ScratchOutput``. ``position_ids`` are not passed on: the adapter's model takes its positions from
+        ``start`` (and the mask). ``generate`` is kvconform's own greedy decoding over the cached forward."""
+
+        def __init__(self, adapter, net):
+            super().__init__()
+            self.net = net
+            self.__dict__["adapter"] = adapter
+            self.config = ScratchConfig(adapter)
+
+        def forward(self, input_ids, cache=None, use_cache=False, attention_mask=None, position_ids=None):
+            adapter = self.adapter
+            before = input_ids.clone()
+            if cache is None or not use_cache:
+                logits = adapter.forward_uncached(self.net, input_ids, attention_mask)
+                where = "forward_uncached"
+            else:
+                if not isinstance(cache, ScratchCache):
+                    raise AdapterError(f"a from-scratch model takes its own caches only, not {type(cache).__name__}")
+                logits = cache.feed(self.net, input_ids, attention_mask)
+                where = "forward"
+            _check_logits(logits, input_ids, vocab_size(adapter), where, self.net)
+            if not torch.equal(input_ids, before):
+                raise AdapterError(f"{type(adapter).__name__}.{where} changed the input ids in place (they must be "
+                                   f"read only: kvconform keeps them as the sequence the cache holds)")
+            return ScratchOutput(logits, cache)
+
+        def kv_token_dims(self):
+            """``(layers × kv_heads, head_dim)`` of the K/V the cache must hold per token and row, from the adapter's
+            ``kv_layout`` (``{"layers", "kv_heads", "head_dim"}``), or None where it declares none: the memory
+            family's byte formula (keys and values, in the model's dtype)."""
+            layout = getattr(self.adapter, "kv_layout", None)
+            if not isinstance(layout, dict):
+                return None
+            return int(layout["layers"]) * int(layout["kv_heads"]), int(layout["head_dim"])
+
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=1, num_beams=1, cache=None,
+                     past_key_values=None, use_cache=True, **ignored):
+            """Greedy decoding of ``max_new_tokens`` tokens: one forward of the tokens the cache does not hold yet
+            (all of them without a cache), then one per new token. Returns ``.sequences`` ``[B, S + N]`` and
+            ``.logits`` (one ``[B, V]`` per step), as transformers' ``generate(return_dict_in_generate=True,
+            output_logits=True)``."""
+            if num_beams != 1:
+                raise NotImplementedError("kvconform drives greedy decoding of a from-scratch model only")
+            cache = cache if cache is not None else past_key_values
+            cache = cache if use_cache else None
+            seq, mask, steps = input_ids, attention_mask, []
+            # a warm cache: the prompt's tokens it does not hold yet (the whole prompt when it is only the suffix)
+            new = None if cache is None else seq[:, cache.held:] if seq.shape[1] > cache.held else seq
+            for _ in range(int(max_new_tokens)):
+                if cache is None:
+                    logits = self(seq, attention_mask=mask).logits
+                else:
+                    logits = self(new, cache=cache, use_cache=True, attention_mask=mask).logits
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+                steps.append(logits[:, -1])
+                seq, new = torch.cat([seq, nxt], dim=1), nxt
+                if mask is not None:
+                    mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            out = ScratchOutput(None, cache)
+            out.sequences, out.logits = seq, tuple(steps)
+            return out
+
+    return ScratchModule
+
+
+def _check_logits(logits, ids, vocab: int, where: str, net) -> None:
+    torch = _torch()
+    expected = (ids.shape[0], ids.shape[1], vocab)
+    if not isinstance(logits, torch.Tensor):
+        raise AdapterError(f"forward returned {type(logits).__name__} as its logits, but should return a tensor "
+                           f"of shape {list(expected)}")
+    if tuple(logits.shape) != expected:
+        raise AdapterError(f"{where} returned logits of shape {list(logits.shape)}, but should return "
+                           f"{list(expected)} ([batch, new tokens, vocab_size] for ids of shape {list(ids.shape)})")
+    want = next(net.parameters()).dtype if any(True for _ in net.parameters()) else logits.dtype
+    if logits.dtype != want:
+        raise AdapterError(f"{where} returned {logits.dtype} logits of shape {list(logits.shape)} from a "
+                           f"{want} model, but should return {want} logits of shape {list(expected)}")
+
+
+_MODULE_CLASS = None
+
+
+def scratch_module(adapter, net):
+    """``ScratchModule(adapter, net)`` (the class is built on first use, so that importing this module does not
+    import torch)."""
+    global _MODULE_CLASS
+    if _MODULE_CLASS is None:
+        _MODULE_CLASS = _module_class()
+    return _MODULE_CLASS(adapter, net)
+
+
+# ----------------------------------------------------------------------------------------------- the wrapped cache
+def _cache_base():
+    from transformers import Cache
+
+    return Cache
+
+
+class _LazyCache:
+    """Placeholder replaced by the real ``ScratchCache`` class on first use (see ``scratch_cache_class``)."""
+
+
+ScratchCache = _LazyCache  # the isinstance target above; rebound by scratch_cache_class()
+
+
+def scratch_cache_class():
+    """The ``ScratchCache`` class: a ``transformers.Cache`` holding one adapter cache (``state``) and
+    kvconform's own count of the tokens fed (``held``); every cache method calls the adapter."""
+    global ScratchCache
+    if ScratchCache is not _LazyCache:
+        return ScratchCache
+    Cache = _cache_base()
+
+    class _ScratchCache(Cache):
+        """One cache of a model adapter as a subject (see the module docstring). ``state`` is what the adapter's
+        ``new_cache`` returned; ``held`` the tokens per row fed and not cropped (pads included); ``batch`` the
+        rows."""
+
+        is_compileable = False
+
+        def __init__(self, adapter, net, batch_size: int, max_len: int, options=None):
+            super().__init__(layers=[])
+            self.adapter, self.options = adapter, dict(options or {})
+            self._net = weakref.ref(net)
+            self.batch, self.max_len, self.held = int(batch_size), int(max_len), 0
+            self.state = adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
+
+        def feed(self, net, ids, mask):
+            out = self.adapter.forward(net, ids, self.state, self.held, mask)
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                what = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+                raise AdapterError(f"{type(self.adapter).__name__}.forward returned {what}, but should return "
+                                   f"(logits [B, T, V], cache)")
+            logits, state = out
+            if state is None:
+                raise AdapterError(f"{type(self.adapter).__name__}.forward returned None as its cache; it returns "
+                                   f"(logits, cache)")
+            self.state = state
+            self.held += int(ids.shape[1])
+            self.batch = int(ids.shape[0])
+            return logits
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            own = getattr(self.adapter, "seq_length", None)
+            return int(own(self.state)) if callable(own) else self.held
+
+        def get_max_length(self) -> int:
+            own = getattr(self.adapter, "capacity", None)
+            return int(own(self.state)) if callable(own) else -1
+
+        get_max_cache_shape = get_max_length
+
+        def crop(self, max_length: int):
+            from kvconform.compat import crop_tokens_to_remove
+
+            n = crop_tokens_to_remove(int(max_length), lambda: self.held)  # the installed release's contract
+            fn = getattr(self.adapter, "crop", None)
+            if not callable(fn):
+                raise NotImplementedError(_NOTES["crop"])
+            self.state = fn(self.state, n)
+            self.held = max(self.held - n, 0)
+
+        def _select(self, rows):
+            fn = getattr(self.adapter, "select", None)
+            if not callable(fn):
+                raise NotImplementedError(_NOTES["batch_select"])
+            torch = _torch()
+            rows = torch.as_tensor(rows, dtype=torch.long)
+            self.state = fn(self.state, rows)
+            self.batch = int(rows.shape[0])
+
+        def reorder_cache(self, beam_idx):
+            self._select(beam_idx)
+
+        def batch_select_indices(self, indices):
+            self._select(indices)
+
+        def batch_repeat_interleave(self, repeats: int):
+            self._select(_torch().arange(self.batch).repeat_interleave(int(repeats)))
+
+        def reset(self):
+            own = getattr(self.adapter, "reset", None)
+            if callable(own):
+                self.state = own(self.state)
+            else:
+                net = self._net()
+                self.state = self.adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
+            self.held = 0
+
+        def __deepcopy__(self, memo):
+            new = object.__new__(type(self))
+            for key, value in self.__dict__.items():
+                if key == "state":
+                    fork = getattr(self.adapter, "fork", None)
+                    new.state = fork(value) if callable(fork) else copy.deepcopy(value, memo)
+                elif key in ("adapter", "_net"):
+                    new.__dict__[key] = value
+                else:
+                    new.__dict__[key] = copy.deepcopy(value, memo)
+            return new
+
+        def __repr__(self):
+            return f"{type(self).__name__}({type(self.adapter).__name__}, held={self.held})"
+
+    ScratchCache = _ScratchCache
+    return ScratchCache
+
+
+# ------------------------------------------------------------------------------------------- model and subjects
+def build_model(spec: str, dtype=None, device: str = "cpu"):
+    """The adapter's model as a ``zoo.ZooModel`` (its ``model`` a ``ScratchModule``; ``source`` the spec)."""
+    torch = _torch()
+    from kvconform.zoo import ZooModel
+
+    adapter = load_adapter(spec)
+    dtype = dtype or torch.float32
+    net = adapter.build(dtype=dtype, device=device)
+    module = scratch_module(adapter, net).eval()
+    module.requires_grad_(False)
+    window = getattr(adapter, "window", None)
+    return ZooModel(name=model_name(adapter), model=module, config=module.config, dtype=dtype,
+                    is_encoder_decoder=False, layer_types=layer_types(adapter), sliding_window=window, source=spec)
+
+
+def float64_problem(spec: str) -> str | None:
+    """Why the adapter's model cannot be the float64 oracle, or None: ``build(float64)`` or its uncached forward
+    of 2 rows × 6 tokens raises, returns logits of another shape or dtype, or NaN/inf — with and without a
+    left-padding mask. Checked once when the session is built (the oracle of every item is this forward)."""
+    torch = _torch()
+    adapter = load_adapter(spec)
+    what = type(adapter).__name__
+    try:
+        net = adapter.build(dtype=torch.float64, device="cpu")
+    except Exception as exc:  # noqa: BLE001
+        return f"{what}.build(dtype=torch.float64) raised {type(exc).__name__}: {exc}"
+    module = scratch_module(adapter, net)
+    ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    for label, m in (("", None), (" with an attention mask (a left-padded row)", mask)):
+        try:
+            with torch.no_grad():
+                logits = module(ids, attention_mask=m).logits
+        except Exception as exc:  # noqa: BLE001
+            return (f"its uncached forward fails at float64{label}: {what}.forward_uncached raised "
+                    f"{type(exc).__name__}: {exc} (kvconform's oracle is this forward in float64: every dtype the "
+                    f"model computes in must follow the weights')")
+        if not torch.isfinite(logits[m.bool()] if m is not None else logits).all():
+            return (f"its uncached forward at float64{label} returns NaN/inf logits: a mask or constant built in "
+                    f"another dtype than the scores (e.g. a float32 mask multiplied by torch.finfo(float64).min, "
+                    f"which overflows to -inf, and 0 × -inf = NaN) — build the mask in the scores' dtype")
+    return None
+
+
+_SPEC_CLASS = None
+
+
+def adapter_cache_spec_class():
+    """``AdapterCacheSpec``: a ``CacheSpec`` that also names the adapter spec it belongs to (``adapter_spec``);
+    the plan pairs it with that model only (``plan.in_scope``)."""
+    global _SPEC_CLASS
+    if _SPEC_CLASS is None:
+        from dataclasses import dataclass
+
+        from kvconform.subjects import CacheSpec
+
+        @dataclass(frozen=True)
+        class AdapterCacheSpec(CacheSpec):
+            adapter_spec: str = ""
+
+        _SPEC_CLASS = AdapterCacheSpec
+    return _SPEC_CLASS
+
+
+def subjects(spec: str) -> list:
+    """The adapter's caches as ``CacheSpec`` s (``caches``; default one named ``<Class>Cache``), each applying to
+    this model only."""
+    spec_class = adapter_cache_spec_class()
+    adapter = load_adapter(spec)
+    cls = scratch_cache_class()
+    caches = getattr(adapter, "caches", None) or {f"{type(adapter).__name__}Cache": {}}
+    name = model_name(adapter)
+    caps = capabilities(adapter)
+    out = []
+    for subject, options in caches.items():
+        def factory(model, batch_size, max_cache_len, _options=dict(options)):
+            return cls(model.adapter, model.net, batch_size, max_cache_len, _options)
+
+        out.append(spec_class(subject, factory, capabilities=caps, source=f"model adapter {spec}",
+                              adapter_spec=spec,
+                              applies_to=lambda info, _name=name: None if info.name == _name else "another model",
+                              notes={k: v for k, v in _NOTES.items() if k not in caps}))
+    return out
+
+
+NOT_APPLICABLE = {
+    "coverage": "the coverage family checks transformers' cache_implementation strings and layer table",
+    "check_beam_search": "beam search is transformers' generate(num_beams > 1); kvconform decodes a from-scratch "
+                         "model greedily",
+    "check_beam_search_self_consistent": "beam search is transformers' generate(num_beams > 1)",
+    "check_mamba_kernel_paths": "transformers' Mamba kernels",
+    "check_encoder_decoder_subcaches": "transformers' EncoderDecoderCache",
+    "check_offloaded_matches": "transformers' offloaded caches",
+    "check_cache_implementation": "transformers' generate(cache_implementation=...)",
+    "check_length_bookkeeping": "transformers' get_mask_sizes and per-layer update() bookkeeping (a from-scratch "
+                                "model builds its own masks)",
+}
+"""Checks (by name, or a whole family) that cannot apply to a model outside transformers, with the reason."""
+
+
+FULL_TIER = ("check_speed_prefill", "check_speed_flat_decode")
+"""Checks a from-scratch model gets only under ``--kvconform-full``: its default tier keeps to 15 s wall on 2 cores
+(these two took 4.4 s each on the worked example); ``check_speed_vs_uncached``, the cached-vs-uncached claim,
+stays."""
+
+
+def not_applicable(check, case, spec: str | None = None) -> str | None:
+    """Why ``check`` (a registered check) on ``case`` cannot apply to a from-scratch model (the adapter ``spec``
+    names), or None."""
+    reason = NOT_APPLICABLE.get(check.name) or NOT_APPLICABLE.get(check.family)
+    if reason:
+        return f"not for a model outside transformers: {reason}"
+    if case.params.get("padding") and spec is not None and getattr(load_adapter(spec), "takes_mask", True) is False:
+        return "the model adapter declares takes_mask = False: its forward takes no padding mask"
+    if case.position_ids == "explicit":
+        return ("not for a model outside transformers: its positions come from the start offset the adapter is "
+                "given, not from position_ids")
+    return None
+
+
+# ------------------------------------------------------------------------------------------ messages in its terms
+_POSITIONS = "positions: the start offset kvconform passes the adapter (cumsum(mask) - 1 on left-padded rows)"
+
+_CAUSES = (
+    # (check name, or "*"; regular expression over the op the step failed or raised at; cause in the model's terms)
+    ("*", r"^chunk\(",
+     "your cached forward, given T > 1 new tokens while the cache already holds some (start > 0), attends them "
+     "wrongly while single tokens and the prefill are right: look for a causal mask applied only when the queries "
+     "are as long as the keys (a warm-cache chunk then attends its own later tokens), or a ring buffer written "
+     "before it is read (a chunk that wraps overwrites keys its own earlier queries still need)"),
+    ("check_prefix_fork", r".",
+     "fork(cache) (default copy.deepcopy) leaves the copy and the original sharing state: a forward on one "
+     "changed the other — a list of per-block dicts copied shallowly (list(cache), cache.copy(), dict(layer)) keeps "
+     "the same dicts, and a forward that assigns layer['key'] = cat(...) then writes into both"),
+    ("*", r"after crop|crop",
+     "after your crop(cache, n) the next forward is wrong: it must drop exactly the last n tokens of every block, "
+     "and the positions of the next tokens must continue at the tokens kept — a position counter kept in the cache "
+     "that crop resets to 0 or does not rewind, or a ring buffer whose evicted slots crop cannot bring back"),
+    ("*", r"reset",
+     "after your reset (or new_cache) the next sequence is wrong: buffers kept from the previous sequence — its "
+     "batch size (a setup that returns early when buffers exist), its length or its tokens"),
+    ("*", r"reorder|select|repeat|swap|beam",
+     "your select(cache, rows) does not move every tensor of every block to the rows asked, in that order"),
+)
+
+
+def likely_cause(check_name: str, lines: list) -> str | None:
+    """A likely cause in the adapter's own terms for a failure of a from-scratch model's item, from the op its
+    message says it failed or raised at (``[failed at X]`` / ``[raised at X]``) and the check; None where none
+    applies (the generic one stays)."""
+    at = ""
+    for line in lines:
+        m = re.search(r"\[(?:failed|raised) at ([^\]]+)\]", line)
+        if m:
+            at = m.group(1)
+    ops = next((line for line in lines if line.startswith("ops:")), "")
+    for check, pattern, cause in _CAUSES:
+        if check not in ("*", check_name):
+            continue
+        if check != "*" or re.search(pattern, at) or (pattern in ("after crop|crop", "reset")
+                                                       and re.search(pattern, ops) and at):
+            return cause
+    return None
+
+
+def adapter_lines(check_name: str, lines: list) -> list:
+    """A failure message's lines for an item of a from-scratch model: the likely cause said in the adapter's terms
+    (``likely_cause``; the generic reading kept after it), positions described as the start offset it is given."""
+    cause = likely_cause(check_name, lines)
+    out = []
+    for line in lines:
+        if line.startswith("ops:"):
+            line = re.sub(r"\]; [^\]]*$", f"]; {_POSITIONS}", line)
+        if cause and line.startswith("likely cause:"):
+            line = f"likely cause: {cause} (kvconform's reading: {line.removeprefix('likely cause: ')})"
+            cause = None
+        out.append(line)
+    if cause:
+        out.append(f"likely cause: {cause}")
+    return out
