@@ -344,7 +344,7 @@ def _post_warmup_calls(ctx) -> int:
     return 3 * steps - 1
 
 
-@register("compile", needs=("compile",), applies=_applies(True), params=COMPILE_PARAMS, ops=COMPILE_OPS,
+@register("compile", cost=8.0, needs=("compile",), applies=_applies(True), params=COMPILE_PARAMS, ops=COMPILE_OPS,
           validate=_protocol_case)
 def check_compile_static_decode(ctx):
     """A cache declaring ``is_compileable`` decodes under ``torch.compile(fullgraph=True)``: no graph break, zero
@@ -396,7 +396,7 @@ def check_compile_static_decode(ctx):
         ], {"cudagraph_skips": run.cudagraph_skips})
 
 
-@register("compile", needs=("compile",), applies=_applies(False), params=COMPILE_PARAMS, ops=COMPILE_OPS,
+@register("compile", cost=8.0, needs=("compile",), applies=_applies(False), params=COMPILE_PARAMS, ops=COMPILE_OPS,
           validate=_protocol_case)
 def check_compile_claim(ctx):
     """A cache declaring ``is_compileable = False``, compiled anyway (``fullgraph=False``, as a user compiling the
@@ -505,7 +505,7 @@ def _check_allocation(ctx, cache, label):
             ], {"allocated": int(keys.shape[-2]), "max_cache_len": ctx.max_cache_len, "failed_at": label})
 
 
-@register("compile", needs=("forward",), applies=_applies(True), params=OP_PARAMS,
+@register("compile", cost=8.0, needs=("forward",), applies=_applies(True), params=OP_PARAMS,
           ops=OpRule(min_forwards=2, why="it compares buffer addresses between forwards"))
 def check_static_addresses(ctx):
     """A cache that says ``is_compileable`` keeps every buffer at the same address at every step: ``update()`` writes

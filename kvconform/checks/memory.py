@@ -189,8 +189,8 @@ LOSSY_BYTES = ("{subject} is lossy: its held bytes are judged by the quality fam
 """Why the byte-formula checks skip a lossy subject without a twin (they judge exact subjects and twins)."""
 
 
-@register("memory", needs=("forward",), judges=(EXACT, LOSSY_TWIN), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1),
-          unjudged={LOSSY_FRESH: LOSSY_BYTES}, params={
+@register("memory", cost=1.5, needs=("forward",), judges=(EXACT, LOSSY_TWIN),
+          ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), unjudged={LOSSY_FRESH: LOSSY_BYTES}, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0, doc="bytes per layer allowed above the formula")})
 def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
@@ -443,7 +443,7 @@ def _cuda_applies(subject, model, case, device="cpu"):
     return None
 
 
-@register("memory", needs=("forward",), applies=_cuda_applies, judges=(EXACT, LOSSY_TWIN),
+@register("memory", cost=1.5, needs=("forward",), applies=_cuda_applies, judges=(EXACT, LOSSY_TWIN),
           unjudged={LOSSY_FRESH: LOSSY_BYTES}, ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "cuda_slack_bytes": Param(int, default=1 << 20, min=0, doc="bytes allowed above the counted bytes")})
 def check_memory_cuda_allocated(ctx):
@@ -531,7 +531,7 @@ def live_tensor_bytes() -> int:
     return total
 
 
-@register("memory", needs=("forward",), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
+@register("memory", cost=1.5, needs=("forward",), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "requests": Param(int, default=3, min=2, doc="requests served after the warm-up, each with a fresh cache"),
     "slack_bytes": Param(int, default=16384, min=0, doc="live tensor bytes allowed to remain after the requests")})
 def check_memory_released(ctx):
@@ -580,7 +580,8 @@ def check_memory_released(ctx):
         ], {"kept_bytes": after[-1], "failed_at": f"request {requests}"})
 
 
-@register("memory", needs=("forward",), applies=_offloaded_row, ops=OpRule(allowed=FORWARD_OPS, first="prefill"),
+@register("memory", cost=1.5, needs=("forward",), applies=_offloaded_row,
+          ops=OpRule(allowed=FORWARD_OPS, first="prefill"),
           params={"layers": Param(int, default=6, min=1, doc="decoder layers of the model copy")})
 def check_offloaded_matches(ctx):
     """An offloaded subject (CUDA) decodes to the logits of the non-offloaded subject it names (``same_as``) and

@@ -122,7 +122,7 @@ def _per_op(ctx, steps, oracle_by_step) -> str:
     return ", ".join(parts)
 
 
-@register("quality", needs=("forward",), judges=ALL_KINDS, applies=budgeted, params={
+@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, applies=budgeted, params={
     "kl_max": Param(float, min=0, doc="replaces the subject's budget.kl_max (mean KL(oracle ‖ subject), nats)"),
     "top1_min": Param(float, min=0, max=1, doc="replaces the subject's budget.top1_min (top-1 agreement)"),
 }, ops=LONG_CONTEXT_RULE)
@@ -324,7 +324,7 @@ def _holdings(cache) -> str:
     return "; ".join(f"{path or 'cache'} {desc} {_mib(size)}" for path, size, desc in largest_holdings(cache, 3))
 
 
-@register("quality", needs=("forward",), judges=ALL_KINDS, applies=compressing, params={
+@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, applies=compressing, params={
     "bytes_ratio_max": Param(float, min=0, doc="replaces the subject's budget.bytes_ratio_max (held / exact bytes)"),
 }, ops=LONG_CONTEXT_RULE)
 def check_compression_real(ctx):
@@ -493,7 +493,7 @@ def _stored_vs_exact(ctx, cache, paths) -> tuple | None:
     return best
 
 
-@register("quality", needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, params={
+@register("quality", cost=4.0, needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0,
                          doc="bytes per layer allowed above the bound (bookkeeping: positions, counters)"),
 }, ops=LONG_CONTEXT_RULE)
