@@ -11,7 +11,7 @@ import pytest
 from kvconform.cases import CaseFileError, builtin_cases_dir, load_case_file, load_cases
 from kvconform.checks import load_checks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
