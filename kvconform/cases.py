@@ -387,9 +387,9 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         CaseFileError: unreadable TOML, unknown key, wrong type, value not allowed, missing id/check, bad op, a
             ``params`` key its check does not declare or a bad value of one, an unknown model name; a case valid
             key by key but wrong for its check (its ``OpRule`` — ops it ignores, an op its driver refuses, a missing
-            op —, or its own ``validate`` rule); a ``crop N`` of more tokens than the cache holds (unless
-            ``params.crop_beyond_held``); a ``padding`` list that is not one count per row; ``models`` of which
-            none has every ``requires`` feature.
+            op —, or its own ``validate`` rule); a ``crop N`` of more tokens than the cache holds (unless its
+            check's ``OpRule`` names a param the case sets to crop past the start on purpose); a ``padding`` list
+            that is not one count per row; ``models`` of which none has every ``requires`` feature.
     """
     path = str(path)
     try:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconform.checks import EXACT, LOSSY_FRESH, LOSSY_TWIN, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, measure_reference
 from kvconform.checks._measure import layer_bytes, layers_problem
 # counting bytes lives in _measure (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._measure import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
@@ -169,19 +169,13 @@ _SHAPES: dict = MEMO.table("memory.shapes")
 
 
 def _shapes_for(ctx) -> dict:
-    key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
-    if key not in _SHAPES:
-        ref = ctx.new_cache(ctx.reference)
-        try:
-            run_memory_ops(ctx, ref, lambda *_: None)
-        except SubjectRaised as exc:
-            ctx.fail([f"the reference cache raised {describe_raise(exc)} — cannot derive the formula",
-                      f"ops: {_ops_label(ctx)}", "likely cause: the model does not support these ops"],
-                     {"model_at_fault": True})
-        if len(_SHAPES) > 64:
-            _SHAPES.clear()
-        _SHAPES[key] = reference_shapes(ref)
-    return _SHAPES[key]
+    def refused(exc):
+        ctx.fail([f"the reference cache raised {describe_raise(exc)} — cannot derive the formula",
+                  f"ops: {_ops_label(ctx)}", "likely cause: the model does not support these ops"],
+                 {"model_at_fault": True})
+
+    return measure_reference(ctx, _SHAPES, lambda ref: run_memory_ops(ctx, ref, lambda *_: None), reference_shapes,
+                             refused)
 
 
 LOSSY_BYTES = ("{subject} is lossy: its held bytes are judged by the quality family's compression check "

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvconform.checks import ALL_KINDS, EVICTING, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, measure_reference
 from kvconform.checks._measure import (cache_layers, held_bytes, held_tensor_items, largest_holdings, layer_bytes,
                                        storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
@@ -292,19 +292,12 @@ _REFERENCE: dict = MEMO.table("quality.reference")
 
 
 def _reference_layers(ctx) -> list:
-    key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
-    if key not in _REFERENCE:
-        ref = ctx.new_cache(ctx.reference)
-        try:
-            drive(ctx, ref)
-        except SubjectRaised as exc:
-            ctx.fail([f"the reference cache raised {type(exc.cause).__name__}: {exc.cause} — cannot measure what an "
-                      f"exact cache holds", f"ops: {ctx.case.ops_label()}",
-                      "likely cause: the model does not support these ops"], {"model_at_fault": True})
-        if len(_REFERENCE) > 64:
-            _REFERENCE.clear()
-        _REFERENCE[key] = exact_layer_bytes(ref)
-    return _REFERENCE[key]
+    def refused(exc):
+        ctx.fail([f"the reference cache raised {type(exc.cause).__name__}: {exc.cause} — cannot measure what an "
+                  f"exact cache holds", f"ops: {ctx.case.ops_label()}",
+                  "likely cause: the model does not support these ops"], {"model_at_fault": True})
+
+    return measure_reference(ctx, _REFERENCE, lambda ref: drive(ctx, ref), exact_layer_bytes, refused)
 
 
 def _run_subject(ctx, check, summary):
