@@ -188,6 +188,18 @@ def _user_frame(message: str) -> str:
     return f"{path.rsplit('/', 2)[-2] + '/' + path.rsplit('/', 1)[-1] if '/' in path else path}:{line} in {fn}"
 
 
+def _record_compile_failure(run: ProtocolRun, exc: Exception) -> None:
+    """Record on ``run`` why the first compiled call raised ``exc``: a graph break (dynamo's ``Unsupported`` or
+    ``UserError``, or a message naming one: its first line, at most 240 characters, and the user frame it names) or
+    else a compile error (``"ExcType: first line"``)."""
+    text = str(exc)
+    if type(exc).__name__ in ("Unsupported", "UserError") or "graph break" in text.lower():
+        run.graph_break = text.strip().splitlines()[0][:240]
+        run.graph_break_where = _user_frame(text)
+    else:
+        run.error = f"{type(exc).__name__}: {text.strip().splitlines()[0][:240] if text.strip() else ''}"
+
+
 def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
     """Run A / reset B / fresh C eagerly and compiled (see the module docstring). Graph breaks, compile errors and
     recompiles are recorded, not raised.
@@ -233,12 +245,7 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
                 out = compiled(**kwargs)
             except Exception as exc:  # noqa: BLE001 - the subject's (or the model's) failure to compile
                 run.compile_seconds = time.perf_counter() - start
-                text = str(exc)
-                if type(exc).__name__ in ("Unsupported", "UserError") or "graph break" in text.lower():
-                    run.graph_break = text.strip().splitlines()[0][:240]
-                    run.graph_break_where = _user_frame(text)
-                else:
-                    run.error = f"{type(exc).__name__}: {text.strip().splitlines()[0][:240] if text.strip() else ''}"
+                _record_compile_failure(run, exc)
                 state["dead"] = True
                 run.compiled[(name, s)] = None
                 return

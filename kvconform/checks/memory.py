@@ -230,22 +230,7 @@ def check_memory_bytes(ctx):
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
     grains = granularities(ctx.subject, probe.rows, shapes)
     policies = allocations(ctx.subject, raw, probe.rows, shapes, slack, capacities)
-    checkpoints: list[Checkpoint] = []
-    for cp, layers in raw:
-        for name, held, layer, tokens in layers:
-            shape = shapes.get(name)
-            if shape is None:  # a layer the reference does not have: everything it holds is unexplained
-                why = layers_problem(cache) if name == "cache" else None
-                cp.layers.append((name, held, Expectation(0, slack, "no such layer" if why is None else
-                                                          f"no layer to compare: {why}, so the cache's bytes are "
-                                                          f"counted as one block, which matches no layer of the "
-                                                          f"reference (the Cache API's layers is a list of layer "
-                                                          f"objects)", 0)))
-                continue
-            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
-            cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
-                                                         policies[name].policy)))
-        checkpoints.append(cp)
+    checkpoints = _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies)
     page_tokens = sorted({g.tokens for g in grains.values() if g.tokens > 1})
     last = checkpoints[-1]
     peak = max(checkpoints, key=lambda c: c.held)
@@ -268,13 +253,8 @@ def check_memory_bytes(ctx):
                        if name == label and e.exact)
     grain = grains.get(label, TOKEN_BY_TOKEN)
     policy = policies.get(label, NO_POLICY)
-    hint = None
     shape = shapes.get(label)
-    if (excess > 0 and not policy.policy and not exp.lossy and grain.tokens <= 1 and shape is not None
-            and shape.token_bytes and "window=" not in exp.formula and "preallocated" not in exp.formula):
-        series = [(tokens, h, layer) for c, layers in raw for name, h, layer, tokens in layers if name == label]
-        if hint_applies(series, capacities.get(label, []), shape.token_bytes):
-            hint = "allocation: " + not_inferred(series, capacities.get(label, []), shape.token_bytes)
+    hint = _allocation_hint(raw, capacities, label, shape, exp, excess, policy, grain)
     ctx.fail([
         observed + f" ({ratio:.2f}× the formula)",
         f"formula: {exp.formula}" + ("" if exp.lossy else f" (+ slack {slack} B)"),
@@ -290,6 +270,42 @@ def check_memory_bytes(ctx):
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
         "layer_granularity": grain.describe()})
+
+
+def _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies) -> list:
+    """The ``Checkpoint`` of each entry of ``raw`` (``[(checkpoint, [(layer name, bytes held, layer, tokens)])]``,
+    as ``check_memory_bytes`` measured them) with each layer's ``Expectation`` appended: the formula of the
+    reference's ``shapes`` at its granularity (``grains``) and allocation policy (``policies``), ``slack`` bytes
+    above; a layer the reference does not have is expected to hold nothing."""
+    checkpoints: list[Checkpoint] = []
+    for cp, layers in raw:
+        for name, held, layer, tokens in layers:
+            shape = shapes.get(name)
+            if shape is None:  # a layer the reference does not have: everything it holds is unexplained
+                why = layers_problem(cache) if name == "cache" else None
+                cp.layers.append((name, held, Expectation(0, slack, "no such layer" if why is None else
+                                                          f"no layer to compare: {why}, so the cache's bytes are "
+                                                          f"counted as one block, which matches no layer of the "
+                                                          f"reference (the Cache API's layers is a list of layer "
+                                                          f"objects)", 0)))
+                continue
+            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
+            cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
+                                                         policies[name].policy)))
+        checkpoints.append(cp)
+    return checkpoints
+
+
+def _allocation_hint(raw, capacities, label, shape, exp, excess, policy, grain) -> str | None:
+    """``"allocation: ..."``: why no allocation policy was inferred for layer ``label`` that holds ``excess`` bytes
+    over its bound, where a policy could have explained it (token by token, exact, no window or preallocation in the
+    formula, and ``_allocation.hint_applies`` to its series of holdings); None otherwise."""
+    if (excess > 0 and not policy.policy and not exp.lossy and grain.tokens <= 1 and shape is not None
+            and shape.token_bytes and "window=" not in exp.formula and "preallocated" not in exp.formula):
+        series = [(tokens, h, layer) for c, layers in raw for name, h, layer, tokens in layers if name == label]
+        if hint_applies(series, capacities.get(label, []), shape.token_bytes):
+            return "allocation: " + not_inferred(series, capacities.get(label, []), shape.token_bytes)
+    return None
 
 
 def _reported_length(cache) -> int | None:
