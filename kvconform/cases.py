@@ -223,19 +223,25 @@ def _ops_text(ops) -> str:
 def _validate_held(path, case, known_checks):
     """Follow the tokens the cache holds through ``case.ops`` (prefill / chunk / decode add, crop removes, reset
     empties; fork, reorder, repeat and select keep the length) and reject a ``crop N`` of more tokens than are held —
-    a crop that would silently remove less than it says. Cropping exactly everything (to zero) is allowed. A case
-    that crops past the start on purpose (the edge case "empty the cache or refuse clearly") says so with
-    ``params.crop_beyond_held = true``, a key only the crop checks declare. With ``params.positive`` (``crop(+N)``
-    keeps N tokens) nothing is checked: there N is a length to keep, not tokens to remove."""
-    if case.params.get("crop_beyond_held") or case.params.get("positive"):
+    a crop that would silently remove less than it says. Cropping exactly everything (to zero) is allowed. A check
+    whose cases may crop past the start on purpose (the edge case "empty the cache or refuse clearly"), or read
+    ``crop N`` as a length to keep, says so in its ``OpRule`` (``crop_past_start``, ``crop_keeps``: the params that
+    mark such a case); nothing is checked for a case that sets them. Without the registry (``known_checks`` not
+    the ``{name: CheckInfo}`` dict) a check's rules are unknown and nothing is checked."""
+    if not isinstance(known_checks, dict):
+        return
+    rule = getattr(_info(known_checks, case.check), "ops", None)
+    if rule is not None and rule.crops_past_start(case):
         return
     for i, (op, held) in enumerate(zip(case.ops, [0, *tokens_held(case.ops)])):
         if op.name == "crop" and op.n > held:
-            declaring = sorted(name for name, info in (known_checks.items() if isinstance(known_checks, dict) else ())
-                               if "crop_beyond_held" in (getattr(info, "params", None) or {}))
+            edges = {name: info.ops.crop_past_start for name, info in sorted(known_checks.items())
+                     if getattr(info.ops, "crop_past_start", None)}
+            declaring = list(edges)
             fix = (f"crop at most {held} (crop {held} empties the cache)" if held else
                    "prefill before the crop")
-            edge = (f"; to crop past the start on purpose (the edge case), set params.crop_beyond_held = true "
+            mark = " or ".join(sorted({f"params.{key} = true" for key in edges.values()}))
+            edge = (f"; to crop past the start on purpose (the edge case), set {mark} "
                     f"({', '.join(declaring)} take it)" if declaring else "")
             if case.check not in declaring and declaring:
                 edge = f"; cropping past the start is the edge case of {', '.join(declaring)}, not of {case.check}"
@@ -381,9 +387,9 @@ def load_case_file(path, known_checks=None) -> list[Case]:
         CaseFileError: unreadable TOML, unknown key, wrong type, value not allowed, missing id/check, bad op, a
             ``params`` key its check does not declare or a bad value of one, an unknown model name; a case valid
             key by key but wrong for its check (its ``OpRule`` — ops it ignores, an op its driver refuses, a missing
-            op —, or its own ``validate`` rule); a ``crop N`` of more tokens than the cache holds (unless
-            ``params.crop_beyond_held``); a ``padding`` list that is not one count per row; ``models`` of which
-            none has every ``requires`` feature.
+            op —, or its own ``validate`` rule); a ``crop N`` of more tokens than the cache holds (unless its
+            check's ``OpRule`` names a param the case sets to crop past the start on purpose); a ``padding`` list
+            that is not one count per row; ``models`` of which none has every ``requires`` feature.
     """
     path = str(path)
     try:

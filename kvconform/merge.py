@@ -29,8 +29,6 @@ import sys
 
 from kvconform.outcomes import UsageError
 
-FAMILY_COST = {"compile": 8.0, "speed": 6.0, "quality": 4.0, "fuzz": 2.0, "generate": 1.5, "memory": 1.5}
-"""Estimated cost of one item that runs, relative to a logits item (measured order of magnitude on the zoo)."""
 SKIPPED_COST = 0.02
 MODEL_COST = 3.0
 """Estimated cost of building a model (and its float64 oracle) once in a process, relative to a logits item."""
@@ -134,12 +132,13 @@ def _share(text, ci, index_var, index, count_var, count, first) -> tuple[int, in
 
 
 def item_cost(plan_item) -> float:
-    """Estimated cost of one plan item (``session.PlanItem``; None for an item of another kind: cost 1)."""
+    """Estimated cost of one plan item (``session.PlanItem``; None for an item of another kind: cost 1): what its
+    check declares (``register(..., cost=...)``, relative to a logits item), ``SKIPPED_COST`` for a skipped item."""
     if plan_item is None:
         return 1.0
     if plan_item.skip:
         return SKIPPED_COST
-    return FAMILY_COST.get(plan_item.check.family, 1.0)
+    return plan_item.check.cost
 
 
 def shard_of(keys: list, costs: list[float], count: int) -> list[int]:

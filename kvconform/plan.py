@@ -275,7 +275,7 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
             return f"requires {requirement} ({hint})"
     if getattr(subject, "needs_cuda", None) and not _cuda_device(device):
         return subject.needs_cuda
-    if case.position_ids == "explicit" and not model.accepts_position_ids and check.family == "logits":
+    if case.position_ids == "explicit" and not model.accepts_position_ids and check.reads_position_ids:
         return f"{model.name}'s forward takes no position_ids counted from 0"
     return None
 

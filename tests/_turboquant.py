@@ -1,4 +1,4 @@
-"""turboquant 0.2.0's ``TurboQuantCache`` as kvconform subjects (used by ``tests/test_real_caches.py``).
+"""turboquant 0.2.0's ``TurboQuantCache`` as kvconform subjects (used by ``tests/caches/test_real_caches.py``).
 
 Import this module only where turboquant is installed (``pytest.importorskip("turboquant")`` first). turboquant
 0.2.0 needs two adaptations to run at all on what the project supports, both outside the cache's own logic:
@@ -28,7 +28,7 @@ from kvconform import Budget, CacheSpec  # noqa: E402
 RESIDUAL = 128
 """turboquant's default ``residual_len``: the last 128 tokens of every layer stay exact."""
 
-# Measured on the quality_long case (240 tokens, fp32, batch 2; tests/test_real_caches.py prints the numbers):
+# Measured on the quality_long case (240 tokens, fp32, batch 2; tests/caches/test_real_caches.py prints the numbers):
 # 3-bit KL 1.5e-2 / 6.4e-4, top-1 0.70 / 0.96 (llama / gpt2; on a 272-token variant also phi3 8.5e-3, 0.78 and qwen2
 # 1.0e-2, 0.74); 4-bit KL 4.9e-3 / 2.1e-4, top-1 0.84 / 0.97. Budgets: about 3× on KL, 0.1–0.15 on top-1.
 TQ3_BUDGET = Budget(kl_max=5e-2, top1_min=0.55)

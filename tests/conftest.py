@@ -61,7 +61,8 @@ not once per worker that gets one of them)."""
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`pytest tests -n auto`: tests that share one kvconform run (e.g. the faulty caches of
-    tests/test_faulty_caches.py, whose parameter ids end in ``@<group>``, and the modules of ``SHARED_RUN_MODULES``)
+    tests/caches/test_faulty_caches.py, whose parameter ids end in ``@<group>``, and the modules of
+    ``SHARED_RUN_MODULES``)
     go to one worker, which runs it once; every other test is a unit of its own, as under ``--dist load``; the
     largest groups start first. A distribution chosen
     on the command line (``--dist ...``) is kept. (pytest-xdist's own ``--dist loadgroup`` groups by a node-id suffix
@@ -91,7 +92,7 @@ def _inner_runs_are_not_xdist_workers(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     # `pytest --kvconform` runs its items in pytest-xdist workers by default (kvconform/plugin.py, "crashes"); the
     # runs a test starts are small, and worker start-ups would cost more than they save: in-process, unless a test
-    # asks for workers (-n) or unsets this (tests/test_crashes.py runs the default).
+    # asks for workers (-n) or unsets this (tests/plugin/test_crashes.py runs the default).
     monkeypatch.setenv("KVCONFORM_WORKERS", "0")
 
 

@@ -1,6 +1,7 @@
 """Model-aware subjects written the way their authors would: a cache built from the model (``for_model``), a
 press-like context that hooks the model's attention modules (kvpress style), and faulty variants of both ideas.
-Imported by tests/test_model_aware.py; every cache here is exact (lossless), so the exact families judge them."""
+Imported by tests/subjects/test_model_aware.py; every cache here is exact (lossless), so the exact families judge
+them."""
 
 import contextlib
 

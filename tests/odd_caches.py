@@ -1,6 +1,6 @@
 """Caches of unusual but working shapes, as published packages build them (adaptivekv 0.1.0 keeps its ``layers`` in
 a dict of its own layer objects), for the tests that kvconform's own code never raises on a subject's shape
-(``tests/test_robust_reading.py``).
+(``tests/engine/test_robust_reading.py``).
 
 ``odd_cache(form, layer_kind, extras, fault)`` returns a factory of a ``DynamicCache`` subclass that runs the model
 exactly like DynamicCache (transformers' own code sees its real list of ``DynamicLayer`` s), while every other reader

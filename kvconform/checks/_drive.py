@@ -46,6 +46,24 @@ PAD_REFUSAL_WORDS = ("pad", "attention mask", "attention_mask")
 SHORT_PROMPT_WORDS = ("token", "prompt", "length", "window", "sink", "short", "at least", "greater than")
 
 
+def measure_reference(ctx, table: dict, run, read, on_raise):
+    """What ``read(cache)`` measures of the reference cache (``ctx.reference``) after ``run(cache)`` drives it through
+    the item's case: the same for every subject of a run, so memoised in ``table`` (a ``MEMO`` table) per model (name
+    and source), dtype, case, batch and reference; the table is emptied past 64 entries. A ``SubjectRaised`` of the
+    reference goes to ``on_raise(exc)``, which fails the item (the model's fault, in the family's words)."""
+    key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
+    if key not in table:
+        ref = ctx.new_cache(ctx.reference)
+        try:
+            run(ref)
+        except SubjectRaised as exc:
+            on_raise(exc)
+        if len(table) > 64:
+            table.clear()
+        table[key] = read(ref)
+    return table[key]
+
+
 def prefill_refusal(ctx, exc: "SubjectRaised") -> str | None:
     """The skip reason when the subject refused the first prefill of an empty cache clearly, else None: not a raw
     tensor error (``IndexError``, ``RuntimeError``...) but one naming the problem, for

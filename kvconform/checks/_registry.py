@@ -126,6 +126,11 @@ class OpRule:
         min_forwards: forwards the ops must make at least (``prefill N`` and ``chunk N``: one each; ``decode N``: N).
         min_batch: the smallest case ``batch`` the check works with.
         why: what the check does with the ops, for the message (e.g. "it compares the steps after the first").
+        crop_past_start: the name of a bool param with which a case of this check crops past the start on purpose
+            (the edge case: empty the cache or refuse clearly); ``kvconform.cases`` then accepts a ``crop N`` of
+            more tokens than the cache holds, otherwise an error in the case file. None: never on purpose.
+        crop_keeps: the name of a bool param under which ``crop N`` keeps N tokens (``crop(+N)``): N is then a
+            length, not a count of tokens removed, and the held tokens are not checked. None: no such param.
     """
 
     reads: bool = True
@@ -137,6 +142,13 @@ class OpRule:
     min_forwards: int = 0
     min_batch: int = 1
     why: str = ""
+    crop_past_start: str | None = None
+    crop_keeps: str | None = None
+
+    def crops_past_start(self, case) -> bool:
+        """The case (a ``cases.Case``) crops past the start on purpose, or its crop counts are lengths kept: the
+        tokens held are then not checked against its crops."""
+        return any(bool(case.params.get(name)) for name in (self.crop_past_start, self.crop_keeps) if name)
 
     def problem(self, case, check: str) -> tuple[str, str] | None:
         """``(key, why this case is wrong for ``check``, with the fix)`` or None. ``case``: a ``cases.Case``."""
@@ -209,6 +221,13 @@ class CheckInfo:
         tokens_held: ``tokens_held(case) -> int``: the most tokens per row a cache holds while the check runs
             ``case``, declared by a check that feeds tokens of its own beyond the case's ops (generate, random
             programs); ``plan.most_tokens_held`` asks it (the evicting skip rule). None: counted from the ops.
+        cost: the estimated cost of one item that runs, relative to a ``logits`` item (measured order of magnitude
+            on the zoo: compiling 8, timing 6, quality 4, random programs 2, generate and memory 1.5);
+            ``merge.item_cost`` reads it to cut ``--kvconform-shard`` jobs of equal cost.
+        timed: the check measures wall-clock time (a budget): the plugin gives it pytest-benchmark's fixture where
+            that plugin is active and skips it under ``--benchmark-disable`` in an xdist worker.
+        reads_position_ids: the check passes the case's ``position_ids`` to the model itself, so a case with
+            ``position_ids = "explicit"`` is skipped on a model whose forward takes none (``plan.skip_reason``).
     """
 
     name: str
@@ -223,6 +242,9 @@ class CheckInfo:
     judges: frozenset = DEFAULT_JUDGES
     unjudged: dict = field(default_factory=dict)
     tokens_held: Callable | None = None
+    cost: float = 1.0
+    timed: bool = False
+    reads_position_ids: bool = False
 
     def unjudged_reason(self, kind: str, subject: str) -> str | None:
         """The check's reason for not judging a subject named ``subject`` of kind ``kind`` (``unjudged``), or
@@ -245,14 +267,16 @@ CHECKS: dict[str, CheckInfo] = {}
 
 def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
              ops: OpRule | None = None, validate: Callable | None = None, judges=DEFAULT_JUDGES,
-             unjudged: dict | str | None = None, tokens_held: Callable | None = None):
+             unjudged: dict | str | None = None, tokens_held: Callable | None = None, cost: float = 1.0,
+             timed: bool = False, reads_position_ids: bool = False):
     """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
     it ``needs``, the subject kinds it ``judges`` (``CheckInfo.judges``), its own applicability rule (``applies``,
     see ``CheckInfo``), its ``params`` schema
     (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check), what it needs of a case's ``ops``
     (``OpRule``; ``IGNORES_OPS`` for a check that does not read them), its own load-time case rule
     (``validate(case) -> (key, problem) | None``), why it skips the kinds it does not judge (``unjudged``) and, for
-    a check that feeds tokens of its own, the most tokens it makes a cache hold (``tokens_held(case)``). A case
+    a check that feeds tokens of its own, the most tokens it makes a cache hold (``tokens_held(case)``), its
+    estimated ``cost``, whether it is ``timed`` and whether it ``reads_position_ids`` (see ``CheckInfo``). A case
     file breaking any of them is a usage error at load.
 
     Raises:
@@ -273,7 +297,8 @@ def register(family: str, needs=(), applies: Callable | None = None, params: dic
 
     def deco(fn):
         CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
-                                        applies, schema, ops, validate, judged, reasons, tokens_held)
+                                        applies, schema, ops, validate, judged, reasons, tokens_held, float(cost),
+                                        bool(timed), bool(reads_position_ids))
         return fn
 
     return deco

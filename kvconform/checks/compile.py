@@ -188,6 +188,18 @@ def _user_frame(message: str) -> str:
     return f"{path.rsplit('/', 2)[-2] + '/' + path.rsplit('/', 1)[-1] if '/' in path else path}:{line} in {fn}"
 
 
+def _record_compile_failure(run: ProtocolRun, exc: Exception) -> None:
+    """Record on ``run`` why the first compiled call raised ``exc``: a graph break (dynamo's ``Unsupported`` or
+    ``UserError``, or a message naming one: its first line, at most 240 characters, and the user frame it names) or
+    else a compile error (``"ExcType: first line"``)."""
+    text = str(exc)
+    if type(exc).__name__ in ("Unsupported", "UserError") or "graph break" in text.lower():
+        run.graph_break = text.strip().splitlines()[0][:240]
+        run.graph_break_where = _user_frame(text)
+    else:
+        run.error = f"{type(exc).__name__}: {text.strip().splitlines()[0][:240] if text.strip() else ''}"
+
+
 def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
     """Run A / reset B / fresh C eagerly and compiled (see the module docstring). Graph breaks, compile errors and
     recompiles are recorded, not raised.
@@ -233,12 +245,7 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
                 out = compiled(**kwargs)
             except Exception as exc:  # noqa: BLE001 - the subject's (or the model's) failure to compile
                 run.compile_seconds = time.perf_counter() - start
-                text = str(exc)
-                if type(exc).__name__ in ("Unsupported", "UserError") or "graph break" in text.lower():
-                    run.graph_break = text.strip().splitlines()[0][:240]
-                    run.graph_break_where = _user_frame(text)
-                else:
-                    run.error = f"{type(exc).__name__}: {text.strip().splitlines()[0][:240] if text.strip() else ''}"
+                _record_compile_failure(run, exc)
                 state["dead"] = True
                 run.compiled[(name, s)] = None
                 return
@@ -344,7 +351,7 @@ def _post_warmup_calls(ctx) -> int:
     return 3 * steps - 1
 
 
-@register("compile", needs=("compile",), applies=_applies(True), params=COMPILE_PARAMS, ops=COMPILE_OPS,
+@register("compile", cost=8.0, needs=("compile",), applies=_applies(True), params=COMPILE_PARAMS, ops=COMPILE_OPS,
           validate=_protocol_case)
 def check_compile_static_decode(ctx):
     """A cache declaring ``is_compileable`` decodes under ``torch.compile(fullgraph=True)``: no graph break, zero
@@ -396,7 +403,7 @@ def check_compile_static_decode(ctx):
         ], {"cudagraph_skips": run.cudagraph_skips})
 
 
-@register("compile", needs=("compile",), applies=_applies(False), params=COMPILE_PARAMS, ops=COMPILE_OPS,
+@register("compile", cost=8.0, needs=("compile",), applies=_applies(False), params=COMPILE_PARAMS, ops=COMPILE_OPS,
           validate=_protocol_case)
 def check_compile_claim(ctx):
     """A cache declaring ``is_compileable = False``, compiled anyway (``fullgraph=False``, as a user compiling the
@@ -505,7 +512,7 @@ def _check_allocation(ctx, cache, label):
             ], {"allocated": int(keys.shape[-2]), "max_cache_len": ctx.max_cache_len, "failed_at": label})
 
 
-@register("compile", needs=("forward",), applies=_applies(True), params=OP_PARAMS,
+@register("compile", cost=8.0, needs=("forward",), applies=_applies(True), params=OP_PARAMS,
           ops=OpRule(min_forwards=2, why="it compares buffer addresses between forwards"))
 def check_static_addresses(ctx):
     """A cache that says ``is_compileable`` keeps every buffer at the same address at every step: ``update()`` writes

@@ -349,7 +349,7 @@ CROP_PARAMS = {
                               "(the edge case: empty the cache or refuse clearly); otherwise such a crop is an error "
                               "in the case file"),
 }
-CROP_OPS = OpRule(required=("crop",), why="it checks crop()")
+CROP_OPS = OpRule(required=("crop",), why="it checks crop()", crop_past_start="crop_beyond_held", crop_keeps="positive")
 
 
 @register("crop", needs=("forward", "crop"), params=CROP_PARAMS, ops=CROP_OPS)

@@ -221,7 +221,7 @@ def _longest_program(case) -> int:
     return 10 + 5 * int(case.params["max_ops"]) + 1
 
 
-@register("fuzz", needs=("forward",), applies=_applies, tokens_held=_longest_program, params={
+@register("fuzz", cost=2.0, needs=("forward",), applies=_applies, tokens_held=_longest_program, params={
     **OP_PARAMS,
     "max_examples": Param(int, default=8, min=1, doc="programs drawn by a default-tier case"),
     "max_ops": Param(int, default=6, min=1, doc="ops after the prefill, at most"),

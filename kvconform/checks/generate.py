@@ -40,7 +40,7 @@ UNJUDGED = {
 """Why a check of this family skips a lossy subject it does not judge: what judges its generate() instead."""
 
 
-@register("generate", needs=("generate",), ops=IGNORES_OPS, judges=(EXACT,), unjudged=UNJUDGED)
+@register("generate", cost=1.5, needs=("generate",), ops=IGNORES_OPS, judges=(EXACT,), unjudged=UNJUDGED)
 def check_generate_greedy(ctx):
     """Greedy ``generate(cache=subject)`` equals ``generate(use_cache=False)`` token for token; its step logits
     equal the oracle's."""
@@ -88,7 +88,7 @@ def _generate_with(ctx, cache):
     return _generate(ctx, compat.generate_cache_kwargs(cache, ctx.model.model), ctx.case.prompt)
 
 
-@register("generate", needs=("generate",), applies=lossy_only, ops=IGNORES_OPS, unjudged=UNJUDGED)
+@register("generate", cost=1.5, needs=("generate",), applies=lossy_only, ops=IGNORES_OPS, unjudged=UNJUDGED)
 def check_generate_vs_twin(ctx):
     """Greedy ``generate(cache=subject)`` produces the tokens of ``generate(cache=twin)`` and, at every step,
     logits within the tolerance of the twin's (same model, same dtype); noise floor: the oracle's on the generated
@@ -167,7 +167,7 @@ def replay_greedy(ctx, turns):
     return torch.cat(out, dim=1)
 
 
-@register("generate", needs=("generate",), judges=(LOSSY_FRESH, PRESS), ops=IGNORES_OPS,
+@register("generate", cost=1.5, needs=("generate",), judges=(LOSSY_FRESH, PRESS), ops=IGNORES_OPS,
           unjudged=SELF_CONSISTENT_ONLY,
           params={"user": Param(int, default=4, min=1, doc="tokens of the second turn's user message")})
 def check_generate_self_consistent(ctx):

@@ -148,7 +148,7 @@ def _judge_half_store(ctx, cache, verdict) -> None:
 RECORD = Param(bool, default=False, doc="call activate_past_recording() before the first op (no crop follows)")
 
 
-@register("logits", needs=("forward",), params={**OP_PARAMS, "record": RECORD},
+@register("logits", reads_position_ids=True, needs=("forward",), params={**OP_PARAMS, "record": RECORD},
           ops=OpRule(first="prefill", why="it compares every step after a prefill"))
 def check_prefill_then_decode(ctx):
     """Prefill, then single-token decode steps: every step's logits equal the oracle's."""
@@ -180,7 +180,7 @@ def _chunk_cause(ctx, steps, cache=None):
     return cause
 
 
-@register("logits", needs=("forward",), params=OP_PARAMS,
+@register("logits", reads_position_ids=True, needs=("forward",), params=OP_PARAMS,
           ops=OpRule(required=("chunk",), why="it checks chunked continuation"))
 def check_chunked_continuation(ctx):
     """Prefill, then chunks of k>1 tokens into the warm cache (incl. chunks straddling the sliding window)."""
@@ -240,7 +240,8 @@ def _torch_path(module, dispatchers):
             setattr(module, name, fn)
 
 
-@register("logits", needs=("forward",), applies=_mamba_row, params=OP_PARAMS, ops=OpRule(min_forwards=1))
+@register("logits", reads_position_ids=True, needs=("forward",), applies=_mamba_row, params=OP_PARAMS,
+          ops=OpRule(min_forwards=1))
 def check_mamba_kernel_paths(ctx):
     """Mamba / Mamba2 on CUDA with mamba-ssm and causal-conv1d installed: the run through the kernels and the run
     through transformers' torch fallbacks (same cache subject, same ops) both match the oracle."""

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconform.checks import EXACT, LOSSY_FRESH, LOSSY_TWIN, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, measure_reference
 from kvconform.checks._measure import layer_bytes, layers_problem
 # counting bytes lives in _measure (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._measure import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
@@ -191,19 +191,14 @@ def _declared_shapes(ctx) -> dict:
 def _shapes_for(ctx) -> dict:
     if ctx.reference is None:
         return _declared_shapes(ctx)
-    key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
-    if key not in _SHAPES:
-        ref = ctx.new_cache(ctx.reference)
-        try:
-            run_memory_ops(ctx, ref, lambda *_: None)
-        except SubjectRaised as exc:
-            ctx.fail([f"the reference cache raised {describe_raise(exc)} — cannot derive the formula",
-                      f"ops: {_ops_label(ctx)}", "likely cause: the model does not support these ops"],
-                     {"model_at_fault": True})
-        if len(_SHAPES) > 64:
-            _SHAPES.clear()
-        _SHAPES[key] = reference_shapes(ref)
-    return _SHAPES[key]
+
+    def refused(exc):
+        ctx.fail([f"the reference cache raised {describe_raise(exc)} — cannot derive the formula",
+                  f"ops: {_ops_label(ctx)}", "likely cause: the model does not support these ops"],
+                 {"model_at_fault": True})
+
+    return measure_reference(ctx, _SHAPES, lambda ref: run_memory_ops(ctx, ref, lambda *_: None), reference_shapes,
+                             refused)
 
 
 LOSSY_BYTES = ("{subject} is lossy: its held bytes are judged by the quality family's compression check "
@@ -211,8 +206,8 @@ LOSSY_BYTES = ("{subject} is lossy: its held bytes are judged by the quality fam
 """Why the byte-formula checks skip a lossy subject without a twin (they judge exact subjects and twins)."""
 
 
-@register("memory", needs=("forward",), judges=(EXACT, LOSSY_TWIN), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1),
-          unjudged={LOSSY_FRESH: LOSSY_BYTES}, params={
+@register("memory", cost=1.5, needs=("forward",), judges=(EXACT, LOSSY_TWIN),
+          ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), unjudged={LOSSY_FRESH: LOSSY_BYTES}, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0, doc="bytes per layer allowed above the formula")})
 def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
@@ -258,22 +253,7 @@ def check_memory_bytes(ctx):
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
     grains = granularities(ctx.subject, probe.rows, shapes)
     policies = allocations(ctx.subject, raw, probe.rows, shapes, slack, capacities)
-    checkpoints: list[Checkpoint] = []
-    for cp, layers in raw:
-        for name, held, layer, tokens in layers:
-            shape = shapes.get(name)
-            if shape is None:  # a layer the reference does not have: everything it holds is unexplained
-                why = layers_problem(cache) if name == "cache" else None
-                cp.layers.append((name, held, Expectation(0, slack, "no such layer" if why is None else
-                                                          f"no layer to compare: {why}, so the cache's bytes are "
-                                                          f"counted as one block, which matches no layer of the "
-                                                          f"reference (the Cache API's layers is a list of layer "
-                                                          f"objects)", 0)))
-                continue
-            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
-            cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
-                                                         policies[name].policy)))
-        checkpoints.append(cp)
+    checkpoints = _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies)
     page_tokens = sorted({g.tokens for g in grains.values() if g.tokens > 1})
     last = checkpoints[-1]
     peak = max(checkpoints, key=lambda c: c.held)
@@ -296,13 +276,8 @@ def check_memory_bytes(ctx):
                        if name == label and e.exact)
     grain = grains.get(label, TOKEN_BY_TOKEN)
     policy = policies.get(label, NO_POLICY)
-    hint = None
     shape = shapes.get(label)
-    if (excess > 0 and not policy.policy and not exp.lossy and grain.tokens <= 1 and shape is not None
-            and shape.token_bytes and "window=" not in exp.formula and "preallocated" not in exp.formula):
-        series = [(tokens, h, layer) for c, layers in raw for name, h, layer, tokens in layers if name == label]
-        if hint_applies(series, capacities.get(label, []), shape.token_bytes):
-            hint = "allocation: " + not_inferred(series, capacities.get(label, []), shape.token_bytes)
+    hint = _allocation_hint(raw, capacities, label, shape, exp, excess, policy, grain)
     ctx.fail([
         observed + f" ({ratio:.2f}× the formula)",
         f"formula: {exp.formula}" + ("" if exp.lossy else f" (+ slack {slack} B)"),
@@ -318,6 +293,42 @@ def check_memory_bytes(ctx):
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
         "layer_granularity": grain.describe()})
+
+
+def _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies) -> list:
+    """The ``Checkpoint`` of each entry of ``raw`` (``[(checkpoint, [(layer name, bytes held, layer, tokens)])]``,
+    as ``check_memory_bytes`` measured them) with each layer's ``Expectation`` appended: the formula of the
+    reference's ``shapes`` at its granularity (``grains``) and allocation policy (``policies``), ``slack`` bytes
+    above; a layer the reference does not have is expected to hold nothing."""
+    checkpoints: list[Checkpoint] = []
+    for cp, layers in raw:
+        for name, held, layer, tokens in layers:
+            shape = shapes.get(name)
+            if shape is None:  # a layer the reference does not have: everything it holds is unexplained
+                why = layers_problem(cache) if name == "cache" else None
+                cp.layers.append((name, held, Expectation(0, slack, "no such layer" if why is None else
+                                                          f"no layer to compare: {why}, so the cache's bytes are "
+                                                          f"counted as one block, which matches no layer of the "
+                                                          f"reference (the Cache API's layers is a list of layer "
+                                                          f"objects)", 0)))
+                continue
+            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
+            cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
+                                                         policies[name].policy)))
+        checkpoints.append(cp)
+    return checkpoints
+
+
+def _allocation_hint(raw, capacities, label, shape, exp, excess, policy, grain) -> str | None:
+    """``"allocation: ..."``: why no allocation policy was inferred for layer ``label`` that holds ``excess`` bytes
+    over its bound, where a policy could have explained it (token by token, exact, no window or preallocation in the
+    formula, and ``_allocation.hint_applies`` to its series of holdings); None otherwise."""
+    if (excess > 0 and not policy.policy and not exp.lossy and grain.tokens <= 1 and shape is not None
+            and shape.token_bytes and "window=" not in exp.formula and "preallocated" not in exp.formula):
+        series = [(tokens, h, layer) for c, layers in raw for name, h, layer, tokens in layers if name == label]
+        if hint_applies(series, capacities.get(label, []), shape.token_bytes):
+            return "allocation: " + not_inferred(series, capacities.get(label, []), shape.token_bytes)
+    return None
 
 
 def _reported_length(cache) -> int | None:
@@ -465,7 +476,7 @@ def _cuda_applies(subject, model, case, device="cpu"):
     return None
 
 
-@register("memory", needs=("forward",), applies=_cuda_applies, judges=(EXACT, LOSSY_TWIN),
+@register("memory", cost=1.5, needs=("forward",), applies=_cuda_applies, judges=(EXACT, LOSSY_TWIN),
           unjudged={LOSSY_FRESH: LOSSY_BYTES}, ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "cuda_slack_bytes": Param(int, default=1 << 20, min=0, doc="bytes allowed above the counted bytes")})
 def check_memory_cuda_allocated(ctx):
@@ -553,7 +564,7 @@ def live_tensor_bytes() -> int:
     return total
 
 
-@register("memory", needs=("forward",), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
+@register("memory", cost=1.5, needs=("forward",), ops=OpRule(allowed=MEMORY_OPS, min_forwards=1), params={
     "requests": Param(int, default=3, min=2, doc="requests served after the warm-up, each with a fresh cache"),
     "slack_bytes": Param(int, default=16384, min=0, doc="live tensor bytes allowed to remain after the requests")})
 def check_memory_released(ctx):
@@ -602,7 +613,8 @@ def check_memory_released(ctx):
         ], {"kept_bytes": after[-1], "failed_at": f"request {requests}"})
 
 
-@register("memory", needs=("forward",), applies=_offloaded_row, ops=OpRule(allowed=FORWARD_OPS, first="prefill"),
+@register("memory", cost=1.5, needs=("forward",), applies=_offloaded_row,
+          ops=OpRule(allowed=FORWARD_OPS, first="prefill"),
           params={"layers": Param(int, default=6, min=1, doc="decoder layers of the model copy")})
 def check_offloaded_matches(ctx):
     """An offloaded subject (CUDA) decodes to the logits of the non-offloaded subject it names (``same_as``) and

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvconform.checks import ALL_KINDS, EVICTING, OpRule, Param, register
-from kvconform.checks._drive import SubjectRaised
+from kvconform.checks._drive import SubjectRaised, measure_reference
 from kvconform.checks._measure import (cache_layers, held_bytes, held_tensor_items, largest_holdings, layer_bytes,
                                        storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
@@ -122,7 +122,7 @@ def _per_op(ctx, steps, oracle_by_step) -> str:
     return ", ".join(parts)
 
 
-@register("quality", needs=("forward",), judges=ALL_KINDS, applies=budgeted, params={
+@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, applies=budgeted, params={
     "kl_max": Param(float, min=0, doc="replaces the subject's budget.kl_max (mean KL(oracle ‖ subject), nats)"),
     "top1_min": Param(float, min=0, max=1, doc="replaces the subject's budget.top1_min (top-1 agreement)"),
 }, ops=LONG_CONTEXT_RULE)
@@ -292,19 +292,12 @@ _REFERENCE: dict = MEMO.table("quality.reference")
 
 
 def _reference_layers(ctx) -> list:
-    key = (ctx.model.name, ctx.model.source, str(ctx.model.dtype), ctx.case.id, ctx.case.batch, ctx.reference.name)
-    if key not in _REFERENCE:
-        ref = ctx.new_cache(ctx.reference)
-        try:
-            drive(ctx, ref)
-        except SubjectRaised as exc:
-            ctx.fail([f"the reference cache raised {type(exc.cause).__name__}: {exc.cause} — cannot measure what an "
-                      f"exact cache holds", f"ops: {ctx.case.ops_label()}",
-                      "likely cause: the model does not support these ops"], {"model_at_fault": True})
-        if len(_REFERENCE) > 64:
-            _REFERENCE.clear()
-        _REFERENCE[key] = exact_layer_bytes(ref)
-    return _REFERENCE[key]
+    def refused(exc):
+        ctx.fail([f"the reference cache raised {type(exc.cause).__name__}: {exc.cause} — cannot measure what an "
+                  f"exact cache holds", f"ops: {ctx.case.ops_label()}",
+                  "likely cause: the model does not support these ops"], {"model_at_fault": True})
+
+    return measure_reference(ctx, _REFERENCE, lambda ref: drive(ctx, ref), exact_layer_bytes, refused)
 
 
 def _run_subject(ctx, check, summary):
@@ -324,7 +317,7 @@ def _holdings(cache) -> str:
     return "; ".join(f"{path or 'cache'} {desc} {_mib(size)}" for path, size, desc in largest_holdings(cache, 3))
 
 
-@register("quality", needs=("forward",), judges=ALL_KINDS, applies=compressing, params={
+@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, applies=compressing, params={
     "bytes_ratio_max": Param(float, min=0, doc="replaces the subject's budget.bytes_ratio_max (held / exact bytes)"),
 }, ops=LONG_CONTEXT_RULE)
 def check_compression_real(ctx):
@@ -493,7 +486,7 @@ def _stored_vs_exact(ctx, cache, paths) -> tuple | None:
     return best
 
 
-@register("quality", needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, params={
+@register("quality", cost=4.0, needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, params={
     "slack_bytes": Param(int, default=DEFAULT_SLACK_BYTES, min=0,
                          doc="bytes per layer allowed above the bound (bookkeeping: positions, counters)"),
 }, ops=LONG_CONTEXT_RULE)

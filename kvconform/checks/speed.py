@@ -232,7 +232,7 @@ def _ms(t, stat=None) -> str:
     return f"{(stat or _median)(t) * 1e3:.2f}"
 
 
-@register("speed", needs=("forward",), judges=ALL_KINDS, params={
+@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, params={
     **TIMING_PARAMS, "context": CONTEXT, "uncached_steps": UNCACHED_STEPS, "min_speedup": MIN_SPEEDUP,
     "min_speedup_quantized": Param(float, min=0, doc="budget of a quantized subject (default: min_speedup)"),
 }, ops=IGNORES_OPS, validate=_min_context_case)
@@ -273,7 +273,7 @@ def check_speed_vs_uncached(ctx):
         ], {"speedup": speedup, "confirmation": speedup2})
 
 
-@register("speed", needs=("forward",), judges=ALL_KINDS, params={
+@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, params={
     **TIMING_PARAMS, "uncached_steps": UNCACHED_STEPS,
     "short": Param(int, default=DEFAULTS["short"], min=1, doc="the short context"),
     "long": Param(int, default=DEFAULTS["long"], min=1, doc="the long context"),
@@ -379,7 +379,7 @@ def prefill_target(ctx, name, spec, tokens, context) -> Target:
     return Target(name, run, setup, units=context) if spec is not None else Target(name, run, units=context)
 
 
-@register("speed", needs=("forward",), judges=ALL_KINDS, params={
+@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, params={
     **TIMING_PARAMS, "context": Param(int, default=1024, min=64, doc="tokens of the timed prefill"),
     "max_ratio": Param(float, required=True, min=1, doc="budget: cached prefill time / uncached forward time"),
     "max_ratio_quantized": Param(float, min=1, doc="budget of a quantized subject (default: max_ratio)"),
@@ -460,7 +460,7 @@ def _compiled_applies(subject, model, case, device="cpu"):
     return compile_applies(True)(subject, model, case, device=device)
 
 
-@register("speed", needs=("compile",), judges=ALL_KINDS, applies=_compiled_applies, params={
+@register("speed", cost=6.0, timed=True, needs=("compile",), judges=ALL_KINDS, applies=_compiled_applies, params={
     **TIMING_PARAMS, "context": CONTEXT, "min_speedup": MIN_SPEEDUP, "mode": COMPILE_MODE, "device": CUDA_DEVICE,
 }, ops=IGNORES_OPS)
 def check_speed_compiled_static(ctx):

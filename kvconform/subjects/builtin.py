@@ -78,7 +78,8 @@ optimum-quanto 0.2.7 and hqq 0.2.8 (the fake-quant twins measure the same, bit f
 Margins: about 4× on KL, 0.1–0.15 on top-1 (a tiny random model's margins are small: at 2 bits a third of the tokens
 flip at a KL of 0.05, so KL is the sharp bound), and byte ratios that storage at the next larger width would exceed
 (4-bit stored as 8-bit: 0.31 > 0.25; 2-bit stored as 4-bit: 0.19 > 0.16). The byte ratios are of float32 keys and
-values. A subject declaring quanto 4-bit that stores its keys at 2 bits is over its budget (tests/test_quantized.py).
+values. A subject declaring quanto 4-bit that stores its keys at 2 bits is over its budget
+(tests/lossy/test_quantized.py).
 """
 
 

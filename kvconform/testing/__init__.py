@@ -1,7 +1,7 @@
 """Faulty caches that kvconform must catch, and helpers for users' own meta-tests.
 
 Every ``kvconform/testing/faulty_*.py`` module defines ``FAULTY``: a list of ``FaultyCache`` entries, each one
-small realistic bug. ``tests/test_faulty_caches.py`` runs each through the plugin and proves it is caught by the
+small realistic bug. ``tests/caches/test_faulty_caches.py`` runs each through the plugin and proves it is caught by the
 check it targets, with its message pinned. ``faulty_caches()`` collects them all.
 """
 
@@ -27,7 +27,7 @@ class FaultyCache:
         also_caught_by: other families that legitimately fail too (a fault visible everywhere), documented.
         case: optional case id to narrow the run (``-k``), default: all cases of the check.
         cause: a regular expression the failure's ``likely cause:`` line must match (``re.search``) — the diagnosis
-            the fault must get, pinned by ``tests/test_faulty_caches.py``; every faulty cache has one.
+            the fault must get, pinned by ``tests/caches/test_faulty_caches.py``; every faulty cache has one.
     """
 
     name: str

@@ -6,7 +6,7 @@ studies a codec's effect on quality under transformers (its memory is an exact c
   before storing them. It declares ``kvconform_lossy = {..., "saves_memory": False}``: judged by quality against the
   float64 oracle and by self-consistency; ``check_compression_real`` skips, saying it promises no memory saving.
 
-Faulty variants (pinned by ``tests/test_codec.py``):
+Faulty variants (pinned by ``tests/lossy/test_codec.py``):
 
 * ``CodecClaimsSaving``: the same cache declaring a memory saving it does not make (no ``saves_memory``): fails
   ``check_compression_real`` with the true cause — the codec runs on every token (its stored keys differ from the

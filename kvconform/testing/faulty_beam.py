@@ -1,7 +1,7 @@
 """A paged cache with a page table per batch row that reorders rows by moving page references: right for every
 permutation, wrong when beam search keeps one beam twice. Caught by ``check_reorder_then_decode``'s
 ``beam_fork_padded`` case (``reorder_cache([0, 0, 2])``, then the two copies decode different tokens). ``FAULTY``
-pins the check, case and likely-cause line (``tests/test_faulty_caches.py``); the built-in caches, kvconform's
+pins the check, case and likely-cause line (``tests/caches/test_faulty_caches.py``); the built-in caches, kvconform's
 ``ReferenceCache`` and the bundled ``PagedCache``, ``Int8ResidualCache`` and ``SinkWindowCache`` pass the same case.
 
 Each row's keys and values live in pages of ``PAGE_SIZE`` tokens (``[H, PAGE_SIZE, D]``), written in place, and

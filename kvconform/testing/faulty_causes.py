@@ -5,7 +5,7 @@ without its mask), not from the family that happened to run it.
 
 Each class carries one small, realistic bug (the line is marked ``# BUG:``). ``FAULTY`` lists the check that must
 catch each one, on which model, the message lines it must print and its likely-cause line (``cause``), pinned by
-``tests/test_faulty_caches.py``.
+``tests/caches/test_faulty_caches.py``.
 """
 
 from __future__ import annotations

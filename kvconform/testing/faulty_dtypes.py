@@ -13,7 +13,8 @@ those cases.
   256: the count stalls, each new token overwrites slot 256 and is never attended (``bf16_long_decode``).
 
 Each class carries one bug (the line is marked ``# BUG:``); ``FAULTY`` pins the check, case and likely-cause line
-(``tests/test_faulty_caches.py``, ``tests/test_low_precision.py``). They are built for attention-only decoder models
+(``tests/caches/test_faulty_caches.py``, ``tests/lossy/test_low_precision.py``). They are built for attention-only
+decoder models
 (the pinned model is llama).
 
 Measured and left out (a running sum that *is* caught: ``HalfCountCache``): a running absmax scale kept and applied

@@ -6,7 +6,8 @@ mismatch shown with the layer that was right.
 Each class carries one small, realistic bug (the line is marked ``# BUG:``), written as a new user would into a
 correct design (a block cache, a paged cache, a codec cache, a wrapper). ``FAULTY`` lists the check that must catch
 each one, on which model, and the likely-cause line it must print (``cause``), pinned by
-``tests/test_faulty_caches.py``; ``tests/test_cause_lines_explain.py`` pins what each line must no longer say.
+``tests/caches/test_faulty_caches.py``; ``tests/engine/test_cause_lines_explain.py`` pins what each line must no longer
+say.
 """
 
 from __future__ import annotations

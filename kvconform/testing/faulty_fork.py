@@ -1,7 +1,7 @@
 """A copy of a cache past its sliding window that keeps the right keys and values but counts its tokens wrong:
 exact with explicit ``position_ids``, wrong where positions come from the cache (``get_seq_length()``). Caught by
 ``check_prefix_fork``'s ``prefix_fork_past_window`` case (implicit positions, prefill past the window).
-``FAULTY`` pins the check, case and likely-cause line (``tests/test_faulty_caches.py``); the built-in
+``FAULTY`` pins the check, case and likely-cause line (``tests/caches/test_faulty_caches.py``); the built-in
 ``DynamicCache`` (a layer copied whole, counter included) and kvconform's ``ReferenceCache`` pass the same case."""
 
 from __future__ import annotations

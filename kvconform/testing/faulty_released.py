@@ -1,6 +1,6 @@
 """A cache that keeps memory alive after it is released: the memory family's formula checks see only what the live
 cache object holds, so only ``check_memory_released`` (live tensors in the process after the cache is dropped,
-CPU or GPU) catches it. ``FAULTY`` pins the check, case and likely-cause line (``tests/test_faulty_caches.py``);
+CPU or GPU) catches it. ``FAULTY`` pins the check, case and likely-cause line (``tests/caches/test_faulty_caches.py``);
 kvconform's ``PagedCache`` (pages allocated and dropped with the cache) is the correct cache of another design
 that passes it."""
 

@@ -10,7 +10,7 @@ just left the window and drops the newest one.
 The prefill is stored intact: a prefill shorter than the window decodes exactly until the ring wraps; after a
 prefill past the window the first decode step is already wrong. Caught by the logits family on mistral (window 8);
 the likely cause must name the ring slot and the wrap, measured in the layer's keys, not the prefill
-(``tests/test_cause_lines_ring.py``). ``kvconform.testing.allocation.RingWindowCache`` (a ring of the same size,
+(``tests/engine/test_cause_lines_ring.py``). ``kvconform.testing.allocation.RingWindowCache`` (a ring of the same size,
 start kept as an offset) is the correct cache of the same allocation policy and passes the same items.
 """
 

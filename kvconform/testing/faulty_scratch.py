@@ -1,6 +1,6 @@
 """Faulty variants of the worked from-scratch decoder (``kvconform.examples.tiny_decoder``): the mistakes an
 author of a model written from scratch makes in their own KV cache, each one override of the correct model or
-adapter. Each is caught by name (``tests/test_scratch.py``)::
+adapter. Each is caught by name (``tests/subjects/test_scratch.py``)::
 
     pytest --kvconform --kvconform-model kvconform.testing.faulty_scratch:NoCausalMaskInChunk
 

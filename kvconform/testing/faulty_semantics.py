@@ -2,7 +2,8 @@
 
 Each class carries one small, realistic bug (the line is marked ``# BUG:``) and is built like any subject,
 ``Cls(config=..., max_cache_len=...)``. ``FAULTY`` lists which check must catch each one, on which model, and the
-message lines that check must print (pinned by ``tests/test_semantics.py`` and ``tests/test_faulty_caches.py``).
+message lines that check must print (pinned by ``tests/semantics/test_semantics.py`` and
+``tests/caches/test_faulty_caches.py``).
 Static-layer caches declare
 ``kvconform_capabilities`` without the ops whose transformers faults they would inherit (not theirs to report).
 """

@@ -4,7 +4,7 @@ allocated beyond ``max_cache_len``. Both are caught by ``check_static_addresses`
 
 ``SliceWriteStaticCache`` is the correct cache of another design (slice assignment and a Python length instead of
 ``StaticLayer``'s ``index_copy_`` and length tensor) that passes the same check. Each faulty class carries one bug
-(marked ``# BUG:``); ``FAULTY`` pins the check, case and likely-cause line (``tests/test_faulty_caches.py``).
+(marked ``# BUG:``); ``FAULTY`` pins the check, case and likely-cause line (``tests/caches/test_faulty_caches.py``).
 Written for the installed transformers' ``StaticLayer`` (5.24: ``StaticLayer(max_cache_len)``).
 """
 

@@ -14,10 +14,10 @@ is a plain list-of-chunks cache. Its faulty variants each carry one bug (marked 
   static-shape engines do for ``torch.compile``: only ``input_ids``, positions, mask and cache reach the model), which
   drops ``token_type_ids``: gemma3's image block loses its bidirectional attention at the prefill. transformers'
   own ``StaticCache`` keeps it on 5.24 (gemma3_vlm: prefill, chunk and decode within 2.3e-6 of the uncached forward,
-  where dropping the block moves the logits by 2.6; ``tests/test_vlm.py``).
+  where dropping the block moves the logits by 2.6; ``tests/subjects/test_vlm.py``).
 
 A text model runs all three unchanged (no image token, no ``token_type_ids``). ``FAULTY`` pins the check, case and
-likely-cause line of each (``tests/test_cause_lines.py``).
+likely-cause line of each (``tests/engine/test_cause_lines.py``).
 """
 
 from __future__ import annotations

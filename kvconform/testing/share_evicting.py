@@ -15,7 +15,7 @@ kvconform's reference keeps them. It declares the share, its exactness below ``t
 ``crop`` is exact while nothing was evicted and refused (``ValueError``, nothing changed) after: a share cannot be
 rolled back, so it does not declare ``crop``.
 
-Faulty variants (``FAULTY`` is empty: they are pinned by ``tests/test_share_evicting.py``):
+Faulty variants (``FAULTY`` is empty: they are pinned by ``tests/semantics/test_share_evicting.py``):
 ``ShareKeepsTooMuch`` keeps 0.75 of the tokens while declaring 0.5 (held tokens and bytes over the declared bound);
 ``ShareEvictsEarly`` evicts from the first forward while declaring ``tokens_exact = 16`` (wrong logits on cases
 below 16 tokens, where it promised exactness).

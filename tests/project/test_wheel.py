@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "kvconform", "conformance_cases")
 
 
@@ -136,7 +136,7 @@ def test_wheel_runs_the_suite_from_an_empty_folder(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     report = tmp_path / "report.json"
-    # Speed items are left out: their budgets are ratios timed on this shared machine (tests/test_perf.py covers
+    # Speed items are left out: their budgets are ratios timed on this shared machine (tests/perf/test_perf.py covers
     # them), and a noisy ratio must not decide whether the package works.
     result = _run([python, "-m", "pytest", "--kvconform", "--kvconform-model", "llama", "-p", "no:cacheprovider",
                    "-q", "-m", "not kvconform_speed", "--kvconform-json", report], cwd=run_dir, env=env)

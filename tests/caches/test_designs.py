@@ -1,5 +1,5 @@
 """Every published cache design gets a true verdict (the press kind, exactness owed by non-exact kinds, checks that
-apply only where they can). The faulty variants' cause lines are pinned by ``tests/test_faulty_caches.py`` (their
+apply only where they can). The faulty variants' cause lines are pinned by ``tests/caches/test_faulty_caches.py`` (their
 ``FAULTY`` entries); here the correct designs pass and the rules that decide applicability hold. Direct
 ``check_cache`` calls on llama (and one hybrid model), no pytester runs."""
 

@@ -1,6 +1,7 @@
 """The example matrices and default-run counts of README.md and docs/ are generated from a real run
 (ci/readme_examples.py); these tests hold the committed blocks to the current code, so that they cannot go stale, and
-every copy of a block (README.md and the docs pages) to README.md's. The real run's side is in tests/test_plugin.py
+every copy of a block (README.md and the docs pages) to README.md's. The real run's side is in
+tests/plugin/test_plugin.py
 (test_empty_folder_run_with_json_and_known_fault_xfail compares its own output with them)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 from pathlib import Path
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CELL = re.compile(r"^(\d+/\d+( x\d+)?( F\d+)?|skip \d+|n/a|\.\.\.)$")
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from kvconform import check_cache
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(__file__))  # tests/, where _turboquant.py lives
 CASES = ["quality_long", "compression_long"]
 
 

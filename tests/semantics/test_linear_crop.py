@@ -2,7 +2,8 @@
 cache of the same build (transformers' ``LinearAttentionLayer`` slots, crop refused clearly) passes the same items.
 
 The faulty caches (``kvconform.testing.faulty_linear``) pin their catching item and cause line through the registry
-(``tests/test_faulty_caches.py``); here: the correct design passes both catching items, and transformers' milder fault
+(``tests/caches/test_faulty_caches.py``); here: the correct design passes both catching items, and transformers' milder
+fault
 of the same kind (``linear-crop-recording-ssm-state``: a crop accepted while the flag says False) no longer covers a
 layer that says True.
 """

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from odd_caches import EXTRAS, FORMS, LAYER_KINDS, odd_cache  # noqa: E402
 

@@ -11,7 +11,7 @@ from kvconform.subjects import Budget, CacheSpec, kind_of
 from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH, LOSSY_FRESH, LOSSY_TWIN,
                                       ORACLE, PRESS, TWIN)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _factory(**_):

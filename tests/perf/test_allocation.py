@@ -1,6 +1,6 @@
 """Allocation policies other than token by token or pages: a fixed ring of the sliding window and amortised
 doubling buffers pass the memory family with their honest bound, declared or inferred; the faulty variants that
-really over-hold are pinned by ``tests/test_faulty_caches.py`` (``kvconform.testing.allocation.FAULTY``)."""
+really over-hold are pinned by ``tests/caches/test_faulty_caches.py`` (``kvconform.testing.allocation.FAULTY``)."""
 
 from __future__ import annotations
 

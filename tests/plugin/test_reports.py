@@ -19,7 +19,7 @@ from kvconform import junit, merge
 from kvconform.digest import item_id
 from kvconform.outcomes import UsageError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CI_VARIABLES = ("CI_NODE_INDEX", "CI_NODE_TOTAL", "BUILDKITE_PARALLEL_JOB", "BUILDKITE_PARALLEL_JOB_COUNT",
                 "JOB_COMPLETION_INDEX", "GITHUB_ACTIONS")
 

@@ -13,7 +13,7 @@ from kvconform import check_cache
 from kvconform.subjects import (CacheSpec, SpecError, accepted_kwargs, call_context, names_model,
                                 required_unknown_arguments)
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import model_aware_caches as mac  # noqa: E402
 
 
@@ -143,7 +143,7 @@ def test_encoder_decoder_uses_the_self_attention_context():
 def test_compile_and_speed_families_run_the_model_under_the_context(run_kvconform, pytester):
     """They call the model themselves (eager prefill, compiled decode, timed steps): the context is entered there
     too, or SwitchedStaticCache raises."""
-    pytester.makepyfile(model_aware_caches=(Path(__file__).parent / "model_aware_caches.py").read_text())
+    pytester.makepyfile(model_aware_caches=(Path(__file__).parents[1] / "model_aware_caches.py").read_text())
     result = run_kvconform("--kvconform-cache", "model_aware_caches.py:switched_static", "--kvconform-subject",
                            "switched_static", "--kvconform-model", "llama", "-k",
                            "compile_decode or static_addresses or speed_flat_decode")

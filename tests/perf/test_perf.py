@@ -18,7 +18,7 @@ import torch
 
 from kvconform.testing import faulty_caches
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "faulty_caches" / "faulty_caches.py"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "faulty_caches" / "faulty_caches.py"
 needs_shared = pytest.mark.skipif(not SHARED.is_file(), reason=f"{SHARED} not present")
 
 

@@ -12,7 +12,7 @@ from kvconform.subjects import CacheSpec, SpecError, as_cache_spec, resolve_cach
 from kvconform.testing.faulty_paged import NeverFreedPagesCache, PagePerTokenCache
 from kvconform.testing.paged import PagedAttentionLayer, PagedCache
 
-SHARED_PAGED = Path(__file__).resolve().parents[2] / "shared" / "inputs" / "real-caches" / "paged" / "paged_cache.py"
+SHARED_PAGED = Path(__file__).resolve().parents[3] / "shared" / "inputs" / "real-caches" / "paged" / "paged_cache.py"
 MEMORY = dict(checks=["check_memory_bytes"], cases=["memory_decode"])
 
 

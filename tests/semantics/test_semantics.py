@@ -2,7 +2,7 @@
 
 * every faulty cache of ``kvconform/testing/faulty_semantics.py`` and the five shared ones aimed at these families
   is caught by the check it targets, with its message pinned (one plugin run per model, read back from the JSON
-  report; ``tests/test_faulty_caches.py`` also runs each one alone over every family);
+  report; ``tests/caches/test_faulty_caches.py`` also runs each one alone over every family);
 * the transformers 5.24 faults these families find are xfailed with their reasons by default (exit 0) and fail
   under ``--kvconform-strict`` with a message naming them;
 * the engine's op semantics, the crop-error rule and the fuzz reproducer syntax, directly.
@@ -17,7 +17,7 @@ import pytest
 
 from kvconform.testing import faulty_semantics
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "faulty_caches" / "faulty_caches.py"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "faulty_caches" / "faulty_caches.py"
 
 # (attr, check, case, model, pinned message fragments) for the shared faulty caches these families must catch
 SHARED_TARGETS = [

@@ -1,6 +1,7 @@
 """The diagnosis reads where the exception was raised and what was measured, not which family ran.
 
-(Every bundled faulty cache's own "likely cause:" line is pinned by ``tests/test_faulty_caches.py``, from the run it
+(Every bundled faulty cache's own "likely cause:" line is pinned by ``tests/caches/test_faulty_caches.py``, from the
+run it
 shares with the other faulty caches of its group.) Here, the diagnosis kinds on their own: a raise before a batch op
 is not blamed on the op; a layer count below the decoder depth is named with both numbers, and the same cache passes
 where the depths agree; NaN compares equal to NaN when checking that an original did not change; correct caches of

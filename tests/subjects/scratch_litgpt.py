@@ -1,9 +1,9 @@
 """A real from-scratch library through the model adapter (issue 32): litgpt's ``GPT`` (Lightning AI; a llama-style
 config, 2 layers, GQA, RoPE) with its own ``KVCache`` — static buffers per block, written at ``input_pos``, kept
-inside the model by ``set_kv_cache`` (the gpt-fast layout). Needs ``pip install litgpt`` (tests/test_scratch.py
+inside the model by ``set_kv_cache`` (the gpt-fast layout). Needs ``pip install litgpt`` (tests/subjects/test_scratch.py
 skips without it)::
 
-    pytest --kvconform --kvconform-model tests/scratch_litgpt.py:LitGPT
+    pytest --kvconform --kvconform-model tests/subjects/scratch_litgpt.py:LitGPT
 
 litgpt's forward takes no padding mask (``takes_mask = False``: padded cases skip) and has no rollback: its cache
 reads positions up to ``input_pos`` through the causal mask, so ``crop`` has nothing to do.

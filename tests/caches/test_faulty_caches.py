@@ -21,7 +21,7 @@ from kvconform.testing import faulty_caches
 from kvconform.zoo import VLM_NAMES
 
 FAULTY = faulty_caches()
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "faulty_caches" / "faulty_caches.py"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "faulty_caches" / "faulty_caches.py"
 # family names of shared/faulty_caches → kvconform check families
 SHARED_FAMILY = {"logits": "logits", "api-contract": "contract", "crop": "crop", "prefix-reuse": "prefix",
                  "batch-reorder": "batch", "reset": "lifecycle", "compile": "compile", "memory": "memory",
@@ -70,11 +70,12 @@ def _bundled_records(faulty, tmp_path_factory):
     members = [f for f in FAULTY if _group(f) == group]
     # the fuzz family runs only on the caches it targets: 20 caches list it in also_caught_by (it is expected to catch
     # them too, which asserts nothing), and hypothesis shrinking each one's failing program was over half of a
-    # group's run. Its precision on correct caches: tests/test_semantics.py and the main job (every built-in subject).
+    # group's run. Its precision on correct caches: tests/semantics/test_semantics.py and the main job (every built-in
+    # subject).
     selection = " or ".join(f"({f.attr} and {f.model}{'' if f.family == 'fuzz' else ' and not kvconform_fuzz'})"
                             for f in members)
     # every family but speed (its benchmarks are most of a row's time, and only the speed family's faulty caches
-    # target it; tests/test_perf.py runs the speed family on correct caches)
+    # target it; tests/perf/test_perf.py runs the speed family on correct caches)
     marks = () if group == "faulty-speed" else ("-m", "not kvconform_speed")
     return _run_group(group, tmp_path_factory, sorted({f.spec for f in members}), [f.model for f in members],
                       selection, marks)

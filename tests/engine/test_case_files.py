@@ -11,7 +11,7 @@ import pytest
 from kvconform.cases import CaseFileError, builtin_cases_dir, load_case_file, load_cases
 from kvconform.checks import load_checks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +283,19 @@ def test_spec_messages_use_the_right_article():
         resolve_cache_spec("kvconform.zoo:VOCAB_SIZE")
     with pytest.raises(SpecError, match="ZOO_NAMES is a tuple, not a Cache subclass"):
         resolve_cache_spec("kvconform.zoo:ZOO_NAMES")
+
+
+def test_a_check_owns_its_crop_past_the_start_rule(tmp_path, registry):
+    # the held-tokens rule asks the case's check (its OpRule) which params mark a crop past the start as the point
+    # of the case: a check of another family declaring its own param is honoured, by that param only
+    info = registry["check_crop_then_continue"]
+    mine = dataclasses.replace(info, name="check_mine", params={**info.params, "past_on_purpose": info.params[
+        "crop_beyond_held"]}, ops=dataclasses.replace(info.ops, crop_past_start="past_on_purpose", crop_keeps=None))
+    own = {**registry, "check_mine": mine}
+    past = 'check = "check_mine"\nops = ["prefill 2", "crop 5", "decode 2"]'
+    (case,) = load_case_file(_write(tmp_path, "ok", past + "\nparams = {past_on_purpose = true}"), own)
+    assert case.params["past_on_purpose"] is True
+    with pytest.raises(CaseFileError) as err:
+        load_case_file(_write(tmp_path, "bad", past + "\nparams = {positive = true}"), own)
+    assert ("op 2 'crop 5' removes 5 tokens from a cache holding 2" in str(err.value)
+            and "params.past_on_purpose = true" in str(err.value)), str(err.value)

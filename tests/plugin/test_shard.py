@@ -74,3 +74,18 @@ def test_two_shards_merged_equal_one_run(run_kvconform, pytester, monkeypatch, c
 
     assert outcomes("merged.json") == outcomes("all.json") and len(outcomes("all.json")) == 20
     assert "| ✅ DynamicCache |" in summary.read_text()
+
+
+def test_an_items_cost_is_what_its_check_declares():
+    # the shard cut reads the cost each check declares at registration (register(cost=...)), not a table of families
+    from types import SimpleNamespace
+
+    from kvconform.checks import load_checks
+
+    checks = load_checks()
+    costs = {name: merge.item_cost(SimpleNamespace(skip=None, check=info)) for name, info in checks.items()}
+    assert costs == {name: info.cost for name, info in checks.items()}
+    assert costs["check_compile_static_decode"] > costs["check_speed_flat_decode"] > costs["check_prefill_then_decode"]
+    assert merge.item_cost(SimpleNamespace(skip="a reason", check=checks["check_compile_static_decode"])) == \
+        merge.SKIPPED_COST
+    assert merge.item_cost(None) == 1.0

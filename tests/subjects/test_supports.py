@@ -71,6 +71,6 @@ def test_a_bad_declaration_is_a_usage_error(value, match):
 def test_readme_lists_every_capability_and_support_name():
     import pathlib
 
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     for name in (*CAPABILITIES, *SUPPORTS):
         assert re.search(rf"`{name}`", text), name

@@ -35,6 +35,16 @@ def test_family_markers_match_check_families():
     assert tuple(FAMILY_MARKERS) == tuple(FAMILIES)
 
 
+def test_family_list_is_the_registered_families():
+    # kvconform.families stays a torch-free list (the plugin's markers read it before any check is imported); the
+    # registry is the truth: a family module added or removed without the list fails here
+    from kvconform.checks import FAMILIES, load_checks
+
+    registered = {info.family for info in load_checks().values()}
+    assert set(FAMILIES) == registered, (sorted(registered - set(FAMILIES)), sorted(set(FAMILIES) - registered))
+    assert len(set(FAMILIES)) == len(FAMILIES)
+
+
 def test_empty_folder_run_with_json_and_known_fault_xfail(run_kvconform, pytester):
     result = run_kvconform("--kvconform-model", "llama", "--kvconform-model", "jamba", "-rx",
                            "--kvconform-json", "report.json")

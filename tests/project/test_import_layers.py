@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("importlinter", reason="import-linter is in the dev extra: pip install -e .[dev]")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def lint_imports(package_parent: pathlib.Path, config: pathlib.Path) -> subprocess.CompletedProcess:
