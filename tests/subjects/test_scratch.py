@@ -275,8 +275,7 @@ def test_the_conftest_hook_adds_an_adapter_as_a_model(tmp_path):
 
 def test_litgpt_through_the_same_adapter(tmp_path):
     """litgpt's GPT and KVCache (scratch_litgpt.py beside this file), when installed: exact on every family that
-    runs, and two
-    verdicts checked by hand (feeding past set_kv_cache's max_seq_length raises a bare IndexError from
+    runs, and two verdicts checked by hand (feeding past set_kv_cache's max_seq_length raises a bare IndexError from
     batched_index_select instead of a clear error; the caches live in the model, so releasing one frees nothing)."""
     pytest.importorskip("litgpt.model", reason="litgpt is an optional extra (pip install litgpt)")
     spec = f"{os.path.dirname(os.path.abspath(__file__))}/scratch_litgpt.py:LitGPT"
