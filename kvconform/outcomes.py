@@ -18,7 +18,7 @@ all), each keeping the base its callers rely on:
   ``architectures.TooLarge`` (also ``RuntimeError`` s: an architecture kvconform cannot build tiny),
   ``checks.crop.PositiveCropNote`` (also a ``UserWarning``: what ``crop(+N)`` did, reported as a note).
 
-One exception stays outside: ``session.ItemTimeout`` is a ``BaseException`` so that no ``except Exception`` around a
+One exception stays outside: ``workers.ItemTimeout`` is a ``BaseException`` so that no ``except Exception`` around a
 subject call swallows the per-item timeout.
 
 Bottom of the import layers (see ARCHITECTURE.md and ``[tool.importlinter]`` in pyproject.toml): it imports

@@ -373,7 +373,7 @@ def pytest_configure_node(node):
 @pytest.fixture
 def kv_runner(kv_session, request):
     """``kv_runner(item)`` runs one conformance item and records its metrics on the report."""
-    from kvconform.session import item_timeout
+    from kvconform.workers import item_timeout
 
     def run(item):
         __tracebackhide__ = True  # see _detached: pytest would read and parse this module for every failed item

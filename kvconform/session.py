@@ -663,49 +663,6 @@ def _refuse_unusable_checkpoint(session, info) -> None:
         raise UsageError(f"--kvconform-model {info.spec!r}: refused: {gap}")
 
 
-class ItemTimeout(BaseException):
-    """Raised inside an item that ran past ``--kvconform-timeout`` (converted to a ConformanceError). A
-    BaseException, so that the checks' ``except Exception`` around subject calls does not swallow it."""
-
-
-def item_timeout(seconds: float, item: PlanItem, reproduce_args=()):
-    """Context manager failing ``item`` with a ConformanceError after ``seconds`` (POSIX main thread only; a hang
-    inside one native call is interrupted when it returns to Python). ``seconds <= 0`` disables it."""
-    import contextlib
-    import signal
-    import threading
-
-    @contextlib.contextmanager
-    def guard():
-        usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-        if not usable:
-            yield
-            return
-
-        def on_alarm(signum, frame):
-            raise ItemTimeout()
-
-        previous = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            yield
-        except ItemTimeout:
-            from kvconform.checks import ConformanceError, reproduce_line
-
-            d = item.describe()
-            raise ConformanceError(
-                f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}\n"
-                f"  no result after {seconds:g} s (per-item timeout, --kvconform-timeout)\n"
-                f"  likely cause: the subject hangs (an endless loop, a lock) or is pathologically slow\n"
-                f"  {reproduce_line(item.subject, item.model.spec, item.id, reproduce_args)}",
-                {"timeout_s": seconds}) from None
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-    return guard()
-
-
 def run_selftest(session: KVSession, faulty) -> dict:
     """Run a bundled faulty cache (``kvconform.testing.FaultyCache``) through its target check on its model.
 

@@ -347,3 +347,48 @@ def freeze_heap_at_exit() -> None:
     import gc
 
     atexit.register(gc.freeze)
+
+
+# ------------------------------------------------------------------------------------------ the per-item timeout
+class ItemTimeout(BaseException):
+    """Raised inside an item that ran past ``--kvconform-timeout`` (converted to a ConformanceError). A
+    BaseException, so that the checks' ``except Exception`` around subject calls does not swallow it."""
+
+
+def item_timeout(seconds: float, item, reproduce_args=()):
+    """Context manager failing ``item`` (a ``plan.PlanItem``) with a ConformanceError after ``seconds`` (POSIX main
+    thread only; a hang inside one native call is interrupted when it returns to Python). ``seconds <= 0`` disables
+    it."""
+    import contextlib
+    import signal
+    import threading
+
+    @contextlib.contextmanager
+    def guard():
+        usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+        if not usable:
+            yield
+            return
+
+        def on_alarm(signum, frame):
+            raise ItemTimeout()
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        except ItemTimeout:
+            from kvconform.checks import ConformanceError, reproduce_line
+
+            d = item.describe()
+            raise ConformanceError(
+                f"{d['check']} failed: {d['subject']} on {d['model']}, case {d['case']}\n"
+                f"  no result after {seconds:g} s (per-item timeout, --kvconform-timeout)\n"
+                f"  likely cause: the subject hangs (an endless loop, a lock) or is pathologically slow\n"
+                f"  {reproduce_line(item.subject, item.model.spec, item.id, reproduce_args)}",
+                {"timeout_s": seconds}) from None
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    return guard()
