@@ -23,7 +23,8 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
 * ``seq_length(cache)`` → the tokens it says it holds (default: kvconform's own count).
 * ``reset(cache)`` → the cache emptied for a new sequence, its batch size free (default: ``new_cache`` again).
 * ``takes_mask = False``: its forward takes no padding mask (the left-padded cases skip).
-* ``capacity(cache)`` → the most tokens per row it keeps (a ring buffer of its window), or -1 (default).
+* ``capacity(cache)`` → the most tokens per row it keeps (a ring buffer of its window), or -1 / None: unbounded
+  (default).
 * ``kv_layout``: ``{"layers", "kv_heads", "head_dim"}`` — the keys and values it must hold per token, for the
   memory family's byte formula (without it the memory items skip, saying so).
 * ``caches``: ``{subject name: new_cache keyword arguments}`` — several caches of one model (default one, named
@@ -402,7 +403,8 @@ def scratch_cache_class():
 
         def get_max_length(self) -> int:
             own = getattr(self.adapter, "capacity", None)
-            return int(own(self.state)) if callable(own) else -1
+            value = own(self.state) if callable(own) else None
+            return -1 if value is None else int(value)  # None or -1: unbounded
 
         get_max_cache_shape = get_max_length
 
@@ -489,6 +491,11 @@ def float64_problem(spec: str) -> str | None:
         net = adapter.build(dtype=torch.float64, device="cpu")
     except Exception as exc:  # noqa: BLE001
         return f"{what}.build(dtype=torch.float64) raised {type(exc).__name__}: {exc}"
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in net.parameters() if p.is_floating_point()})
+    if dtypes and dtypes != ["float64"]:
+        return (f"{what}.build(dtype=torch.float64) returned a model whose weights are {'/'.join(dtypes)}: build must "
+                f"put the model in the dtype it is given (kvconform's oracle is its uncached forward in float64, and "
+                f"the bfloat16 / float16 cases build it in those)")
     module = scratch_module(adapter, net)
     ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
     mask = torch.ones_like(ids)

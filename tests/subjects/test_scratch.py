@@ -144,6 +144,13 @@ class WrongDtype(TinyDecoder):
         return logits.double(), cache
 
 
+class IgnoresDtype(TinyDecoder):
+    name = "ignores_dtype"
+
+    def build(self, dtype, device):
+        return super().build(dtype=torch.float32, device=device)  # "my model is float32"
+
+
 class LogitsOnly(TinyDecoder):
     name = "logits_only"
 
@@ -179,6 +186,13 @@ def test_an_uncached_forward_failing_at_float64_says_so(bad_file):
     text = proc.stdout + proc.stderr
     assert proc.returncode == 4, text[-2000:]
     assert "build(dtype=torch.float64) raised TypeError: float64 is not supported" in text, text[-2000:]
+
+
+def test_a_build_that_ignores_the_dtype_is_refused_before_it_becomes_the_oracle(bad_file):
+    proc = _kvconform(bad_file, "--kvconform-model", "bad_adapters.py:IgnoresDtype")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 4, text[-2000:]
+    assert "IgnoresDtype.build(dtype=torch.float64) returned a model whose weights are float32" in text, text[-2000:]
 
 
 @pytest.mark.parametrize("attr, words", [
