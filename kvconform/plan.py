@@ -59,6 +59,9 @@ def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
         problem = (f"not a zoo name{f' (did you mean {close[0]!r}?)' if close else ''} and not a checkpoint "
                    f"folder; zoo names: {', '.join(zoo.ZOO_NAMES)} (and {', '.join(zoo.VLM_NAMES)}, the "
                    f"vision-language models)")
+        if "." in spec.strip("."):  # a module path: a model adapter is named with a colon before its class
+            module, _, attr = spec.rpartition(".")
+            problem += f"; a model written from scratch is named MODULE:ATTR, e.g. {module}:{attr}"
     if problem:
         return f"--kvconform-model {spec!r}: {problem}"
     return remote.consent_problem(spec, path, trust_remote_code)

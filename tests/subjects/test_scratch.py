@@ -299,3 +299,13 @@ def test_litgpt_through_the_same_adapter(tmp_path):
     assert failed == {"capacity", "memory_released"}, (failed, proc.stdout[-3000:])
     passed = {r["family"] for r in records if r["outcome"] == "passed"}
     assert {"logits", "generate", "crop", "prefix", "fuzz", "memory", "speed"} <= passed, passed
+
+
+def test_a_dot_where_the_colon_goes_gets_the_colon_form(tmp_path, monkeypatch):
+    from kvconform.plan import spec_problem
+
+    monkeypatch.chdir(tmp_path)  # no folder of that name here
+    problem = spec_problem("kvconform.examples.tiny_decoder.TinyDecoder")
+    assert problem and problem.endswith("a model written from scratch is named MODULE:ATTR, e.g. "
+                                        "kvconform.examples.tiny_decoder:TinyDecoder"), problem
+    assert "MODULE:ATTR" not in (spec_problem("lama") or "")  # a zoo typo keeps its own hint only
