@@ -158,6 +158,24 @@ def uncached_target(ctx, name, tokens, context, steps) -> Target:
     return Target(name, run, units=steps)
 
 
+def _skip_past_the_models_length(ctx, length: int) -> None:
+    """Skip the item when the model itself cannot take ``length`` tokens (its uncached forward of one row raises:
+    a learned position table shorter than the contexts the speed family measures), so that a model's limit is not
+    reported as its cache's failure."""
+    import torch
+
+    from kvconform.outcomes import CheckSkipped
+
+    m = ctx.model.model
+    ids = torch.full((1, length), FIRST_TOKEN, dtype=torch.long, device=next(m.parameters()).device)
+    try:
+        with torch.no_grad():
+            m(**forward_kwargs(m, None, ids, 0))
+    except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward is its limit
+        raise CheckSkipped(f"the model itself cannot take the {length} tokens this speed case measures: its uncached "
+                           f"forward raises {type(exc).__name__}: {str(exc)[:160]}") from None
+
+
 def _measure(ctx, targets, extra, confirm=False):
     """Time ``targets`` (``measure_interleaved``) with the case's rounds; ``confirm``: the confirmation measurement
     (twice the rounds, a plain loop: pytest-benchmark's fixture times one call per item). Returns
@@ -174,6 +192,8 @@ def _measure(ctx, targets, extra, confirm=False):
                                                                    **extra})
     except SubjectRaised as exc:  # the short message every family gives, not a benchmark-loop traceback
         contexts = ", ".join(str(extra[k]) for k in ("context", "short", "long") if k in extra)
+        longest = max(int(extra[k]) for k in ("context", "short", "long", "prefill") if k in extra)
+        _skip_past_the_models_length(ctx, longest + int(_param(ctx, "steps")) + 1)
         fail_raised(ctx, exc, "the cache fails on the long contexts the speed family measures (the other "
                               "families' cases are short)",
                     ops_text=f"prefill({extra['prefill']}) timed" if "prefill" in extra else

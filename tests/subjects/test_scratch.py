@@ -309,3 +309,38 @@ def test_a_dot_where_the_colon_goes_gets_the_colon_form(tmp_path, monkeypatch):
     assert problem and problem.endswith("a model written from scratch is named MODULE:ATTR, e.g. "
                                         "kvconform.examples.tiny_decoder:TinyDecoder"), problem
     assert "MODULE:ATTR" not in (spec_problem("lama") or "")  # a zoo typo keeps its own hint only
+
+
+SHORT_MODEL = '''
+import torch
+from kvconform.examples.tiny_decoder import TinyDecoder
+
+
+class ShortPositions(TinyDecoder):
+    """A learned position table of 300 positions: the model itself cannot take longer sequences."""
+
+    name = "short_positions"
+
+    def _limit(self, total):
+        if total > 300:
+            raise IndexError("index out of range in self")
+
+    def forward(self, model, ids, cache, start, mask=None):
+        self._limit(start + ids.shape[1])
+        return super().forward(model, ids, cache, start, mask)
+
+    def forward_uncached(self, model, ids, mask=None):
+        self._limit(ids.shape[1])
+        return super().forward_uncached(model, ids, mask)
+'''
+
+
+def test_a_model_shorter_than_the_speed_contexts_skips_them_instead_of_failing_its_cache(tmp_path):
+    (tmp_path / "short_model.py").write_text(SHORT_MODEL)
+    proc = _kvconform(tmp_path, "--kvconform-model", "short_model.py:ShortPositions", "-k", "speed_vs_uncached",
+                      "-rs")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    assert "1 skipped" in text and "failed" not in text.split("short test summary")[-1], text[-3000:]
+    assert "the model itself cannot take the 517 tokens this speed case measures: its uncached forward raises " \
+           "IndexError: index out of range in self" in text, text[-3000:]
