@@ -596,7 +596,7 @@ _POSITIONS = "positions: the start offset kvconform passes the adapter (cumsum(m
 
 _CAUSES = (
     # (check name, or "*"; regular expression over the op the step failed or raised at; cause in the model's terms)
-    ("*", r"^chunk\(",
+    ("*", r"chunk\(",
      "your cached forward, given T > 1 new tokens while the cache already holds some (start > 0), attends them "
      "wrongly while single tokens and the prefill are right: look for a causal mask applied only when the queries "
      "are as long as the keys (a warm-cache chunk then attends its own later tokens), or a ring buffer written "
@@ -614,6 +614,10 @@ _CAUSES = (
      "batch size (a setup that returns early when buffers exist), its length or its tokens"),
     ("*", r"reorder|select|repeat|swap|beam",
      "your select(cache, rows) does not move every tensor of every block to the rows asked, in that order"),
+    ("*", r"^prefill",
+     "your cached forward of the first tokens, into an empty cache, differs from your uncached forward of the same "
+     "tokens: the cached path computes something else — look for a causal mask (or positions) built only when no "
+     "cache is passed"),
 )
 
 
