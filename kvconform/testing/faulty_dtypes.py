@@ -124,17 +124,6 @@ class _HalfCountLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return int(self.count) if self.is_initialized else 0
 
-    def get_mask_sizes(self, *args, **kwargs):
-        query_length = _query_length(*args, **kwargs)
-        return self.get_seq_length() + query_length, 0
-
-
-def _query_length(*args, **kwargs) -> int:
-    """The query length of a ``get_mask_sizes`` call, whichever signature the installed transformers uses (an int
-    ``query_length``, or the ``cache_position`` tensor of older releases)."""
-    value = kwargs.get("query_length", kwargs.get("cache_position", args[0] if args else 0))
-    return int(value) if isinstance(value, int) else int(value.shape[0])
-
 
 class HalfCountCache(Cache):
     """Keys/values in a doubling buffer of the model's dtype with a 0-d fill count in that dtype too: exact on

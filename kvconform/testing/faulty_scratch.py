@@ -97,12 +97,6 @@ class RingBufferChunks(TinySlidingDecoder):
                 layer["slot_pos"][layer["slot_pos"] > newest - n] = -1
         return cache
 
-    def select(self, cache, rows):
-        for layer in cache:
-            if "key" in layer:
-                layer["key"], layer["value"] = layer["key"][rows], layer["value"][rows]
-        return cache
-
 
 # ------------------------------------------------------------------------------------- positions after a rollback
 class PositionsRestartAfterCrop(TinyDecoder):
@@ -177,12 +171,6 @@ class StaticSetupOnce(TinyDecoder):
 
     def crop(self, cache, n):
         return cache  # the write position is the start kvconform passes: nothing to rewind
-
-    def select(self, cache, rows):
-        for layer in cache:
-            if "key" in layer:
-                layer["key"], layer["value"] = layer["key"][rows], layer["value"][rows]
-        return cache
 
     def tensors(self, cache):
         return {f"{i}.{n}": layer[n] for i, layer in enumerate(cache) for n in ("key", "value") if n in layer}
