@@ -69,10 +69,11 @@ def page_data(payload: dict, digest=None) -> dict:
 
     Returns:
         ``{"outcomes", "subjects", "models", "families", "checks", "cases", "dtypes", "faults", "texts", "items"}``;
-        each item is ``[subject, model, family, check, case, dtype, outcome, item id, message, fault]``, the first
-        seven and the last two indices into the lists of those names (message and fault ``-1`` when none); the item
-        id is ``0`` where it is the suite's own (``<subject>-<model>-<check without check_>-<case>``, rebuilt by
-        the page: 4 MB less at 72,000 items).
+        each item is ``[subject, model, family, check, case, dtype, outcome, item id, message, fault, seconds]``,
+        the first seven and message and fault indices into the lists of those names (message and fault ``-1`` when
+        none), seconds the item's ``duration_s`` (``-1`` when the record has none; the item's tooltip shows it);
+        the item id is ``0`` where it is the suite's own (``<subject>-<model>-<check without check_>-<case>``,
+        rebuilt by the page: 4 MB less at 72,000 items).
     """
     from kvconform.report import OUTCOMES, _families, _ordered
 
@@ -103,9 +104,15 @@ def page_data(payload: dict, digest=None) -> dict:
                       index["checks"][r["check"]], index["cases"][r["case"]],
                       dtypes.setdefault(str(dtype), len(dtypes)), OUTCOMES.index(r["outcome"]),
                       0 if item == own else item, texts.setdefault(message, len(texts)) if message else -1,
-                      faults.setdefault(fault, len(faults)) if fault else -1])
+                      faults.setdefault(fault, len(faults)) if fault else -1, _seconds(r.get("duration_s"))])
     return {"outcomes": list(OUTCOMES), **names, "dtypes": list(dtypes), "faults": list(faults),
             "texts": list(texts), "items": items}
+
+
+def _seconds(value) -> float:
+    """An item's ``duration_s`` for the page, to the millisecond; -1 where the record has none (a report written
+    before kvconform recorded durations, or merged from such shards)."""
+    return round(float(value), 3) if isinstance(value, (int, float)) else -1
 
 
 def _json_for_script(data) -> str:
@@ -378,7 +385,7 @@ const O = D.outcomes;
 const OI = Object.fromEntries(O.map((o, i) => [o, i]));
 const ownId = a => [D.subjects[a[0]], D.models[a[1]], D.checks[a[3]].replace(/^check_/, ""), D.cases[a[4]]].join("-");
 const items = D.items.map(a => ({s: a[0], m: a[1], f: a[2], c: a[3], k: a[4], d: a[5], o: a[6], msg: a[8],
-                                 fault: a[9], id: a[7] || ownId(a)}));
+                                 fault: a[9], id: a[7] || ownId(a), sec: a.length > 10 ? a[10] : -1}));
 const BAD = new Set([OI.failed, OI.error, OI.internal]);
 const RANK = [OI.failed, OI.error, OI.internal, OI.xpassed, OI.xfailed, OI.passed, OI.skipped];
 const $ = id => document.getElementById(id);
@@ -504,6 +511,10 @@ function reproduceLine(text) {
   const line = text.split("\n").map(l => l.trim()).find(l => l.startsWith("reproduce: "));
   return line ? line.slice("reproduce: ".length) : null;
 }
+function itemTitle(it) {
+  return it.sec >= 0 ? it.id + " (" + (it.sec < 1 ? Math.round(it.sec * 1000) + " ms" : it.sec.toFixed(2) + " s")
+                       + ")" : it.id;
+}
 function itemView(it, open) {
   const o = O[it.o], text = it.msg >= 0 ? D.texts[it.msg] : "";
   const label = [D.subjects[it.s], D.models[it.m], D.checks[it.c], D.cases[it.k], D.dtypes[it.d]].join(" · ");
@@ -511,14 +522,14 @@ function itemView(it, open) {
   const fault = it.fault >= 0 ? el("span", {class: "muted"}, "  [known fault " + D.faults[it.fault] + "]") : null;
   const box = el("div", {class: "item o-" + o, "data-id": it.id, "data-outcome": o});
   if (!text) {
-    box.append(el("div", {class: "line", title: it.id}, badge, label, fault));
+    box.append(el("div", {class: "line", title: itemTitle(it)}, badge, label, fault));
     return box;
   }
   // a failure's summary line also says what was measured (its message's second line), so a list of failures reads
   // at a glance; the whole message is one click away
   const lines = BAD.has(it.o) ? text.split("\n").map(l => l.trim()).filter(Boolean) : [];
   const hint = lines.length > 1 ? el("span", {class: "muted"}, "  " + lines[1].slice(0, 160)) : null;
-  const det = el("details", {open: !!open}, el("summary", {title: it.id}, badge, label, fault, hint));
+  const det = el("details", {open: !!open}, el("summary", {title: itemTitle(it)}, badge, label, fault, hint));
   det.append(el("pre", {class: "msg"}, text));
   const repro = reproduceLine(text);
   if (repro) {

@@ -9,9 +9,11 @@ an estimated cost (``item_cost``: a skipped item almost nothing, a compile or sp
 item) plus the cost of building its model once, and the ordered list is cut into ``N`` contiguous runs of equal
 total cost. Contiguous by model, so a shard builds only about ``1/N`` of the models (model builds and oracles are
 per process). Selection happens after ``-k`` / ``-m``, so ``-k`` keeps its meaning and the shards stay balanced.
-Considered and not used: pytest-split (0.11, maintained) balances by durations it needs stored from an earlier
-full run (``.test_durations``) and knows nothing of model builds; pytest-shard (0.1.2, 2020) hashes node ids, which
-is deterministic but neither balanced nor grouped by model.
+With ``--kvconform-durations REPORT`` (an earlier run's JSON report, whose records carry ``duration_s``) the cut
+balances the measured seconds instead; an item the report lacks is estimated from its static cost, scaled to seconds
+by the items it has (``measured_costs``). Considered and not used: pytest-split (0.11, maintained) balances by
+durations it needs stored from an earlier full run (``.test_durations``) and knows nothing of model builds;
+pytest-shard (0.1.2, 2020) hashes node ids, which is deterministic but neither balanced nor grouped by model.
 
 Merging. ``kvconform-merge --json OUT [--junitxml OUT.xml] IN.json...``: the union of the shards' results (schema 1;
 an item reported by two shards must have the same outcome), the environment of the shards (which must agree on
@@ -141,10 +143,10 @@ def item_cost(plan_item) -> float:
     return plan_item.check.cost
 
 
-def shard_of(keys: list, costs: list[float], count: int) -> list[int]:
+def shard_of(keys: list, costs: list[float], count: int, model_cost: float = MODEL_COST) -> list[int]:
     """The shard index (0-based) of each entry: ``keys`` (the model of each item, in the order items are run) group
     the entries; groups keep their first-appearance order, entries keep theirs within a group; the ordered list is
-    cut into ``count`` contiguous parts of equal total cost (``costs`` plus ``MODEL_COST`` per group), an entry
+    cut into ``count`` contiguous parts of equal total cost (``costs`` plus ``model_cost`` per group), an entry
     going to the part its cost midpoint falls in. Deterministic: it depends only on the arguments."""
     order = {}
     for key in keys:
@@ -152,7 +154,7 @@ def shard_of(keys: list, costs: list[float], count: int) -> list[int]:
     ranked = sorted(range(len(keys)), key=lambda i: (order[keys[i]], i))
     weights, seen = {}, set()
     for i in ranked:
-        weights[i] = costs[i] + (MODEL_COST if keys[i] not in seen else 0.0)
+        weights[i] = costs[i] + (model_cost if keys[i] not in seen else 0.0)
         seen.add(keys[i])
     total = sum(weights.values()) or 1.0
     out, done = [0] * len(keys), 0.0
@@ -162,15 +164,57 @@ def shard_of(keys: list, costs: list[float], count: int) -> list[int]:
     return out
 
 
-def select_shard(items: list, index: int, count: int) -> tuple[list, list]:
+def read_durations(path: str) -> dict[str, float]:
+    """``{node id: seconds}`` of the items of the JSON report at ``path`` (each record's ``duration_s``, written
+    since kvconform 0.1's per-item durations; a record without one is left out).
+
+    Raises:
+        UsageError: the file cannot be read, is not a schema-1 kvconform report, or holds no duration at all.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            payload = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot be read as a JSON report ({exc})") from None
+    if not isinstance(payload, dict) or payload.get("schema") != 1 or not isinstance(payload.get("results"), list):
+        raise UsageError("is not a kvconform JSON report (schema 1, written by --kvconform-json)")
+    durations = {r["nodeid"]: float(r["duration_s"]) for r in payload["results"]
+                 if isinstance(r, dict) and isinstance(r.get("nodeid"), str)
+                 and isinstance(r.get("duration_s"), (int, float))}
+    if not durations:
+        raise UsageError("holds no item durations (a report written before kvconform recorded duration_s): "
+                         "write a new one with --kvconform-json")
+    return durations
+
+
+def measured_costs(nodeids: list[str], estimates: list[float],
+                   durations: dict[str, float]) -> tuple[list[float], float]:
+    """``(costs, model_cost)`` in seconds: each item's measured duration where ``durations`` has it, else its
+    estimate scaled to seconds by the measured items' ratio (their seconds over their estimates), and ``MODEL_COST``
+    scaled the same way. With no item measured the estimates and ``MODEL_COST`` are returned as they are."""
+    known = [(durations[n], e) for n, e in zip(nodeids, estimates) if n in durations]
+    estimated = sum(e for _, e in known)
+    if not known or estimated <= 0:
+        return list(estimates), MODEL_COST
+    scale = sum(d for d, _ in known) / estimated
+    return [durations[n] if n in durations else e * scale for n, e in zip(nodeids, estimates)], MODEL_COST * scale
+
+
+def select_shard(items: list, index: int, count: int,
+                 durations: dict[str, float] | None = None) -> tuple[list, list]:
     """Split pytest ``items`` into ``(kept, deselected)`` for shard ``index`` of ``count`` (1-based), see the module
-    docstring. Items without a kvconform plan item (another test of the session) are shared out by count."""
+    docstring. Items without a kvconform plan item (another test of the session) are shared out by count. With
+    ``durations`` (``{node id: seconds}`` of an earlier report, ``--kvconform-durations``) the cut balances measured
+    seconds (``measured_costs``) instead of the static estimate."""
     plans = [getattr(getattr(it, "callspec", None), "params", {}).get("kv_item") for it in items]
     keys = [p.model.name if p is not None else "" for p in plans]
     # split in an order of their own (model, node id), not the run order: a plugin that shuffles items per process
     # (pytest-randomly, a different seed in every CI job) would otherwise give each job another split
     order = sorted(range(len(items)), key=lambda i: (keys[i], getattr(items[i], "nodeid", "")))
-    ranked = shard_of([keys[i] for i in order], [item_cost(plans[i]) for i in order], count)
+    costs, model_cost = [item_cost(plans[i]) for i in order], MODEL_COST
+    if durations:
+        costs, model_cost = measured_costs([getattr(items[i], "nodeid", "") for i in order], costs, durations)
+    ranked = shard_of([keys[i] for i in order], costs, count, model_cost)
     shards = [0] * len(items)
     for position, i in enumerate(order):
         shards[i] = ranked[position]

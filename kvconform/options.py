@@ -129,6 +129,11 @@ SHARD = Option("--kvconform-shard", metavar="I/N|auto",
                     "on several machines; 'auto' reads the share from GitLab's CI_NODE_INDEX/CI_NODE_TOTAL or "
                     "Buildkite's BUILDKITE_PARALLEL_JOB/_COUNT, 'auto/N' from a Kubernetes indexed Job's "
                     "JOB_COMPLETION_INDEX; merge their JSON reports with kvconform-merge")
+DURATIONS = Option("--kvconform-durations", metavar="REPORT",
+                   help="balance --kvconform-shard by the items' measured durations in an earlier JSON report "
+                        "(its duration_s per item); items it lacks fall back to the static cost estimate",
+                   ini="string", ini_help="JSON report whose durations balance the shards (same as "
+                                          "--kvconform-durations)", ini_default="", paths="path")
 
 
 # ------------------------------------------------------------------------------------------------------ reading
@@ -235,7 +240,8 @@ def reproduce_args(config, fuzz_seed: int | None) -> tuple:
 
 def check_usage(config) -> None:
     """Usage errors (exit 4, one line) for the option values that would otherwise fail every item or the end of
-    the run: the JSON report path, the per-item timeout, the torch device.
+    the run: the JSON report path, the durations report (``--kvconform-durations``: readable, a schema-1 report, and
+    only with ``--kvconform-shard``), the per-item timeout, the torch device.
 
     Raises:
         pytest.UsageError: naming the option, the value and the cause.
@@ -246,6 +252,17 @@ def check_usage(config) -> None:
         path = opt(config, option)
         if path and (problem := json_path_problem(path)):
             raise pytest.UsageError(f"kvconform: {option.flag} {path!r}: {problem}")
+    durations = opt(config, DURATIONS)
+    if durations:
+        from kvconform.merge import read_durations
+
+        try:
+            read_durations(durations)
+        except UsageError as exc:
+            raise pytest.UsageError(f"kvconform: {DURATIONS.flag} {durations!r}: {exc}") from None
+        if not opt(config, SHARD):
+            raise pytest.UsageError(f"kvconform: {DURATIONS.flag} {durations!r} balances shards, but no "
+                                    f"--kvconform-shard is given: add --kvconform-shard I/N (or auto)")
     try:
         timeout = timeout_s(config)
     except ValueError:

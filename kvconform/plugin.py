@@ -18,7 +18,8 @@ import pytest
 
 from kvconform.families import FAMILIES
 from kvconform.outcomes import UsageError
-from kvconform.options import (CACHE, CASES, DEVICE, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT, SUBJECT, TRUST,
+from kvconform.options import (CACHE, CASES, DEVICE, DURATIONS, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT,
+                               SUBJECT, TRUST,
                                add_options, check_usage, hooked_specs, is_active, opt, read_fuzz_seed, read_shard,
                                refuse_flags_without_kvconform, refuse_mistyped_specs, reproduce_args, timeout_s)
 from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SESSION_KEY, await_digest,
@@ -245,17 +246,20 @@ def pytest_collection_modifyitems_shard(session, config, items):
     shard = getattr(config.stash.get(SESSION_KEY, None), "shard", None) if is_active(config) else None
     if not shard:
         return
-    from kvconform.merge import select_shard
+    from kvconform.merge import read_durations, select_shard
 
     index, count = (int(x) for x in shard.split("/"))
-    kept, dropped = select_shard(items, index, count)
+    durations_path = opt(config, DURATIONS)
+    durations = read_durations(durations_path) if durations_path else None
+    kept, dropped = select_shard(items, index, count, durations)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept
     source = getattr(config, "_kvconform_shard_source", "")
+    balance = "balanced by the durations of " + durations_path if durations else "balanced by estimated cost"
     config._kvconform_shard_line = (f"kvconform shard {shard}{f' ({source})' if source else ''}: {len(kept)} of "
-                                    f"{len(kept) + len(dropped)} items (merge the shards' --kvconform-json reports "
-                                    f"with kvconform-merge)")
+                                    f"{len(kept) + len(dropped)} items, {balance} (merge the shards' "
+                                    f"--kvconform-json reports with kvconform-merge)")
 
 
 def pytest_report_collectionfinish(config, start_path, items):

@@ -72,23 +72,37 @@ def decode_property(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value or {})
 
 
+_PENDING_S: dict[str, float] = {}
+"""Seconds of an item's setup that passed, until its first record (the call's) is folded in."""
+
+
 def record_report(results: dict, report, props: dict, digest=None) -> None:
-    """Fold one ``TestReport`` into ``results`` (nodeid → record). Later phases refine earlier ones. With the run's
+    """Fold one ``TestReport`` into ``results`` (nodeid → record). Later phases refine earlier ones; the record's
+    ``duration_s`` is the item's wall time in seconds, setup + call + teardown as pytest timed them (a model built
+    for the item's first use counts in it). With the run's
     ``digest``, an xfailed or xpassed item that a known upstream fault names gets ``metrics["known_fault"]`` (the
     entry's id; not when the subject's own ``expected_failures`` xfailed it), so that reports read from the JSON
     alone (``kvconform-merge --junitxml``) can name the fault."""
     outcome = _outcome(report)
-    if outcome is None:
+    if outcome is None:  # a setup or teardown that passed: its time still counts in the item's duration
+        pending = _PENDING_S.pop(report.nodeid, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+        if report.nodeid in results:
+            results[report.nodeid]["duration_s"] = round(results[report.nodeid].get("duration_s", 0.0) + pending, 4)
+        else:
+            _PENDING_S[report.nodeid] = pending
         return
     info = decode_property(props["kvconform"])
     metrics = {k: _clean(v) for k, v in decode_property(props.get("kvconform_metrics")).items()}
     if outcome in ("failed", "error") and metrics.get("kvconform_internal"):
         outcome = "internal"  # kvconform's own code failed on it: no verdict on the subject
     previous = results.get(report.nodeid)
+    duration = round((previous or {}).get("duration_s", 0.0) + _PENDING_S.pop(report.nodeid, 0.0)
+                     + float(getattr(report, "duration", 0.0) or 0.0), 4)
     if previous is not None and previous["outcome"] in ("failed", "error", "internal") and outcome == "error":
+        previous["duration_s"] = duration
         return  # a teardown error does not hide the call's failure
     record = {"nodeid": report.nodeid, **info, "outcome": outcome, "message": _message(report, outcome),
-              "metrics": metrics}
+              "metrics": metrics, "duration_s": duration}
     if digest is not None and outcome in ("xfailed", "xpassed"):
         subject = digest.subject(record.get("subject", ""))
         fault = digest.known_fault(record)

@@ -55,10 +55,14 @@ def test_two_shards_merged_equal_one_run(run_kvconform, pytester, monkeypatch, c
     select = ["--kvconform-model", "llama", "--kvconform-subject", "DynamicCache", "--kvconform-subject",
               "StaticCache", "-m", "kvconform_logits or kvconform_lifecycle", "-k", "not bf16 and not fp16"]
     run_kvconform(*select, "--kvconform-json", "all.json").assert_outcomes(passed=17, xfailed=3)
+    records = json.loads((pytester.path / "all.json").read_text())["results"]
+    assert all(r["duration_s"] > 0 for r in records), [r for r in records if not r["duration_s"] > 0]
     counts = []
-    for index in (1, 2):
-        result = run_kvconform(*select, "--kvconform-shard", f"{index}/2", "--kvconform-json", f"{index}.json")
+    for index in (1, 2):  # balanced by the durations all.json measured (--kvconform-durations)
+        result = run_kvconform(*select, "--kvconform-shard", f"{index}/2", "--kvconform-json", f"{index}.json",
+                               "--kvconform-durations", "all.json")
         line = next(s for s in result.outlines if s.startswith("kvconform shard"))
+        assert "balanced by the durations of all.json" in line, line
         counts.append(int(line.split(": ")[1].split()[0]))
     assert sum(counts) == 20 and min(counts) >= 7, counts
     summary = pytester.path / "summary.md"
@@ -89,3 +93,38 @@ def test_an_items_cost_is_what_its_check_declares():
     assert merge.item_cost(SimpleNamespace(skip="a reason", check=checks["check_compile_static_decode"])) == \
         merge.SKIPPED_COST
     assert merge.item_cost(None) == 1.0
+
+
+def test_measured_durations_move_the_cut():
+    # one model's items measured 10x slower than the estimate says: the cut follows the seconds, not the estimate
+    from types import SimpleNamespace
+
+    def item(model, n):
+        plan = SimpleNamespace(skip=None, check=SimpleNamespace(cost=1.0), model=SimpleNamespace(name=model))
+        return SimpleNamespace(nodeid=f"{model}-{n}", callspec=SimpleNamespace(params={"kv_item": plan}))
+
+    items = [item("a", n) for n in range(10)] + [item("b", n) for n in range(10)] + [item("c", n) for n in range(10)]
+    by_estimate = [len(merge.select_shard(items, i, 2)[0]) for i in (1, 2)]
+    assert sum(by_estimate) == 30 and min(by_estimate) >= 10  # equal estimates: about half each
+    durations = {f"a-{n}": 10.0 for n in range(10)} | {f"b-{n}": 1.0 for n in range(10)}  # c unmeasured
+    kept = [merge.select_shard(items, i, 2, durations)[0] for i in (1, 2)]
+    assert [len(k) for k in kept] != by_estimate and {it.nodeid[0] for it in kept[0]} == {"a"}
+    assert sum(len(k) for k in kept) == 30
+    costs, model_cost = merge.measured_costs(["a-0", "c-0"], [1.0, 1.0], {"a-0": 4.0})
+    assert costs == [4.0, 4.0] and model_cost == merge.MODEL_COST * 4.0  # the unmeasured item scaled like the measured
+    assert merge.measured_costs(["x"], [2.0], {}) == ([2.0], merge.MODEL_COST)
+
+
+def test_a_bad_durations_report_is_a_usage_error(run_kvconform, pytester):
+    pytester.path.joinpath("old.json").write_text(json.dumps(_report(None, ("a", "passed"))))  # no duration_s
+    pytester.path.joinpath("junk.json").write_text("{")
+    timed = _report(None, ("a", "passed"))
+    timed["results"][0]["duration_s"] = 0.5
+    pytester.path.joinpath("timed.json").write_text(json.dumps(timed))
+    for args, expected in ((["--kvconform-durations", "junk.json", "--kvconform-shard", "1/2"], "cannot be read"),
+                           (["--kvconform-durations", "old.json", "--kvconform-shard", "1/2"],
+                            "holds no item durations"),
+                           (["--kvconform-durations", "timed.json"], "no --kvconform-shard is given")):
+        result = run_kvconform("--kvconform-model", "llama", *args)
+        assert result.ret == 4, (args, result.ret)
+        assert expected in result.stderr.str(), result.stderr.str()
