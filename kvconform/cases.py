@@ -440,14 +440,13 @@ def load_case_file(path, known_checks=None) -> list[Case]:
     return cases
 
 
-def load_cases(paths=None, known_checks=None) -> list[Case]:
-    """All cases from the built-in folder plus ``paths`` (files or folders of ``*.toml``), sorted by id.
-    ``known_checks``: as for ``load_case_file``.
+def case_files(paths) -> list[Path]:
+    """The case files ``paths`` name: each file, and each folder's ``*.toml`` in name order.
 
     Raises:
-        CaseFileError: a malformed file, a missing path, or a duplicated case id (names both files).
+        CaseFileError: a path that is neither a file nor a folder.
     """
-    files = sorted(builtin_cases_dir().glob("*.toml"))
+    files: list[Path] = []
     for extra in paths or ():
         p = Path(extra)
         if p.is_dir():
@@ -456,6 +455,17 @@ def load_cases(paths=None, known_checks=None) -> list[Case]:
             files.append(p)
         else:
             raise CaseFileError(f"{extra}: no such case file or folder")
+    return files
+
+
+def load_cases(paths=None, known_checks=None) -> list[Case]:
+    """All cases from the built-in folder plus ``paths`` (files or folders of ``*.toml``), sorted by id.
+    ``known_checks``: as for ``load_case_file``.
+
+    Raises:
+        CaseFileError: a malformed file, a missing path, or a duplicated case id (names both files).
+    """
+    files = [*sorted(builtin_cases_dir().glob("*.toml")), *case_files(paths)]
     seen: dict[str, str] = {}
     cases = []
     for f in files:

@@ -358,8 +358,8 @@ def test_ctrl_c_under_workers_leaves_an_incomplete_report(tmp_path):
 
 def test_mistyped_specs_are_refused_before_workers_start_and_without_torch(tmp_path):
     """Under the default distribution (workers), a class-name typo in a --kvconform-cache file, a module that does
-    not exist and a mistyped zoo name are usage errors in the controller at configure time: no worker starts, torch
-    is not imported, and a zoo-name typo gets a "did you mean"."""
+    not exist, a mistyped zoo name, a malformed case file or known-faults file are usage errors in the controller at
+    configure time: no worker starts, torch is not imported, and a zoo-name typo gets a "did you mean"."""
     (tmp_path / "mycache.py").write_text("from transformers import DynamicCache\n\nclass MyCache(DynamicCache):\n"
                                          "    pass\n")
     script = textwrap.dedent("""
@@ -373,7 +373,13 @@ def test_mistyped_specs_are_refused_before_workers_start_and_without_torch(tmp_p
               "'mycache.py:MyCahce': module 'mycache.py' has no attribute 'MyCahce' (did you mean 'MyCache'?)"),
              (["--kvconform-cache", "no_such_module_xyz:Cache"],
               "importing 'no_such_module_xyz' failed: ModuleNotFoundError"),
-             (["--kvconform-model", "lama"], "--kvconform-model 'lama': not a zoo name (did you mean 'llama'?)")]
+             (["--kvconform-model", "lama"], "--kvconform-model 'lama': not a zoo name (did you mean 'llama'?)"),
+             (["--kvconform-cases", "mine.toml"], "mine.toml: case 'x': key 'ops': expected list, got str"),
+             (["--kvconform-cases", "no_such_folder"], "no_such_folder: no such case file or folder"),
+             (["--kvconform-known-faults", "faults.toml"], "faults.toml: cannot read known-faults file")]
+    (tmp_path / "mine.toml").write_text('[[case]]\nid = "x"\ncheck = "check_prefill_then_decode"\n'
+                                        'ops = "prefill 4, decode 2"\n')
+    (tmp_path / "faults.toml").write_text("x = [\n")
     for args, text in cases:
         proc = subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, capture_output=True, text=True,
                               timeout=300, env=_env())
