@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from kvconform import compat
+
 DEFAULT_FACTOR = 10.0
 DEFAULT_ABS_MIN = 2e-5
 HALF_FACTOR = 5.0
@@ -150,7 +152,8 @@ class Oracle:
             kwargs["input_ids"] = tokens.to(device)
             if attention_mask is not None:
                 kwargs["attention_mask"] = attention_mask.to(device)
-                kwargs["position_ids"] = padded_position_ids(attention_mask).to(device)
+                if compat.accepts_position_ids(model):  # as every cached forward gets them (_drive.forward)
+                    kwargs["position_ids"] = padded_position_ids(attention_mask).to(device)
         with torch.no_grad():
             return model(**kwargs).logits.detach().to("cpu", torch.float64)
 
@@ -167,6 +170,37 @@ class Oracle:
     def uncached(self, tokens, attention_mask=None, encoder_ids=None):
         """Case-dtype uncached logits ``[B, T, V]`` (as float64) — the noise-floor reference."""
         return self._memoised("uncached", lambda: self.zoo_model.model, tokens, attention_mask, encoder_ids)
+
+    def left_padding_gap(self, pad_token: int = 0) -> float | None:
+        """How far the model's own float64 uncached forward puts a left-padded row from the same row alone: 6
+        tokens after 2 pad tokens, with the attention mask (and ``position_ids = cumsum(mask) − 1`` where the model
+        takes them counted from 0: ``compat.accepts_position_ids``), as every padded forward gets them, against the
+        6 tokens alone, over the 6 real positions (``max|Δlogit|``). None where they agree (relative 1e-6), and for
+        an encoder-decoder model (its decoder is never left-padded) or a forward whose padded row is not finite
+        (gemma2's eager float32 softmax of a fully masked row): no verdict, as before.
+
+        A model whose positions come from the slot rather than from ``position_ids`` (learned absolute positions it
+        offsets by itself — BART's ``+ 2``, RoBERTa's ``padding_idx + 1`` — or a forward that takes none) gives a
+        left-padded row other logits than the row alone, whatever the cache: a left-padded batch has no unpadded
+        equivalent there. Measured once per oracle (a model in a process); two forwards of 8 tokens."""
+        import torch
+
+        if self.zoo_model.is_encoder_decoder:
+            return None
+        if "left_padding_gap" not in self._memo:
+            vocab = int(self.zoo_model.vocab_size)
+            toks = (torch.arange(3, 9) % vocab).unsqueeze(0)
+            padded = torch.cat([torch.full((1, 2), pad_token, dtype=torch.long), toks], dim=1)
+            mask = torch.tensor([[0, 0] + [1] * 6])
+            try:
+                alone = self.logits(toks)
+                in_batch = self.logits(padded, attention_mask=mask)[:, 2:]
+                gap = float((alone - in_batch).abs().max())
+                scale = max(1.0, float(alone.abs().max()))
+            except Exception:  # noqa: BLE001 - not runnable like this: its items decide, as before
+                gap, scale = 0.0, 1.0
+            self._memo["left_padding_gap"] = gap if math.isfinite(gap) and gap > 1e-6 * scale else None
+        return self._memo["left_padding_gap"]
 
 
 def padded_position_ids(attention_mask):

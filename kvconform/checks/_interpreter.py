@@ -162,6 +162,11 @@ class Runner:
         if padding is None:
             padding = ctx.case.params.get("padding")
         self.padding = None if (ctx.model.is_encoder_decoder or not padding) else [int(p) for p in padding]
+        if self.padding and any(self.padding) and (gap := ctx.oracle.left_padding_gap(PAD_TOKEN)) is not None:
+            raise CheckSkipped(f"{ctx.model.name}'s own uncached forward in float64 puts a left-padded row "
+                               f"{gap:.1e} (max|Δlogit|) from the same row alone, with the mask (and position_ids = "
+                               f"cumsum − 1 where it takes them counted from 0): its positions come from the slot, "
+                               f"so a left-padded batch has no unpadded equivalent to compare with, whatever the cache")
         self.batch = ctx.case.batch
         self.encoder_ids = encoder_ids_for(ctx, self.gen)
         self.seq = torch.empty(self.batch, 0, dtype=torch.long)
