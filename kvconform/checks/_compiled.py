@@ -33,9 +33,9 @@ def declared_compileable(subject, model_info) -> bool | None:
 def _device_rule(case, device) -> str | None:
     """Why a ``params.device = "cuda"`` case does not run on ``device``, or None."""
     if case.params.get("device") == "cuda":
-        import torch
+        from kvconform.compat import on_cuda
 
-        if not (str(device).startswith("cuda") and torch.cuda.is_available()):
+        if not on_cuda(device):
             return (f"case {case.id} requires CUDA (mode={case.params.get('mode')!r}: CUDA graphs); "
                     f"run with --kvconform-device cuda on a GPU")
     return None
