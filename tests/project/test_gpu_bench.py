@@ -45,7 +45,8 @@ def test_smoke_run_covers_every_target_and_writes_the_report(tmp_path):
     assert report["memory"]["DynamicCache"]["ratio_counted_formula"] == 1.0
     assert 1.0 <= report["memory"]["StaticCache"]["ratio_counted_formula"] < 1.01
     assert {"DynamicCache counted bytes == formula", "recompiles after warm-up",
-            "StaticCache+compile vs DynamicCache eager @16", "StaticCache+compile / floor @32"} <= set(report["budgets"])
+            "StaticCache+compile vs DynamicCache eager @16",
+            "StaticCache+compile / floor @32"} <= set(report["budgets"])
     # every speed is also given against this device's floor (bytes read per token over its memory bandwidth); cached
     # vs uncached is reported, never judged by a threshold born on a CPU
     assert report["complete"] and report["sections"] == ["memory", "eager speed", "compile", "compiled speed"]
