@@ -31,6 +31,18 @@ item fails only when the budget is exceeded in both, and its message reports bot
 measurement passes on the second (``metrics["confirmation"]`` records it). A cache that really does O(context) work
 per step is slow in every round, so it fails both.
 
+**On CUDA** (``cuda_speed_problem``, each check's ``applies`` rule): the budgets above were calibrated on a CPU,
+where a tiny model's cached step is far cheaper than its uncached forward. On a GPU both are bound by kernel
+launches (a cached step of the zoo's llama launches about as many kernels as the uncached forward of 513 tokens),
+so a CPU-calibrated ratio would judge the launches. A case without ``params.device = "cuda"`` is judged on CUDA only
+where the model's bandwidth floor (its weights' bytes at the case dtype over the GPU's memory bandwidth,
+``timing.device_bandwidth``) is at least its launch floor (``timing.launch_floor_s``); elsewhere it skips with both
+numbers, and the GPU's speed budgets are ``kvconform-gpu-bench``'s (measured / floor ratios on a 1.1B model).
+
+**Positions.** Each check declares the tokens its timings reach (``tokens_held``: ``context + steps``, ``long +
+steps``, the prefill's ``context``); the plan skips an item whose model takes fewer positions
+(``plan.positions_problem``, from the model's config), so no forward ever runs past a learned position table.
+
 Runtime skips (never passes): benchmarking disabled (``--benchmark-disable``). Under xdist (kvconform's default)
 pytest-benchmark disables itself, so the plugin passes no fixture and the rounds run in a plain loop; the
 confirmation keeps the other worker's load from flipping a verdict. Decoder-only models (cases
