@@ -42,6 +42,7 @@ otherwise; 4 for a usage mistake (no CUDA without ``--smoke``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -214,19 +215,11 @@ def make_plan(smoke: bool) -> dict:
     if not cuda and not smoke:
         raise RuntimeError("no CUDA: plan with --smoke")
     started = time.perf_counter()
-    with compat.planned_as_cuda() if not cuda else _nothing():
+    with compat.planned_as_cuda() if not cuda else contextlib.nullcontext():
         items = build_session(device="cuda", runs_items=False).items()
         summary = plan_summary(items)
     return {"device": "cuda", "planned_as_cuda": not cuda, "device_name": torch.cuda.get_device_name(0) if cuda
             else None, "seconds": round(time.perf_counter() - started, 1), **summary}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def summarize_conformance(data: dict) -> dict:
