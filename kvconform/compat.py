@@ -435,9 +435,10 @@ def missing_tool(tool: str) -> bool:
     return not (shutil.which(tool) or (home and os.path.exists(os.path.join(home, "bin", tool))))
 
 
-POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length", "max_seq_len",
-                 "seq_length")
-"""Config attributes that give a model's number of positions, in the order they are read."""
+POSITION_KEYS = ("max_target_positions", "n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length",
+                 "max_seq_len", "seq_length")
+"""Config attributes that give a model's number of positions, in the order they are read (an encoder-decoder's
+decoder table first: Whisper's ``max_target_positions``)."""
 
 ROTARY_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base",
                "partial_rotary_factor")
