@@ -366,3 +366,102 @@ def missing_requirement(requirement: str) -> bool:
         return not hasattr(importlib.import_module(module), attr)
     except Exception:  # noqa: BLE001 - a module that fails to import is missing
         return True
+
+
+# ------------------------------------------------------------------------------------------ devices
+_PLANNED_AS_CUDA = [False]
+
+
+def cuda_available() -> bool:
+    """Whether CUDA runs here: ``torch.cuda.is_available()``, or True inside ``planned_as_cuda()`` (a plan made on a
+    machine without a GPU, to see what a GPU run would plan, skip and judge; nothing runs under it). Every CUDA rule
+    of the plan and the checks asks this one function."""
+    if _PLANNED_AS_CUDA[0]:
+        return True
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def on_cuda(device) -> bool:
+    """Whether ``device`` (a torch device or its name) is a CUDA device that runs here (``cuda_available``)."""
+    return str(device).startswith("cuda") and cuda_available()
+
+
+class planned_as_cuda:
+    """Context manager: within it ``cuda_available()`` answers True, so ``plan.skip_reason`` and the checks' CUDA
+    rules decide items as on a GPU. For planning only (``kvconform-device-check --smoke``, the planning tests): no
+    item may run under it."""
+
+    def __enter__(self):
+        self._was = _PLANNED_AS_CUDA[0]
+        _PLANNED_AS_CUDA[0] = True
+        return self
+
+    def __exit__(self, *exc):
+        _PLANNED_AS_CUDA[0] = self._was
+        return False
+
+
+def settle_streams(device) -> None:
+    """Wait for every CUDA stream of ``device`` (``torch.cuda.synchronize``), a no-op elsewhere: an offloaded cache
+    moves its layers with ``non_blocking`` copies on a prefetch stream, so its tensors may be read only after them."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(device)
+
+
+def strict_float32(device) -> None:
+    """On CUDA, turn TF32 off for matmuls and cuDNN (``torch.backends``) so that float32 computes in float32: the
+    float32 tolerances (``oracle.DTYPE_TOLERANCE``) are calibrated on float32 arithmetic, and TF32's 10-bit mantissa
+    would move an exact cache's error by ~1e-3. A no-op elsewhere."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+
+
+def missing_tool(tool: str) -> bool:
+    """True when the program ``tool`` is neither on ``PATH`` nor in ``$CUDA_HOME/bin`` (``$CUDA_PATH/bin``): e.g.
+    ``nvcc``, which optimum-quanto needs to build its CUDA kernels on first use."""
+    import os
+    import shutil
+
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or ""
+    return not (shutil.which(tool) or (home and os.path.exists(os.path.join(home, "bin", tool))))
+
+
+POSITION_KEYS = ("max_target_positions", "n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length",
+                 "max_seq_len", "seq_length")
+"""Config attributes that give a model's number of positions, in the order they are read (an encoder-decoder's
+decoder table first: Whisper's ``max_target_positions``)."""
+
+ROTARY_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base",
+               "partial_rotary_factor")
+"""Config attributes of rotary position embeddings: a model that has one computes positions, it has no table."""
+
+
+def position_limit(config) -> int | None:
+    """The position count a model's ``config`` declares (its text config for a vision-language model), or None:
+    the first of ``POSITION_KEYS`` (``n_positions`` of GPT-2, ``max_position_embeddings`` of BART), unless the config
+    declares rotary embeddings (``ROTARY_KEYS``), relative attention buckets (T5) or a non-absolute
+    ``position_embedding_type``: such a model computes its positions, and its ``max_position_embeddings`` is a
+    training length, not a limit. A candidate only: ``plan.position_limit`` keeps it where the model has a learned
+    table of that many rows (Jamba declares 512 positions and has no table)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for cfg in (text, config):
+        if any(getattr(cfg, key, None) is not None for key in ROTARY_KEYS):
+            return None
+        if getattr(cfg, "relative_attention_num_buckets", None) is not None:
+            return None
+        if getattr(cfg, "position_embedding_type", "absolute") not in ("absolute", None):
+            return None
+    for key in POSITION_KEYS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -249,7 +249,9 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     it (``CheckInfo.judges``; ``Kind.not_judged``: e.g. a lossy subject is not held to the generate family's
     token-for-token comparison with the exact model, an evicting one keeps only the cases that never make it hold
     more than its ``tokens_max`` tokens, ``most_tokens_held``); ``CacheSpec.requires`` and ``CacheSpec.needs_cuda``
-    (optional backends and hardware); explicit ``position_ids`` on a model whose forward takes none.
+    (optional backends and hardware), ``CacheSpec.cuda_requires`` on CUDA (a program such as ``nvcc``); explicit
+    ``position_ids`` on a model whose forward takes none; a case that makes the model see more tokens than its
+    position limit (``positions_problem``, from its config).
     """
     from kvconform import scratch
     from kvconform.compat import missing_requirement
@@ -278,9 +280,82 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
             return f"requires {requirement} ({hint})"
     if getattr(subject, "needs_cuda", None) and not _cuda_device(device):
         return subject.needs_cuda
+    if _cuda_device(device):
+        from kvconform.compat import missing_tool
+
+        for tool, why in (getattr(subject, "cuda_requires", None) or {}).items():
+            if missing_tool(tool):
+                return f"requires {tool} on CUDA ({why})"
     if case.position_ids == "explicit" and not model.accepts_position_ids and check.reads_position_ids:
         return f"{model.name}'s forward takes no position_ids counted from 0"
-    return None
+    return positions_problem(model, check, case)
+
+
+_LIMITS: dict = MEMO.table("plan.position_limits")
+
+
+def position_limit(model: ModelInfo) -> int | None:
+    """The most tokens ``model`` can take in one sequence, or None (no limit), decided from its config alone, never
+    by running it (memoised per spec): a model written from scratch declares it (its adapter's ``max_positions``);
+    otherwise the position count of its config (``compat.position_limit``: ``n_positions``,
+    ``max_position_embeddings``, ... where no rotary embedding is declared), kept where the model built on the meta
+    device (no weights allocated) has a learned position table (an ``nn.Embedding``) of that many rows, up to two
+    more (BART's offset of 2). A config the meta build fails on keeps the candidate: a skip costs less than an
+    out-of-range lookup, which on CUDA is a device-side assert that fails every later CUDA call of the process."""
+    from kvconform import compat, scratch
+
+    if model.spec in _LIMITS:
+        return _LIMITS[model.spec]
+    if scratch.is_scratch_spec(model.spec):
+        declared = getattr(scratch.load_adapter(model.spec), "max_positions", None)
+        _LIMITS[model.spec] = int(declared) if declared else None
+        return _LIMITS[model.spec]
+    config = zoo.model_config(model.spec, model.trust_remote_code)
+    limit = compat.position_limit(config)
+    if limit is not None:
+        limit = limit if _has_position_table(config, limit) in (True, None) else None
+    _LIMITS[model.spec] = limit
+    return limit
+
+
+def _has_position_table(config, limit: int) -> bool | None:
+    """Whether the model of ``config``, built on the meta device, has an ``nn.Embedding`` of ``limit`` to
+    ``limit + 2`` rows that is not its token embedding; None when it does not build there."""
+    import torch
+
+    from kvconform.architectures import auto_model_class
+
+    try:
+        with torch.device("meta"):
+            model = auto_model_class(config).from_config(config, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - unknown here: the config's count is kept (position_limit)
+        return None
+    vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None)
+    return any(isinstance(m, torch.nn.Embedding) and limit <= m.num_embeddings <= limit + 2
+               and m.num_embeddings != vocab for m in model.modules())
+
+
+def positions_needed(case, check) -> int:
+    """The most tokens one sequence of the item reaches (positions 0 … N−1): ``most_tokens_held``, plus one where
+    the case forks (the parked original is decoded once more at the end)."""
+    forks = any(op.name == "fork" for op in case.ops)
+    return most_tokens_held(case, check) + (1 if forks else 0)
+
+
+def positions_problem(model: ModelInfo, check, case) -> str | None:
+    """Why ``model`` cannot take the item (``positions_needed`` over its ``position_limit``), or None: the model's
+    own limit, so the item is skipped rather than failed (or, on CUDA, left to poison its worker)."""
+    limit = position_limit(model)
+    if limit is None:
+        return None
+    needed = positions_needed(case, check)
+    if needed <= limit:
+        return None
+    from kvconform import scratch
+
+    where = ("its adapter's max_positions" if scratch.is_scratch_spec(model.spec)
+             else "its config: a learned position table")
+    return f"{model.name} takes at most {limit} positions ({where}) and case {case.id} makes it see {needed} tokens"
 
 
 def most_tokens_held(case, check) -> int:
@@ -298,6 +373,6 @@ def most_tokens_held(case, check) -> int:
 
 
 def _cuda_device(device: str) -> bool:
-    import torch
+    from kvconform.compat import on_cuda
 
-    return str(device).startswith("cuda") and torch.cuda.is_available()
+    return on_cuda(device)

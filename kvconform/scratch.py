@@ -29,7 +29,9 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
   memory family's byte formula (without it the memory items skip, saying so).
 * ``caches``: ``{subject name: new_cache keyword arguments}`` — several caches of one model (default one, named
   after the adapter's class with ``Cache`` appended); ``name``: the model's name in ids (default the class name);
-  ``vocab_size`` (default 128): tokens are drawn below it; ``window``: a sliding window in tokens, or None.
+  ``vocab_size`` (default 128): tokens are drawn below it; ``window``: a sliding window in tokens, or None;
+  ``max_positions``: the most tokens its model takes in one sequence (a learned position table), or None: items
+  that would make it see more are skipped with that reason (``plan.position_limit``), never run into its limit.
 
 kvconform wraps the adapter's model in ``ScratchModule`` (an ``nn.Module`` whose forward takes the keyword
 arguments kvconform's drivers pass a transformers model) and each cache in ``ScratchCache`` (a

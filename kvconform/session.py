@@ -471,6 +471,9 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
     MEMO.clear()  # a new run measures afresh (the process's memo tables: kvconform.memo)
     _quiet_transformers()
     _limit_threads()
+    from kvconform.compat import strict_float32
+
+    strict_float32(device)  # CUDA: no TF32 while float32 is judged against float32 tolerances
     resolved = [(obj, as_cache_spec(obj)) for obj in caches or ()]
     registry = load_checks()
     subjects = builtin_subjects() if builtin else []

@@ -192,3 +192,44 @@ def measure_interleaved(targets, repeats: int = 5, warmup: int = 1, device="cpu"
     if benchmark is not None:
         benchmark.extra_info.update({f"{name} median s/unit": t.median for name, t in results.items()})
     return results
+
+
+# ------------------------------------------------------------------------------------------ the GPU's floor
+BANDWIDTH = {"B200": 8.0e12, "H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
+             "GH200": 4.0e12, "A100-SXM4-80GB": 2.04e12, "A100 80GB PCIe": 1.94e12, "A100": 1.55e12,
+             "L40S": 0.864e12, "L40": 0.864e12, "L4": 0.3e12, "A10G": 0.6e12, "A10": 0.6e12, "T4": 0.32e12,
+             "RTX 4090": 1.0e12, "RTX 3090": 0.94e12}
+"""Peak memory bandwidth in bytes/s of GPUs by a part of their name (``torch.cuda.get_device_name``; the first key
+contained in the name, in this order: H100 NVL before H100). Vendor datasheets."""
+
+FASTEST_BANDWIDTH = 8.0e12
+"""Bytes/s, the fastest GPU memory of ``BANDWIDTH`` (B200's HBM3e): the bandwidth assumed for a GPU not in the
+table, or for a plan made without one. A floor computed with it is the lowest any GPU reaches."""
+
+LAUNCH_S = 5e-6
+"""Seconds one eager kernel launch costs a decode step on CUDA (launch plus the Python dispatcher: 3-10 µs)."""
+
+KERNELS_PER_LAYER = 12
+"""Kernels one decoder layer launches per decode step, at least (two norms, the q/k/v/o and MLP matmuls, rotary,
+attention, the cache update, residual adds)."""
+
+
+def device_bandwidth(name: str | None) -> tuple[float, str]:
+    """``(bytes/s, where it came from)`` of the GPU named ``name`` (``BANDWIDTH``), else ``FASTEST_BANDWIDTH``."""
+    for key, value in BANDWIDTH.items():
+        if name and key in name:
+            return value, f"{key} datasheet"
+    return FASTEST_BANDWIDTH, "the fastest GPU memory (B200) as an upper bound" + (
+        f"; {name} is not in kvconform.timing.BANDWIDTH" if name else "")
+
+
+def decode_floor_s(bytes_per_token: float, bandwidth: float) -> float:
+    """The least time a decode step can take on a GPU: every byte of weights and cache it must read
+    (``bytes_per_token``), once, at the memory's peak ``bandwidth`` (bytes/s)."""
+    return bytes_per_token / bandwidth
+
+
+def launch_floor_s(layers: int) -> float:
+    """The least time the kernel launches of an eager decode step of ``layers`` decoder layers take
+    (``KERNELS_PER_LAYER`` × ``LAUNCH_S`` each)."""
+    return layers * KERNELS_PER_LAYER * LAUNCH_S

@@ -33,9 +33,9 @@ def declared_compileable(subject, model_info) -> bool | None:
 def _device_rule(case, device) -> str | None:
     """Why a ``params.device = "cuda"`` case does not run on ``device``, or None."""
     if case.params.get("device") == "cuda":
-        import torch
+        from kvconform.compat import on_cuda
 
-        if not (str(device).startswith("cuda") and torch.cuda.is_available()):
+        if not on_cuda(device):
             return (f"case {case.id} requires CUDA (mode={case.params.get('mode')!r}: CUDA graphs); "
                     f"run with --kvconform-device cuda on a GPU")
     return None
@@ -43,11 +43,18 @@ def _device_rule(case, device) -> str | None:
 
 def compile_applies(claim: bool):
     """The applicability rule of a check of the ``is_compileable`` claim ``claim`` (``register(applies=...)``): a
-    CUDA-only case skips off CUDA; a subject declaring the other claim is skipped (the other check tests it)."""
+    CUDA-only case skips off CUDA; for the claim True, a subject that does not declare ``compile`` and says why
+    (``CacheSpec.notes["compile"]``) is skipped with that note; a subject declaring the other claim is skipped (the
+    other check tests it)."""
     def rule(subject, model, case, device="cpu"):
         reason = _device_rule(case, device)
         if reason:
             return reason
+        note = (getattr(subject, "notes", None) or {}).get("compile")
+        if claim and note and "compile" not in subject.capabilities:
+            # the subject says why it is not a compileable cache (an offloaded cache moves its tensors every step):
+            # its is_compileable is not the claim these checks test
+            return f"{subject.name} does not declare capability 'compile': {note}"
         declared = declared_compileable(subject, model)
         if declared is not None and declared != claim:
             other = "check_compile_static_decode" if declared else "check_compile_claim"

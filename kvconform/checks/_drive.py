@@ -224,6 +224,9 @@ def forward(model, cache, new_tokens, start: int, position_mode: str, encoder_id
             kwargs["position_ids"] = padded_position_ids(mask)[:, start:start + k].to(device)
     with torch.no_grad(), subject_call(cache, m):
         out = m(**kwargs)
+    # an offloaded cache's layers are still moving (non_blocking copies, its prefetch stream): every read of the
+    # cache that follows (evidence, bytes, the next op) waits for them
+    compat.settle_streams(device)
     return out.logits.detach().to("cpu", torch.float64)
 
 

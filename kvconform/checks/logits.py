@@ -194,9 +194,9 @@ MAMBA_REASON = "mamba-ssm kernels need CUDA and the [mamba] extra (pip install k
 
 
 def _kernels_available(device) -> bool:
-    import torch
+    from kvconform.compat import on_cuda
 
-    return (str(device).startswith("cuda") and torch.cuda.is_available()
+    return (on_cuda(device)
             and importlib.util.find_spec("mamba_ssm") is not None
             and importlib.util.find_spec("causal_conv1d") is not None)
 
@@ -205,12 +205,30 @@ def _mamba_row(subject, model, case, device="cpu"):
     return None if _kernels_available(device) else MAMBA_REASON
 
 
+def _dispatch_function(obj, module_name: str):
+    """The function behind a module-level kernel dispatcher ``obj`` of the module ``module_name``, or None: ``obj``
+    itself when it is a plain function of that module; the function a ``kernels`` function module wraps when
+    ``obj`` is one (with the ``kernels`` package installed, transformers' ``use_kernel_forward_from_hub`` turns each
+    dispatcher into an instance of an ``nn.Module`` class whose ``forward`` calls the function, ``func``, from its
+    closure)."""
+    if inspect.isfunction(obj):
+        return obj if obj.__module__ == module_name else None
+    forward = getattr(type(obj), "forward", None)
+    if not inspect.isfunction(forward) or not forward.__closure__:
+        return None
+    inner = inspect.getclosurevars(forward).nonlocals.get("func")
+    return inner if inspect.isfunction(inner) and inner.__module__ == module_name else None
+
+
 def _dispatchers(module) -> dict:
-    """``{name: (function, torch fallback, uses a kernel)}`` of the kernel-dispatching functions of a modeling
-    module (``use_kernel_func_from_hub_with_fallback``: the kernel was bound at import when its package imported)."""
+    """``{name: (dispatcher, torch fallback, uses a kernel)}`` of the kernel-dispatching names of a modeling module
+    (``use_kernel_func_from_hub_with_fallback``: the kernel was bound at import when its package imported), whether
+    a name holds the dispatching function itself or, with ``kernels`` installed, the ``nn.Module`` wrapping it
+    (``_dispatch_function``). The dispatcher is what the module holds (rebound by ``_torch_path``)."""
     out = {}
-    for name, fn in vars(module).items():
-        if not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+    for name, obj in vars(module).items():
+        fn = _dispatch_function(obj, module.__name__)
+        if fn is None:
             continue
         fallback = inspect.unwrap(fn)
         if fallback is fn:
@@ -223,7 +241,7 @@ def _dispatchers(module) -> dict:
                 uses_kernel = bool(free["is_new_implementation"])
                 break
             f = getattr(f, "__wrapped__", None)
-        out[name] = (fn, fallback, uses_kernel)
+        out[name] = (obj, fallback, uses_kernel)
     return out
 
 

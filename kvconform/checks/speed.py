@@ -31,6 +31,18 @@ item fails only when the budget is exceeded in both, and its message reports bot
 measurement passes on the second (``metrics["confirmation"]`` records it). A cache that really does O(context) work
 per step is slow in every round, so it fails both.
 
+**On CUDA** (``cuda_speed_problem``, each check's ``applies`` rule): the budgets above were calibrated on a CPU,
+where a tiny model's cached step is far cheaper than its uncached forward. On a GPU both are bound by kernel
+launches (a cached step of the zoo's llama launches about as many kernels as the uncached forward of 513 tokens),
+so a CPU-calibrated ratio would judge the launches. A case without ``params.device = "cuda"`` is judged on CUDA only
+where the model's bandwidth floor (its weights' bytes at the case dtype over the GPU's memory bandwidth,
+``timing.device_bandwidth``) is at least its launch floor (``timing.launch_floor_s``); elsewhere it skips with both
+numbers, and the GPU's speed budgets are ``kvconform-gpu-bench``'s (measured / floor ratios on a 1.1B model).
+
+**Positions.** Each check declares the tokens its timings reach (``tokens_held``: ``context + steps``, ``long +
+steps``, the prefill's ``context``); the plan skips an item whose model takes fewer positions
+(``plan.positions_problem``, from the model's config), so no forward ever runs past a learned position table.
+
 Runtime skips (never passes): benchmarking disabled (``--benchmark-disable``). Under xdist (kvconform's default)
 pytest-benchmark disables itself, so the plugin passes no fixture and the rounds run in a plain loop; the
 confirmation keeps the other worker's load from flipping a verdict. Decoder-only models (cases
@@ -43,6 +55,7 @@ from kvconform.checks import ALL_KINDS, IGNORES_OPS, Param, register
 from kvconform.checks._diagnosis import fail_raised
 from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
                                      subject_call)
+from kvconform.memo import MEMO
 from kvconform.outcomes import breadcrumb
 from kvconform.timing import Target, clock_for, measure_interleaved
 
@@ -83,6 +96,83 @@ def _growth_case(case):
         return "params.long", (f"check_speed_flat_decode needs long ≥ 4 × short to see growth; got short = {short}, "
                                f"long = {long}: raise long to ≥ {4 * short} or lower short")
     return None
+
+
+_SIZES: dict = MEMO.table("speed.model_sizes")
+
+
+def _model_size(model) -> tuple[int, int] | None:
+    """``(parameters, decoder layers)`` of ``model`` (a ``plan.ModelInfo``) from its config, built on the meta device
+    (no weights; memoised per spec), or None where it does not build there (a model written from scratch)."""
+    if model.spec not in _SIZES:
+        try:
+            from kvconform import zoo
+            from kvconform.subjects.construction import meta_model
+
+            config = zoo.model_config(model.spec, getattr(model, "trust_remote_code", False))
+            meta = meta_model(config)
+            text = config.get_text_config(decoder=True)
+            layers = int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1)
+            _SIZES[model.spec] = (sum(p.numel() for p in meta.parameters()), layers)
+        except Exception:  # noqa: BLE001 - a from-scratch model, a config that does not build on meta
+            _SIZES[model.spec] = None
+    return _SIZES[model.spec]
+
+
+def cuda_speed_problem(model, case, device) -> str | None:
+    """The applicability rule of the speed family on CUDA (``register(applies=...)``): a budget written for the CPU
+    (every case without ``params.device = "cuda"``) is judged on CUDA only where the model is big enough that a
+    decode step is bound by reading its weights, not by launching its kernels: the bandwidth floor (weights bytes
+    at the case dtype over the device's memory bandwidth, ``timing.device_bandwidth``; the fastest GPU's when
+    planned without one) at least the launch floor (``timing.launch_floor_s``). The zoo's tiny models are
+    launch-bound on every GPU (a cached step launches about as many kernels as the uncached forward of 513
+    tokens), so their items skip with the numbers; the GPU's speed budgets are ``kvconform-gpu-bench``'s
+    (measured/floor ratios on a 1.1B model). None elsewhere."""
+    from kvconform.compat import on_cuda
+
+    if case.params.get("device") == "cuda" or not on_cuda(device):
+        return None
+    import torch
+
+    from kvconform.timing import decode_floor_s, device_bandwidth, launch_floor_s
+
+    size = _model_size(model)
+    gpu = torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else None
+    bandwidth, source = device_bandwidth(gpu)
+    if size is None:
+        return (f"on CUDA the speed budgets of case {case.id} (calibrated on CPU) are judged only on a model whose "
+                f"size kvconform can read from its config ({model.name}'s is not): the GPU's speed budgets are "
+                f"kvconform-gpu-bench's")
+    params, layers = size
+    weights = params * getattr(torch, case.dtype).itemsize
+    floor, launch = decode_floor_s(weights, bandwidth), launch_floor_s(layers)
+    if floor >= launch:
+        return None
+    return (f"on CUDA {model.name} is launch-bound: a decode step reads {weights / 1e6:.2g} MB of weights, "
+            f"{floor * 1e6:.2g} µs at {bandwidth / 1e12:.3g} TB/s ({source}), under the ~{launch * 1e6:.0f} µs of "
+            f"launching {layers} layers' kernels, so the CPU-calibrated budget of case {case.id} would time "
+            f"launches; the GPU's speed budgets are kvconform-gpu-bench's (measured/floor ratios on a 1.1B model)")
+
+
+def _cuda_rule(subject, model, case, device="cpu"):
+    """``register(applies=...)`` of the speed checks without a rule of their own: ``cuda_speed_problem``."""
+    return cuda_speed_problem(model, case, device)
+
+
+def _held_context_steps(case) -> int:
+    """``@register(tokens_held=...)`` of the decode timings: ``context + steps`` tokens (the plan's position rule,
+    ``plan.positions_problem``, reads it: a model with fewer positions skips the item instead of raising)."""
+    return int(case.params["context"]) + int(case.params["steps"])
+
+
+def _held_long_steps(case) -> int:
+    """``tokens_held`` of ``check_speed_flat_decode``: ``long + steps``."""
+    return int(case.params["long"]) + int(case.params["steps"])
+
+
+def _held_prefill(case) -> int:
+    """``tokens_held`` of ``check_speed_prefill``: ``context`` (one prefill)."""
+    return int(case.params["context"])
 
 
 def _param(ctx, name):
@@ -158,24 +248,6 @@ def uncached_target(ctx, name, tokens, context, steps) -> Target:
     return Target(name, run, units=steps)
 
 
-def _skip_past_the_models_length(ctx, length: int) -> None:
-    """Skip the item when the model itself cannot take ``length`` tokens (its uncached forward of one row raises:
-    a learned position table shorter than the contexts the speed family measures), so that a model's limit is not
-    reported as its cache's failure."""
-    import torch
-
-    from kvconform.outcomes import CheckSkipped
-
-    m = ctx.model.model
-    ids = torch.full((1, length), FIRST_TOKEN, dtype=torch.long, device=next(m.parameters()).device)
-    try:
-        with torch.no_grad():
-            m(**forward_kwargs(m, None, ids, 0))
-    except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward is its limit
-        raise CheckSkipped(f"the model itself cannot take the {length} tokens this speed case measures: its uncached "
-                           f"forward raises {type(exc).__name__}: {str(exc)[:160]}") from None
-
-
 def _measure(ctx, targets, extra, confirm=False):
     """Time ``targets`` (``measure_interleaved``) with the case's rounds; ``confirm``: the confirmation measurement
     (twice the rounds, a plain loop: pytest-benchmark's fixture times one call per item). Returns
@@ -192,8 +264,6 @@ def _measure(ctx, targets, extra, confirm=False):
                                                                    **extra})
     except SubjectRaised as exc:  # the short message every family gives, not a benchmark-loop traceback
         contexts = ", ".join(str(extra[k]) for k in ("context", "short", "long") if k in extra)
-        longest = max(int(extra[k]) for k in ("context", "short", "long", "prefill") if k in extra)
-        _skip_past_the_models_length(ctx, longest + int(_param(ctx, "steps")) + 1)
         fail_raised(ctx, exc, "the cache fails on the long contexts the speed family measures (the other "
                               "families' cases are short)",
                     ops_text=f"prefill({extra['prefill']}) timed" if "prefill" in extra else
@@ -252,10 +322,10 @@ def _ms(t, stat=None) -> str:
     return f"{(stat or _median)(t) * 1e3:.2f}"
 
 
-@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, params={
+@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, applies=_cuda_rule, params={
     **TIMING_PARAMS, "context": CONTEXT, "uncached_steps": UNCACHED_STEPS, "min_speedup": MIN_SPEEDUP,
     "min_speedup_quantized": Param(float, min=0, doc="budget of a quantized subject (default: min_speedup)"),
-}, ops=IGNORES_OPS, validate=_min_context_case)
+}, ops=IGNORES_OPS, validate=_min_context_case, tokens_held=_held_context_steps)
 def check_speed_vs_uncached(ctx):
     """At context ≥ 512, cached decode beats the uncached forward per token by ``params.min_speedup``."""
     context, steps = int(_param(ctx, "context")), int(_param(ctx, "steps"))
@@ -293,7 +363,7 @@ def check_speed_vs_uncached(ctx):
         ], {"speedup": speedup, "confirmation": speedup2})
 
 
-@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, params={
+@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, applies=_cuda_rule, params={
     **TIMING_PARAMS, "uncached_steps": UNCACHED_STEPS,
     "short": Param(int, default=DEFAULTS["short"], min=1, doc="the short context"),
     "long": Param(int, default=DEFAULTS["long"], min=1, doc="the long context"),
@@ -302,7 +372,7 @@ def check_speed_vs_uncached(ctx):
                                         doc="budget of a quantized subject: its growth ≤ this share of the uncached "
                                             "forward's growth in the same rounds (and always ≤ max_growth is "
                                             "enough)"),
-}, ops=IGNORES_OPS, validate=_growth_case)
+}, ops=IGNORES_OPS, validate=_growth_case, tokens_held=_held_long_steps)
 def check_speed_flat_decode(ctx):
     """Per-token decode cost grows ≤ ``params.max_growth`` × from context ``short`` to ``long``; the uncached
     forward, in the same rounds, grows ~linearly. A quantized subject (``_quantized``) dequantizes its history at
@@ -399,11 +469,11 @@ def prefill_target(ctx, name, spec, tokens, context) -> Target:
     return Target(name, run, setup, units=context) if spec is not None else Target(name, run, units=context)
 
 
-@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, params={
+@register("speed", cost=6.0, timed=True, needs=("forward",), judges=ALL_KINDS, applies=_cuda_rule, params={
     **TIMING_PARAMS, "context": Param(int, default=1024, min=64, doc="tokens of the timed prefill"),
     "max_ratio": Param(float, required=True, min=1, doc="budget: cached prefill time / uncached forward time"),
     "max_ratio_quantized": Param(float, min=1, doc="budget of a quantized subject (default: max_ratio)"),
-}, ops=IGNORES_OPS)
+}, ops=IGNORES_OPS, tokens_held=_held_prefill)
 def check_speed_prefill(ctx):
     """A cached prefill of ``params.context`` tokens into a fresh cache takes ≤ ``params.max_ratio`` × the uncached
     forward of the same tokens, timed side by side (medians, confirmed; ``params.steps`` is not used)."""
@@ -477,12 +547,12 @@ def _prefill_loop_cause(ctx, tokens, context: int) -> str:
 def _compiled_applies(subject, model, case, device="cpu"):
     from kvconform.checks._compiled import compile_applies
 
-    return compile_applies(True)(subject, model, case, device=device)
+    return compile_applies(True)(subject, model, case, device=device) or cuda_speed_problem(model, case, device)
 
 
 @register("speed", cost=6.0, timed=True, needs=("compile",), judges=ALL_KINDS, applies=_compiled_applies, params={
     **TIMING_PARAMS, "context": CONTEXT, "min_speedup": MIN_SPEEDUP, "mode": COMPILE_MODE, "device": CUDA_DEVICE,
-}, ops=IGNORES_OPS)
+}, ops=IGNORES_OPS, tokens_held=_held_context_steps)
 def check_speed_compiled_static(ctx):
     """A cache declaring ``is_compileable``, decoded through ``torch.compile`` (``params.mode``), is
     ≥ ``params.min_speedup`` × as fast per token as ``DynamicCache`` decoding eagerly, side by side."""

@@ -54,6 +54,11 @@ _REQUIRES = {
 }
 
 
+_CUDA_REQUIRES = {
+    "quanto": {"nvcc": "optimum-quanto builds its CUDA kernels with nvcc on first use, minutes of a GPU call"},
+}
+
+
 QUANTIZED_BUDGETS = {
     "QuantizedCache_quanto4": Budget(kl_max=5e-3, top1_min=0.75, bytes_ratio_max=0.25),
     "QuantizedCache_quanto2": Budget(kl_max=0.15, top1_min=0.4, bytes_ratio_max=0.16),
@@ -99,6 +104,7 @@ def quantized_subjects() -> list:
         out.append(CacheSpec(name, quantized_factory(qc), capabilities=frozenset(caps), twin=twin_factory(qc),
                              kind="lossy", budget=QUANTIZED_BUDGETS[name],
                              applies_to=full_attention_only, requires=_REQUIRES[qc.backend],
+                             cuda_requires=_CUDA_REQUIRES.get(qc.backend, {}),
                              tier="full" if qc.nbits == 2 else "default"))
     return out
 
@@ -117,13 +123,51 @@ def _offloaded_static(config, max_cache_len):
 
 OFFLOAD_REASON = "offloading needs CUDA"
 
+OFFLOAD_COMPILE_NOTE = ("an offloaded cache moves each layer's tensors between the GPU and the CPU at every step "
+                        "(offload / prefetch rebind them with .to(...)): they have no static address for CUDA graphs, "
+                        "whatever is_compileable says")
+
+
+def offloaded_deepcopy_note() -> dict:
+    """``{"deepcopy": reason}`` where ``copy.deepcopy`` of a fresh offloaded cache raises on the installed
+    transformers (5.25's ``Cache.__init__`` keeps a ``torch.Stream`` in ``prefetch_stream``, which cannot be
+    pickled), else ``{}``. Tried once per process on a fresh ``DynamicCache(offloading=True)``, which builds
+    without a GPU."""
+    import copy
+
+    from kvconform import compat
+    from kvconform.memo import MEMO
+
+    memo = MEMO.table("builtin.offloaded_deepcopy")
+    if "note" not in memo:
+        from transformers import DynamicCache
+
+        try:
+            fresh = DynamicCache(offloading=True)
+        except Exception:  # noqa: BLE001 - not buildable here: the items report it themselves
+            fresh = None
+        try:
+            copy.deepcopy(fresh)
+            memo["note"] = {}
+        except Exception as exc:  # noqa: BLE001 - what the fork would raise is the note
+            memo["note"] = {"deepcopy": f"copy.deepcopy of an offloaded cache raises {type(exc).__name__}: "
+                                        f"{str(exc)[:120]} on transformers {compat.transformers_version()} (the "
+                                        f"cache keeps its prefetch stream)"}
+    return dict(memo["note"])
+
 
 def offloaded_subjects() -> list:
     """``DynamicCache(offloading=True)`` and ``StaticCache(offloading=True)``: CUDA only (skipped elsewhere), each
-    declaring the non-offloaded subject it must equal (``same_as``)."""
-    notes = static_crop_note()
+    declaring the non-offloaded subject it must equal (``same_as``). Neither declares ``deepcopy`` where
+    ``copy.deepcopy`` of it raises (``offloaded_deepcopy_note``) nor ``compile`` (``OFFLOAD_COMPILE_NOTE``: 5.25
+    says ``is_compileable`` for an offloaded StaticCache, and for an offloaded DynamicCache on Mamba, whose layers
+    still move; the note also skips the checks of that claim, ``checks/_compiled.compile_applies``); the static one
+    declares no batch ops."""
+    fork = {**offloaded_deepcopy_note(), "compile": OFFLOAD_COMPILE_NOTE}
+    notes = {**static_crop_note(), **fork}
     return [
-        CacheSpec("DynamicCache_offloaded", _offloaded_dynamic, needs_cuda=OFFLOAD_REASON, same_as="DynamicCache"),
+        CacheSpec("DynamicCache_offloaded", _offloaded_dynamic, needs_cuda=OFFLOAD_REASON, same_as="DynamicCache",
+                  capabilities=frozenset(CAPABILITIES) - set(fork), notes=fork),
         CacheSpec("StaticCache_offloaded", _offloaded_static, needs_cuda=OFFLOAD_REASON, same_as="StaticCache",
                   capabilities=frozenset(CAPABILITIES) - {"batch_repeat", "batch_select"} - set(notes), notes=notes),
     ]

@@ -191,6 +191,9 @@ class CacheSpec:
         requires: ``{"module" or "module:attr": install hint}`` — items skip with "requires X (hint)" where one is
             not importable (optional backends such as hqq).
         needs_cuda: the skip reason when the run's device is not CUDA (e.g. "offloading needs CUDA"); None: any.
+        cuda_requires: ``{"tool": why}`` — programs a run on CUDA needs (``compat.missing_tool``; e.g. optimum-quanto
+            builds its CUDA kernels with ``nvcc`` on first use): on CUDA, items skip with "requires TOOL on CUDA
+            (why)" where one is missing; no effect elsewhere.
         same_as: name of the subject whose logits this one must equal exactly (offloaded → non-offloaded).
         notes: ``{capability: why it is not declared}`` — appended to the skip reason of items needing it (e.g. a
             method the installed transformers does not implement for this cache).
@@ -226,6 +229,7 @@ class CacheSpec:
     twin: Callable | None = None
     requires: Mapping[str, str] = field(default_factory=dict)
     needs_cuda: str | None = None
+    cuda_requires: Mapping[str, str] = field(default_factory=dict)
     same_as: str | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
     page_size: int | None = None

@@ -45,7 +45,26 @@ def test_smoke_run_covers_every_target_and_writes_the_report(tmp_path):
     assert report["memory"]["DynamicCache"]["ratio_counted_formula"] == 1.0
     assert 1.0 <= report["memory"]["StaticCache"]["ratio_counted_formula"] < 1.01
     assert {"DynamicCache counted bytes == formula", "recompiles after warm-up",
-            "StaticCache+compile vs DynamicCache eager @16"} <= set(report["budgets"])
+            "StaticCache+compile vs DynamicCache eager @16",
+            "StaticCache+compile / floor @32"} <= set(report["budgets"])
+    # every speed is also given against this device's floor (bytes read per token over its memory bandwidth); cached
+    # vs uncached is reported, never judged by a threshold born on a CPU
+    assert report["complete"] and report["sections"] == ["memory", "eager speed", "compile", "compiled speed"]
+    assert set(report["floor_ratio"]) == targets - {f"uncached@{c}" for c in report["contexts"]}
+    assert all(v > 0 for v in report["floor"]["ms_per_token"].values())
+    assert report["floor"]["bandwidth_bytes_per_s"] > 0 and report["floor"]["bandwidth_source"]
+    assert "ok" not in report["budgets"][f"DynamicCache vs uncached @{report['contexts'][-1]}"]
+
+
+def test_the_report_is_emitted_after_each_section():
+    code = ("import json; from kvconform.gpu_bench import run_gpu_bench\n"
+            "run_gpu_bench(size='tiny', device='cpu', contexts=(8, 16), steps=1, repeats=1, warmup=0, backend='eager',"
+            " emit=lambda r: print('EMIT', json.dumps(r['sections'])))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    emitted = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("EMIT ")]
+    assert emitted == [["memory"], ["memory", "eager speed"], ["memory", "eager speed", "compile"],
+                       ["memory", "eager speed", "compile", "compiled speed"]]
 
 
 def test_without_cuda_the_benchmark_skips_with_its_reason():

@@ -317,9 +317,10 @@ from kvconform.examples.tiny_decoder import TinyDecoder
 
 
 class ShortPositions(TinyDecoder):
-    """A learned position table of 300 positions: the model itself cannot take longer sequences."""
+    """A learned position table of 300 positions, declared: the model itself cannot take longer sequences."""
 
     name = "short_positions"
+    max_positions = 300
 
     def _limit(self, total):
         if total > 300:
@@ -342,5 +343,6 @@ def test_a_model_shorter_than_the_speed_contexts_skips_them_instead_of_failing_i
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
     assert "1 skipped" in text and "failed" not in text.split("short test summary")[-1], text[-3000:]
-    assert "the model itself cannot take the 517 tokens this speed case measures: its uncached forward raises " \
-           "IndexError: index out of range in self" in text, text[-3000:]
+    # decided by the plan from the declared limit, before anything runs (no forward is tried to find it)
+    assert "short_positions takes at most 300 positions (its adapter's max_positions) and case " \
+           "speed_vs_uncached makes it see 516 tokens" in text, text[-3000:]
