@@ -320,7 +320,9 @@ def position_limit(model: ModelInfo) -> int | None:
 
 def _has_position_table(config, limit: int) -> bool | None:
     """Whether the model of ``config``, built on the meta device, has an ``nn.Embedding`` of ``limit`` to
-    ``limit + 2`` rows that is not its token embedding; None when it does not build there."""
+    ``limit + 2`` rows that is not its token embedding, or a 2-D position buffer of as many rows (a name holding
+    ``pos``: CTRL's sinusoidal ``pos_encoding``, indexed by position like a table); None when it does not build
+    there."""
     import torch
 
     from kvconform.architectures import auto_model_class
@@ -331,8 +333,12 @@ def _has_position_table(config, limit: int) -> bool | None:
     except Exception:  # noqa: BLE001 - unknown here: the config's count is kept (position_limit)
         return None
     vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None)
-    return any(isinstance(m, torch.nn.Embedding) and limit <= m.num_embeddings <= limit + 2
-               and m.num_embeddings != vocab for m in model.modules())
+    if any(isinstance(m, torch.nn.Embedding) and limit <= m.num_embeddings <= limit + 2
+           and m.num_embeddings != vocab for m in model.modules()):
+        return True
+    # a fixed table kept as a buffer and indexed by position (CTRL's sinusoidal pos_encoding of n_positions rows)
+    return any("pos" in name.rsplit(".", 1)[-1] and b.dim() == 2 and limit <= b.shape[0] <= limit + 2
+               for name, b in model.named_buffers())
 
 
 def positions_needed(case, check) -> int:

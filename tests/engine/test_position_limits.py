@@ -56,3 +56,12 @@ def test_a_case_longer_than_a_models_table_is_skipped_with_the_reason_before_it_
                                 "offload_decode_520 makes it see 520 tokens"}, by_model["gpt2"]
     assert all(not (item.skip or "").startswith("gpt2 takes") for item in items if item.model.name == "llama")
     assert "runs" in by_model["llama"] and "runs" not in by_model["gpt2"]
+
+
+def test_a_fixed_position_buffer_is_a_limit_too():
+    # CTRL keeps a sinusoidal table of n_positions rows as a buffer (pos_encoding) and indexes it by position: a
+    # 260-token case on its 256 positions raised IndexError inside the model (every-architecture sweep, 5.25)
+    from kvconform.plan import ModelInfo
+
+    ctrl = ModelInfo("tf_ctrl", "transformers:ctrl", ("full_attention",), False, True)
+    assert position_limit(ctrl) == 256
