@@ -28,6 +28,9 @@ from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SE
                                starts_workers, write_digest)
 from kvconform.digest import USAGE_ERROR_FILE, write_atomically
 
+SHARD_LINE_FILE = "shard-line.txt"
+"""In the run folder: the ``--kvconform-shard`` line a worker computed at collection, for the controller to print."""
+
 SUITE_DIR = Path(__file__).parent / "suite"
 SUITE_FILE = SUITE_DIR / "test_conformance.py"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
@@ -260,6 +263,9 @@ def pytest_collection_modifyitems_shard(session, config, items):
     config._kvconform_shard_line = (f"kvconform shard {shard}{f' ({source})' if source else ''}: {len(kept)} of "
                                     f"{len(kept) + len(dropped)} items, {balance} (merge the shards' "
                                     f"--kvconform-json reports with kvconform-merge)")
+    worker_rundir = getattr(config, "workerinput", {}).get(RUNDIR_KEY)
+    if worker_rundir:  # the xdist controller prints it (pytest_xdist_node_collection_finished): workers print nothing
+        write_atomically(os.path.join(worker_rundir, SHARD_LINE_FILE), config._kvconform_shard_line)
 
 
 def pytest_report_collectionfinish(config, start_path, items):
@@ -286,6 +292,12 @@ def pytest_xdist_node_collection_finished(node, ids):
         return
     config._kvconform_planned = sum(1 for nodeid in ids if _is_suite_item(nodeid))
     _write_json_progress(config, now=True)
+    rundir = getattr(config, "_kvconform_rundir", None)
+    path = os.path.join(rundir, SHARD_LINE_FILE) if rundir else None
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if path and os.path.exists(path) and reporter is not None:  # the shard line a worker wrote (same in each)
+        with open(path, encoding="utf-8") as fh:
+            reporter.write_line(fh.read().strip())
 
 
 def _is_suite_item(nodeid: str) -> bool:

@@ -417,3 +417,12 @@ def test_an_ini_twin_takes_several_values_one_per_line_or_as_a_toml_list(pyteste
     assert result.ret == 0, result.stdout.str() + result.stderr.str()
     ids = [line for line in result.outlines if "::" in line]
     assert {line.split("-")[1] for line in ids} == {"llama", "gpt2"}, ids
+
+
+def test_the_shard_line_is_printed_under_workers_too(run_kvconform):
+    # the default run distributes to workers, which collect and cut the shard; the controller prints their line
+    result = run_kvconform("--kvconform-model", "llama", "-m", "kvconform_lifecycle", "--kvconform-shard", "1/2",
+                           "-n", "2")
+    assert result.ret == 0, result.stdout.str()
+    lines = [s for s in result.outlines if s.startswith("kvconform shard 1/2: ")]
+    assert len(lines) == 1 and "balanced by estimated cost" in lines[0], result.stdout.str()
