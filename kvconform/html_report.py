@@ -530,8 +530,10 @@ function itemView(it, open) {
   const lines = BAD.has(it.o) ? text.split("\n").map(l => l.trim()).filter(Boolean) : [];
   const hint = lines.length > 1 ? el("span", {class: "muted"}, "  " + lines[1].slice(0, 160)) : null;
   const det = el("details", {open: !!open}, el("summary", {title: itemTitle(it)}, badge, label, fault, hint));
-  det.append(el("pre", {class: "msg"}, text));
   const repro = reproduceLine(text);
+  // the reproduce line is shown once, in its copy box below, not also inside the message
+  det.append(el("pre", {class: "msg"}, repro ? text.split("\n").filter(l => !l.trim().startsWith("reproduce: "))
+                                                     .join("\n") : text));
   if (repro) {
     const code = el("code", {}, repro);
     const copy = el("button", {type: "button", title: "copy the reproduce line"}, "copy");

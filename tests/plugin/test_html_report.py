@@ -209,12 +209,23 @@ def test_a_click_on_a_failed_cell_shows_its_messages_and_reproduce_lines(browser
     in_cell = [r for r in data["results"] if r["model"] == "gpt2" and r["subject"] == "HiddenWindowCache"]
     assert page.locator("#kv-panel-body .item").count() == len(in_cell)
     shown = page.eval_on_selector_all("#kv-panel-body details[open] pre.msg", "ps => ps.map(p => p.textContent)")
-    assert sorted(shown) == sorted(r["message"] for r in failed)  # open: the message is the click's answer
+
+    def without_reproduce(message):
+        return "\n".join(x for x in message.split("\n") if not x.strip().startswith("reproduce: "))
+
+    # open: the message is the click's answer, its reproduce line shown once, in the copy box
+    assert sorted(shown) == sorted(without_reproduce(r["message"]) for r in failed)
     for r in failed:
         box = page.locator(f'#kv-panel-body .item[data-id="{html_report._item_id(r["nodeid"])}"]')
         assert box.locator("pre.msg").is_visible()
         line = next(x.strip() for x in r["message"].splitlines() if x.strip().startswith("reproduce: "))
         assert box.locator(".repro code").inner_text() == line.removeprefix("reproduce: ")
+        assert box.inner_text().count(line.removeprefix("reproduce: ")) == 1
+        # the item's tooltip carries its id and the duration the JSON report measured
+        seconds = r["duration_s"]
+        title = box.locator("summary").get_attribute("title")
+        assert title.startswith(html_report._item_id(r["nodeid"]) + " (") and title.endswith(("ms)", "s)")), title
+        assert seconds > 0
     # the xfailed item of that cell shows its reason, as text, one click away
     xfailed = next(r for r in in_cell if r["outcome"] == "xfailed")
     box = page.locator(f'#kv-panel-body .item[data-id="{html_report._item_id(xfailed["nodeid"])}"]')
