@@ -409,35 +409,47 @@ def load_case_file(path, known_checks=None) -> list[Case]:
     raw_cases = data.get("case", [])
     if not isinstance(raw_cases, list):
         raise CaseFileError(f"{path}: 'case' must be an array of tables ([[case]])")
+    errors: list[str] = []
     for index, raw in enumerate(raw_cases):
-        case_id = raw.get("id", f"#{index}")
-        for required in ("id", "check"):
-            if required not in raw:
-                _fail(path, case_id, required, "missing (required)")
-        merged = {**defaults, **raw}
-        for key, value in merged.items():
-            _validate(path, case_id, key, value, known_checks)
-        _validate_scope(path, case_id, merged)
-        merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
-        merged["models"] = tuple(_model_entry(path, case_id, m) for m in merged.get("models", ()))
-        merged["requires"] = tuple(merged.get("requires", ()))
-        if "models_full" in merged:
-            merged["models_full"] = () if merged["models_full"] == "all" else tuple(
-                _model_entry(path, case_id, m) for m in merged["models_full"])
-        merged["params"] = dict(merged.get("params", {}))
-        schema = _schema(known_checks, merged["check"])
-        if schema is not None:
-            merged["params"] = _validate_params(path, case_id, merged["check"], merged["params"], schema)
-        case = Case(source=path, **merged)
-        info = _info(known_checks, case.check)
-        if info is not None:
-            _validate_for_check(path, case, info, known_checks)
-        _validate_held(path, case, known_checks)
-        _validate_op_batch(path, case)
-        _validate_padding(path, case)
-        _validate_requirements(path, case)
-        cases.append(case)
+        try:
+            cases.append(_load_case(path, index, raw, defaults, known_checks))
+        except CaseFileError as exc:  # every case's first problem, all at once (one run to fix the file)
+            errors.append(str(exc))
+    if errors:
+        more = f" ({len(errors)} cases with errors)" if len(errors) > 1 else ""
+        raise CaseFileError(errors[0] if not more else errors[0] + more + "".join(f"\n  {e}" for e in errors[1:]))
     return cases
+
+
+def _load_case(path: str, index: int, raw: dict, defaults: dict, known_checks) -> Case:
+    """One ``[[case]]`` table of ``path`` validated (``load_case_file``), or ``CaseFileError`` at its first problem."""
+    case_id = raw.get("id", f"#{index}")
+    for required in ("id", "check"):
+        if required not in raw:
+            _fail(path, case_id, required, "missing (required)")
+    merged = {**defaults, **raw}
+    for key, value in merged.items():
+        _validate(path, case_id, key, value, known_checks)
+    _validate_scope(path, case_id, merged)
+    merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
+    merged["models"] = tuple(_model_entry(path, case_id, m) for m in merged.get("models", ()))
+    merged["requires"] = tuple(merged.get("requires", ()))
+    if "models_full" in merged:
+        merged["models_full"] = () if merged["models_full"] == "all" else tuple(
+            _model_entry(path, case_id, m) for m in merged["models_full"])
+    merged["params"] = dict(merged.get("params", {}))
+    schema = _schema(known_checks, merged["check"])
+    if schema is not None:
+        merged["params"] = _validate_params(path, case_id, merged["check"], merged["params"], schema)
+    case = Case(source=path, **merged)
+    info = _info(known_checks, case.check)
+    if info is not None:
+        _validate_for_check(path, case, info, known_checks)
+    _validate_held(path, case, known_checks)
+    _validate_op_batch(path, case)
+    _validate_padding(path, case)
+    _validate_requirements(path, case)
+    return case
 
 
 def case_files(paths) -> list[Path]:

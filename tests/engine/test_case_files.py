@@ -299,3 +299,17 @@ def test_a_check_owns_its_crop_past_the_start_rule(tmp_path, registry):
         load_case_file(_write(tmp_path, "bad", past + "\nparams = {positive = true}"), own)
     assert ("op 2 'crop 5' removes 5 tokens from a cache holding 2" in str(err.value)
             and "params.past_on_purpose = true" in str(err.value)), str(err.value)
+
+
+def test_every_bad_case_of_a_file_is_reported_at_once(tmp_path):
+    # a case file with three bad cases and a good one: one run names all three (the first line as before)
+    path = tmp_path / "mine.toml"
+    path.write_text('[[case]]\nid = "a"\ncheck = "check_prefill_then_decode"\nops = "prefill 4"\n\n'
+                    '[[case]]\nid = "b"\ncheck = "check_prefill_then_decode"\nops = ["prefill 4", "decod 2"]\n\n'
+                    '[[case]]\nid = "good"\ncheck = "check_prefill_then_decode"\nops = ["prefill 4", "decode 2"]\n\n'
+                    '[[case]]\nid = "c"\ncheck = "check_prefill_then_decode"\nops = ["prefill 4"]\nbatchh = 2\n')
+    with pytest.raises(CaseFileError) as info:
+        load_case_file(path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"{path}: case 'a': key 'ops'") and "(3 cases with errors)" in lines[0], lines
+    assert len(lines) == 3 and "case 'b'" in lines[1] and "case 'c'" in lines[2] and "batchh" in lines[2], lines
