@@ -158,6 +158,16 @@ def crop(cache, tokens_to_remove: int, held: int | None = None) -> None:
         cache.crop(max(length - int(tokens_to_remove), 0))
 
 
+def tokens_removed_by_crop(argument: int, held: int | None) -> int | None:
+    """How many tokens ``cache.crop(argument)`` removes from a cache holding ``held`` tokens under the installed
+    version's contract (``crop``): from 5.14 the argument is minus the tokens to remove (0 removes none); before,
+    the length to keep (a negative one counts from the end). None where ``held`` is needed and unknown."""
+    argument = int(argument)
+    if transformers_version().release >= (5, 14) or argument < 0:
+        return max(-argument, 0) if argument <= 0 else None
+    return None if held is None else max(int(held) - argument, 0)
+
+
 LAYER_MAX_LENGTH_METHODS = ("get_max_length", "get_max_cache_shape")
 """The names under which a cache *layer* reports its capacity: ``get_max_length`` (abstract in
 ``CacheLayerMixin`` since 5.16.1 at the latest; 5.24.0) and ``get_max_cache_shape`` (abstract on 5.5.4). A layer

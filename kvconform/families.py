@@ -5,6 +5,6 @@ A check registered under another family is appended after these in the matrix; a
 (its marker follows).
 """
 
-FAMILIES = ("logits", "generate", "crop", "prefix", "batch", "lifecycle", "contract", "fuzz", "quality",
+FAMILIES = ("logits", "generate", "crop", "speculative", "prefix", "batch", "lifecycle", "contract", "fuzz", "quality",
             "coverage", "compile", "memory", "speed")
 """Check families in matrix-column order."""

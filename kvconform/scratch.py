@@ -569,6 +569,8 @@ NOT_APPLICABLE = {
     "check_cache_implementation": "transformers' generate(cache_implementation=...)",
     "check_length_bookkeeping": "transformers' get_mask_sizes and per-layer update() bookkeeping (a from-scratch "
                                 "model builds its own masks)",
+    "speculative": "transformers' candidate generators (prompt lookup, a draft model) run inside transformers' "
+                   "generate(); kvconform decodes a from-scratch model with its own greedy loop",
 }
 """Checks (by name, or a whole family) that cannot apply to a model outside transformers, with the reason."""
 

@@ -27,14 +27,19 @@ SHARED_FAMILY = {"logits": "logits", "api-contract": "contract", "crop": "crop",
                  "batch-reorder": "batch", "reset": "lifecycle", "compile": "compile", "memory": "memory",
                  "speed": "speed", "mamba-state": "logits", "sliding-window": "logits"}
 SHARED_MODEL = {"llama": "llama", "mistral_sw8": "mistral", "mamba": "mamba"}
-GROUPS = 4  # groups of the bundled faulty caches on text models (speed faults and VLM faults: a group each)
-_TEXT_FAULTY = [f for f in FAULTY if f.family != "speed" and f.model not in VLM_NAMES]  # spread over GROUPS groups
+GROUPS = 4  # groups of the bundled faulty caches on text models (speed, speculative and VLM faults: a group each)
+OWN_GROUP = ("speed", "speculative")
+"""Families whose faulty caches run in a group of their own, and which the other groups do not run: their items
+are slow (benchmarks) or exercise what every fault touches (a whole speculative generate()), and only their own
+faulty caches target them (tests/perf/test_perf.py and tests/semantics/test_speculative.py run them on correct
+caches)."""
+_TEXT_FAULTY = [f for f in FAULTY if f.family not in OWN_GROUP and f.model not in VLM_NAMES]  # over GROUPS groups
 _RUNS: dict[str, dict] = {}  # group → {(subject, model): [records]}, once per process
 
 
 def _group(faulty) -> str:
-    if faulty.family == "speed":
-        return "faulty-speed"
+    if faulty.family in OWN_GROUP:
+        return f"faulty-{faulty.family}"
     if faulty.model in VLM_NAMES:  # the vision-language models are the slowest to run: a group of their own
         return "faulty-vlm"
     return f"faulty-{_TEXT_FAULTY.index(faulty) % GROUPS}"
@@ -74,9 +79,10 @@ def _bundled_records(faulty, tmp_path_factory):
     # subject).
     selection = " or ".join(f"({f.attr} and {f.model}{'' if f.family == 'fuzz' else ' and not kvconform_fuzz'})"
                             for f in members)
-    # every family but speed (its benchmarks are most of a row's time, and only the speed family's faulty caches
-    # target it; tests/perf/test_perf.py runs the speed family on correct caches)
-    marks = () if group == "faulty-speed" else ("-m", "not kvconform_speed")
+    # every family but those of OWN_GROUP, which run only in their own group (speed's benchmarks are most of a row's
+    # time; speculative runs a whole generate() that every fault touches)
+    others = [f for f in OWN_GROUP if group != f"faulty-{f}"]
+    marks = ("-m", " and ".join(f"not kvconform_{f}" for f in others))
     return _run_group(group, tmp_path_factory, sorted({f.spec for f in members}), [f.model for f in members],
                       selection, marks)
 

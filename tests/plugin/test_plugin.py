@@ -59,7 +59,8 @@ def test_empty_folder_run_with_json_and_known_fault_xfail(run_kvconform, pyteste
     data = json.loads((pytester.path / "report.json").read_text())
     assert data["schema"] == 1
     assert {"kvconform", "torch", "transformers", "device"} <= set(data["environment"])
-    keys = {"nodeid", "subject", "model", "check", "family", "case", "dtype", "batch", "outcome", "message", "metrics"}
+    keys = {"nodeid", "subject", "model", "check", "family", "case", "dtype", "batch", "outcome", "message", "metrics",
+            "duration_s"}
     assert data["results"] and all(set(r) == keys for r in data["results"])
     assert {r["dtype"] for r in data["results"]} == {"float32", "float64", "bfloat16", "float16"}
     assert all(isinstance(r["batch"], int) and r["batch"] >= 1 for r in data["results"])

@@ -1,0 +1,75 @@
+"""A cache that stages a chunk's tail and rolls back only its main buffer: exact for prefill, decode, chunked
+continuation and every crop that follows a single-token step, wrong only when a crop follows a multi-token forward
+into a warm cache — which is what every step of speculative decoding does (one verification forward of the current
+token and its candidates, then a crop of the rejected ones). Caught by ``check_speculative_greedy`` (family
+``speculative``); the crop family's cases crop after decode steps, and pass. ``ReferenceCache`` and transformers'
+``DynamicCache`` pass the same case."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvconform.compat import layer_types_and_kwargs, tokens_removed_by_crop
+from kvconform.testing import FaultyCache
+
+
+class _StagedChunkLayer(DynamicLayer):
+    """A dynamic layer that writes the first token of a warm multi-token forward to its main buffer and keeps the
+    rest in a staging buffer, merged into the main buffer at the next update (a write-behind for chunked
+    continuation)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.staged_keys = self.staged_values = None
+
+    def _merge(self):
+        if self.staged_keys is not None:
+            self.keys = torch.cat([self.keys, self.staged_keys], dim=-2)
+            self.values = torch.cat([self.values, self.staged_values], dim=-2)
+            self.staged_keys = self.staged_values = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._merge()
+        if not self.is_initialized or key_states.shape[-2] == 1:
+            return super().update(key_states, value_states, *args, **kwargs)
+        keys, values = super().update(key_states[..., :1, :], value_states[..., :1, :], *args, **kwargs)
+        self.staged_keys, self.staged_values = key_states[..., 1:, :].clone(), value_states[..., 1:, :].clone()
+        return torch.cat([keys, self.staged_keys], dim=-2), torch.cat([values, self.staged_values], dim=-2)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        staged = 0 if self.staged_keys is None else self.staged_keys.shape[-2]
+        return (self.keys.shape[-2] if self.is_initialized else 0) + staged
+
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        return self.get_seq_length() + query_length, 0
+
+    def crop(self, argument: int) -> None:
+        removed = tokens_removed_by_crop(argument, self.get_seq_length())
+        if not removed or not self.is_initialized:
+            return
+        # BUG: the rollback trims the main buffer only; the staged tail of the last chunk (where the rejected
+        # candidates are) survives, and accepted tokens are cut from the main buffer instead
+        self.keys, self.values = self.keys[..., :-removed, :], self.values[..., :-removed, :]
+
+    def reset(self) -> None:
+        super().reset()
+        self.staged_keys = self.staged_values = None
+
+
+class StagedChunkCache(Cache):
+    """Every layer a ``_StagedChunkLayer`` (attention models)."""
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_StagedChunkLayer() for _ in types])
+
+
+FAULTY = [
+    FaultyCache(
+        name="staged_chunk_rollback", attr="StagedChunkCache", module=__name__, family="speculative",
+        check="check_speculative_greedy", model="llama", case="assisted_draft",
+        message=("check_speculative_greedy failed: StagedChunkCache on llama",),
+        cause=r"crop\(\) after a verification chunk keeps a rejected candidate or drops an accepted token",
+    ),
+]
