@@ -60,6 +60,8 @@ class Mutant:
             whether for a ``transformers.Cache`` that is not one.
         apply: ``apply(cls, adapter) -> dict`` of the methods the mutant class overrides (``cls`` the cache's
             class; ``adapter`` whether it is a model adapter's ``ScratchCache``).
+        unseen_by: checks of those families that do not judge what the mutant changes (bytes held, a refusal),
+            so a pass there is no evidence of blindness: they do not run it.
     """
 
     name: str
@@ -71,6 +73,7 @@ class Mutant:
     adapter: bool
     transformers: bool
     apply: Callable
+    unseen_by: tuple = ()
 
 
 # ---------------------------------------------------------------------------------------------------- the mutants
@@ -238,12 +241,15 @@ _FEEDING = ("logits", "crop", "prefix", "batch", "lifecycle", "generate", "quali
 """The families that judge the logits of decode steps: each should see a wrong token. (Not ``fuzz``: its programs
 leave out what a single op's family already finds, and each of its items is a dozen programs; not ``contract``,
 which judges lengths and the API, not values: it is expected to kill a dropped token only.)"""
+_BYTES_OR_REFUSALS = ("check_compression_real", "check_memory_bound", "check_deepcopy_refused")
+"""Checks of the logit-judging families that judge bytes held or a refusal, not the logits: a wrong token returned by
+``update()`` changes neither."""
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("stale_token", "update() returns the previous decode step's token in the newest token's slot", (), None,
-           ("decode",), _FEEDING, False, True, _stale),
+           ("decode",), _FEEDING, False, True, _stale, _BYTES_OR_REFUSALS),
     Mutant("dropped_token", "update() returns the keys/values without the oldest held token (a model adapter's "
            "cache object keeps its state from before each decode token)", (), None,
-           ("decode",), (*_FEEDING, "contract"), True, True, _dropped),
+           ("decode",), (*_FEEDING, "contract"), True, True, _dropped, _BYTES_OR_REFUSALS),
     Mutant("reorder_ignored", "reorder_cache() ignores its indices (rows keep their order)", ("reorder",), None,
            ("reorder", "swap_rows", "beam_fork"), ("batch", "generate"), True, True, _reorder_ignored),
     Mutant("select_ignored", "batch_select_indices() ignores its indices (keeps the first rows)", ("batch_select",),
@@ -295,7 +301,7 @@ def candidates(spec, check, case) -> list[Mutant]:
     names = {op.name for op in getattr(case, "ops", ())}
     out = []
     for mutant in MUTANTS:
-        if check.family not in mutant.families or not exists_for(mutant, spec):
+        if check.family not in mutant.families or check.name in mutant.unseen_by or not exists_for(mutant, spec):
             continue
         if mutant.ops and not own_driver and not names & set(mutant.ops):
             continue

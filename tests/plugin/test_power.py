@@ -1,0 +1,106 @@
+"""The power pass (``--kvconform-power``, issue 38 part 3): mutants of a subject made at its cache interface, run
+again on the items that passed, and the power table they give — in the terminal, the JSON report's ``power`` section
+and the HTML page. What is asserted is what kvconform measured (the JSON report), never one CPU's numbers."""
+
+import json
+import textwrap
+
+from kvconform.checks._power import BY_NAME, KILLED, SURVIVED
+from kvconform.report import POWER_STATES
+
+PAGED = "kvconform.testing.paged:PagedCache"
+# a slice of the plan with every op a mutant needs: decode (stale / dropped token), reorder, select, repeat, reset,
+# crop, and a memory item (the leak)
+SLICE = ("PagedCache and (reorder_padded or select_padded or repeat_padded or reset_reuse or crop_short "
+         "or decode_explicit_positions or memory_decode)")
+
+
+def _outcomes(report: dict) -> dict:
+    return {r["nodeid"]: r["outcome"] for r in report["results"]}
+
+
+def _cell_keys():
+    return {"status", "ran", "killed", "errors", "killed_by", "blind_items"}
+
+
+def test_a_custom_cache_gets_a_power_table_with_killed_cells_and_its_outcomes_unchanged(run_kvconform, pytester):
+    """A correct page-pool cache (kvconform's bundled ``PagedCache``, a design transformers does not ship): with the
+    default sampled pass every mutant its slice of the plan exercises is killed by the family meant to kill it; the
+    items' outcomes are those of a run without the pass; the JSON ``power`` section has its documented shape and the
+    HTML page its table; a run with ``--kvconform-power off`` has no ``power`` key and no mutant results."""
+    common = ("--kvconform-model", "llama", "--kvconform-cache", PAGED, "--kvconform-subject", "PagedCache",
+              "-n", "0", "-k", SLICE)
+    off = run_kvconform(*common, "--kvconform-power", "off", "--kvconform-json", "off.json")
+    assert off.ret == 0, off.stdout.str()
+    on = run_kvconform(*common, "--kvconform-json", "on.json", "--kvconform-html", "on.html")
+    assert on.ret == 0, on.stdout.str()
+    report_off = json.loads((pytester.path / "off.json").read_text())
+    report = json.loads((pytester.path / "on.json").read_text())
+    assert "power" not in report_off
+    assert not any("power" in r["metrics"] for r in report_off["results"])
+    assert _outcomes(report) == _outcomes(report_off) and set(_outcomes(report).values()) == {"passed"}
+    assert report["environment"]["power"] == "sampled"
+
+    power = report["power"]
+    assert set(power) == {"mode", "mutants", "subjects"} and power["mode"] == "sampled"
+    assert set(power["mutants"]) == set(BY_NAME)
+    assert all(set(m) == {"what", "families"} and m["families"] for m in power["mutants"].values())
+    table = power["subjects"]["PagedCache"]
+    records = {r["nodeid"]: r for r in report["results"]}
+    for family, cells in table.items():
+        for name, cell in cells.items():
+            assert set(cell) == _cell_keys() and cell["status"] in POWER_STATES, (family, name, cell)
+            assert family in power["mutants"][name]["families"]
+            if cell["status"] == "killed":  # the item named killed it, and passed itself
+                killer = records[cell["killed_by"]]
+                assert killer["outcome"] == "passed" and killer["metrics"]["power"][name] == KILLED
+                assert killer["family"] == family
+            for nodeid in cell["blind_items"]:
+                assert records[nodeid]["metrics"]["power"][name] == SURVIVED
+    expected_kills = {("logits", "stale_token"), ("logits", "dropped_token"), ("batch", "reorder_ignored"),
+                      ("batch", "select_ignored"), ("batch", "repeat_ignored"), ("lifecycle", "reset_noop"),
+                      ("crop", "crop_noop")}
+    statuses = {(f, n): c["status"] for f, cells in table.items() for n, c in cells.items()}
+    assert {k for k in expected_kills if statuses.get(k) == "killed"} == expected_kills, statuses
+    assert "power_s" in records[table["batch"]["reorder_ignored"]["killed_by"]]["metrics"]
+
+    out = on.stdout.str()
+    assert "PagedCache: families × mutants" in out and "kvconform power" in out
+    html = (pytester.path / "on.html").read_text()
+    assert 'id="kv-power"' in html and 'data-subject="PagedCache"' in html
+
+
+def test_a_case_that_cannot_see_a_mutant_is_a_blind_cell(run_kvconform, pytester):
+    """A case whose two reorders roll two rows back to where they were cannot see a ``reorder_cache`` that ignores
+    its indices: under ``--kvconform-power full`` the batch × reorder_ignored cell of the (correct) subject is blind,
+    named in the terminal with its item, while the item itself passes and the exit code stays 0."""
+    pytester.path.joinpath("blind.toml").write_text(textwrap.dedent("""
+        [[case]]
+        id = "reorder_twice"
+        check = "check_reorder_then_decode"
+        batch = 2
+        ops = ["prefill 8", "reorder", "reorder", "decode 2"]
+        description = "two rolls of two rows: the identity, so a reorder that ignores its indices cannot show"
+    """))
+    result = run_kvconform("--kvconform-model", "llama", "--kvconform-cache", PAGED, "--kvconform-subject",
+                           "PagedCache", "--kvconform-cases", "blind.toml", "--kvconform-power", "full", "-n", "0",
+                           "-k", "PagedCache and reorder_twice", "--kvconform-json", "r.json")
+    assert result.ret == 0, result.stdout.str()
+    report = json.loads((pytester.path / "r.json").read_text())
+    (record,) = report["results"]
+    assert record["outcome"] == "passed"
+    assert record["metrics"]["power"]["reorder_ignored"] == SURVIVED
+    assert record["metrics"]["power"]["stale_token"] == KILLED  # the same item does see a wrong token
+    cell = report["power"]["subjects"]["PagedCache"]["batch"]["reorder_ignored"]
+    assert cell["status"] == "blind" and cell["blind_items"] == [record["nodeid"]]
+    assert report["power"]["mode"] == "full"
+    out = result.stdout.str()
+    assert "PagedCache × batch × reorder_ignored" in out and "reorder_twice" in out
+
+
+def test_a_mistyped_power_mode_is_a_usage_error(run_kvconform):
+    """``--kvconform-power`` takes off, sampled or full; anything else is exit 4 naming the value and the choices."""
+    result = run_kvconform("--kvconform-model", "llama", "--kvconform-power", "fast", "-n", "0")
+    assert result.ret == 4
+    err = result.stderr.str()
+    assert "--kvconform-power 'fast'" in err and "off, sampled, full" in err
