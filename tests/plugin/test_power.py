@@ -4,14 +4,17 @@ and the HTML page. What is asserted is what kvconform measured (the JSON report)
 
 import json
 import textwrap
+from pathlib import Path
 
 from kvconform.checks._power import BY_NAME, KILLED, SURVIVED
 from kvconform.report import POWER_STATES
 
-PAGED = "kvconform.testing.paged:PagedCache"
+POOL = f"{Path(__file__).resolve().parents[1] / 'page_pool_cache.py'}:PagePoolCache"
+"""A page pool written from scratch (``tests/page_pool_cache.py``): pool and free list on the cache object, block
+tables per row and layer, copies for a row taken twice — a design kvconform does not bundle."""
 # a slice of the plan with every op a mutant needs: decode (stale / dropped token), reorder, select, repeat, reset,
 # crop, and a memory item (the leak)
-SLICE = ("PagedCache and (reorder_padded or select_padded or repeat_padded or reset_reuse or crop_short "
+SLICE = ("PagePoolCache and (reorder_padded or select_padded or repeat_padded or reset_reuse or crop_short "
          "or decode_explicit_positions or memory_decode)")
 
 
@@ -24,11 +27,11 @@ def _cell_keys():
 
 
 def test_a_custom_cache_gets_a_power_table_with_killed_cells_and_its_outcomes_unchanged(run_kvconform, pytester):
-    """A correct page-pool cache (kvconform's bundled ``PagedCache``, a design transformers does not ship): with the
+    """A correct page-pool cache written from scratch (``POOL``, a design kvconform does not bundle): with the
     default sampled pass every mutant its slice of the plan exercises is killed by the family meant to kill it; the
     items' outcomes are those of a run without the pass; the JSON ``power`` section has its documented shape and the
     HTML page its table; a run with ``--kvconform-power off`` has no ``power`` key and no mutant results."""
-    common = ("--kvconform-model", "llama", "--kvconform-cache", PAGED, "--kvconform-subject", "PagedCache",
+    common = ("--kvconform-model", "llama", "--kvconform-cache", POOL, "--kvconform-subject", "PagePoolCache",
               "-n", "0", "-k", SLICE)
     off = run_kvconform(*common, "--kvconform-power", "off", "--kvconform-json", "off.json")
     assert off.ret == 0, off.stdout.str()
@@ -45,7 +48,7 @@ def test_a_custom_cache_gets_a_power_table_with_killed_cells_and_its_outcomes_un
     assert set(power) == {"mode", "mutants", "subjects"} and power["mode"] == "sampled"
     assert set(power["mutants"]) == set(BY_NAME)
     assert all(set(m) == {"what", "families"} and m["families"] for m in power["mutants"].values())
-    table = power["subjects"]["PagedCache"]
+    table = power["subjects"]["PagePoolCache"]
     records = {r["nodeid"]: r for r in report["results"]}
     for family, cells in table.items():
         for name, cell in cells.items():
@@ -65,9 +68,9 @@ def test_a_custom_cache_gets_a_power_table_with_killed_cells_and_its_outcomes_un
     assert "power_s" in records[table["batch"]["reorder_ignored"]["killed_by"]]["metrics"]
 
     out = on.stdout.str()
-    assert "PagedCache: families × mutants" in out and "kvconform power" in out
+    assert "PagePoolCache: families × mutants" in out and "kvconform power" in out
     html = (pytester.path / "on.html").read_text()
-    assert 'id="kv-power"' in html and 'data-subject="PagedCache"' in html
+    assert 'id="kv-power"' in html and 'data-subject="PagePoolCache"' in html
 
 
 def test_a_case_that_cannot_see_a_mutant_is_a_blind_cell(run_kvconform, pytester):
@@ -82,20 +85,20 @@ def test_a_case_that_cannot_see_a_mutant_is_a_blind_cell(run_kvconform, pytester
         ops = ["prefill 8", "reorder", "reorder", "decode 2"]
         description = "two rolls of two rows: the identity, so a reorder that ignores its indices cannot show"
     """))
-    result = run_kvconform("--kvconform-model", "llama", "--kvconform-cache", PAGED, "--kvconform-subject",
-                           "PagedCache", "--kvconform-cases", "blind.toml", "--kvconform-power", "full", "-n", "0",
-                           "-k", "PagedCache and reorder_twice", "--kvconform-json", "r.json")
+    result = run_kvconform("--kvconform-model", "llama", "--kvconform-cache", POOL, "--kvconform-subject",
+                           "PagePoolCache", "--kvconform-cases", "blind.toml", "--kvconform-power", "full", "-n", "0",
+                           "-k", "PagePoolCache and reorder_twice", "--kvconform-json", "r.json")
     assert result.ret == 0, result.stdout.str()
     report = json.loads((pytester.path / "r.json").read_text())
     (record,) = report["results"]
     assert record["outcome"] == "passed"
     assert record["metrics"]["power"]["reorder_ignored"] == SURVIVED
     assert record["metrics"]["power"]["stale_token"] == KILLED  # the same item does see a wrong token
-    cell = report["power"]["subjects"]["PagedCache"]["batch"]["reorder_ignored"]
+    cell = report["power"]["subjects"]["PagePoolCache"]["batch"]["reorder_ignored"]
     assert cell["status"] == "blind" and cell["blind_items"] == [record["nodeid"]]
     assert report["power"]["mode"] == "full"
     out = result.stdout.str()
-    assert "PagedCache × batch × reorder_ignored" in out and "reorder_twice" in out
+    assert "PagePoolCache × batch × reorder_ignored" in out and "reorder_twice" in out
 
 
 def test_a_mistyped_power_mode_is_a_usage_error(run_kvconform):
@@ -104,3 +107,38 @@ def test_a_mistyped_power_mode_is_a_usage_error(run_kvconform):
     assert result.ret == 4
     err = result.stderr.str()
     assert "--kvconform-power 'fast'" in err and "off, sampled, full" in err
+
+
+def test_built_in_subjects_run_no_mutant_unless_full(run_kvconform, pytester):
+    """kvconform's own subjects get no power pass by default (the default run's time and outcomes stay theirs);
+    ``--kvconform-power full`` runs it on them too, without changing the item's outcome."""
+    args = ("--kvconform-model", "llama", "--kvconform-subject", "DynamicCache", "-n", "0", "-k",
+            "DynamicCache and decode_explicit_positions")
+    default = run_kvconform(*args, "--kvconform-json", "d.json")
+    full = run_kvconform(*args, "--kvconform-power", "full", "--kvconform-json", "f.json")
+    assert default.ret == full.ret == 0, default.stdout.str() + full.stdout.str()
+    (plain,) = json.loads((pytester.path / "d.json").read_text())["results"]
+    report = json.loads((pytester.path / "f.json").read_text())
+    (powered,) = report["results"]
+    assert "power" not in plain["metrics"] and plain["outcome"] == powered["outcome"] == "passed"
+    assert powered["metrics"]["power"] == {"stale_token": KILLED, "dropped_token": KILLED}
+    assert report["power"]["subjects"]["DynamicCache"]["logits"]["stale_token"]["status"] == "killed"
+    assert "kvconform power" not in default.stdout.str()
+
+
+def test_a_model_adapters_select_crop_reset_and_cache_object_are_mutated(run_kvconform, pytester):
+    """A model written from scratch (the worked example adapter): its ``select`` (reorder, select, repeat), ``crop``,
+    ``reset`` and cache object (a decode token dropped from its state) get mutants, each killed by the family meant
+    to kill it; ``update()``'s stale token has no adapter form (not in its table)."""
+    result = run_kvconform("--kvconform-model", "kvconform.examples.tiny_decoder:TinyDecoder", "-n", "0", "-k",
+                           "reorder_padded or select_padded or repeat_padded or reset_reuse or crop_short",
+                           "--kvconform-json", "r.json")
+    assert result.ret == 0, result.stdout.str()
+    report = json.loads((pytester.path / "r.json").read_text())
+    (subject,) = report["power"]["subjects"]
+    table = report["power"]["subjects"][subject]
+    statuses = {(f, n): c["status"] for f, cells in table.items() for n, c in cells.items()}
+    for cell in (("batch", "reorder_ignored"), ("batch", "select_ignored"), ("batch", "repeat_ignored"),
+                 ("lifecycle", "reset_noop"), ("crop", "crop_noop"), ("batch", "dropped_token")):
+        assert statuses.get(cell) == "killed", (cell, statuses)
+    assert not any(n == "stale_token" for _, n in statuses)
