@@ -142,3 +142,34 @@ def test_a_model_adapters_select_crop_reset_and_cache_object_are_mutated(run_kvc
                  ("lifecycle", "reset_noop"), ("crop", "crop_noop"), ("batch", "dropped_token")):
         assert statuses.get(cell) == "killed", (cell, statuses)
     assert not any(n == "stale_token" for _, n in statuses)
+
+
+def test_merged_shards_give_the_power_table_of_the_whole_run():
+    """``kvconform-merge`` rebuilds the ``power`` section from the shards' records: a mutant one shard's item let
+    through and the other's killed is killed for the run; one only passed is blind, naming its item; a family expected
+    to kill a mutant the subject ran but none of whose items ran it is n/a."""
+    from kvconform.merge import merge_reports
+
+    def record(case, family, power):
+        nodeid = f"test_conformance.py::test_conformance[Pool-llama-{family}_check-{case}]"
+        return {"nodeid": nodeid, "subject": "Pool", "model": "llama", "check": f"check_{family}", "family": family,
+                "case": case, "dtype": "float32", "batch": 2, "outcome": "passed", "message": "",
+                "metrics": {"power": power}}
+
+    def shard(i, records):
+        return (f"s{i}.json", {"schema": 1, "complete": True, "planned": 1, "finished": 1, "incomplete": None,
+                               "environment": {"shard": f"{i}/2", "subjects": ["Pool"], "models": ["llama"],
+                                               "power": "sampled"},
+                               "results": records})
+
+    merged = merge_reports([shard(1, [record("a", "batch", {"reorder_ignored": SURVIVED}),
+                                      record("c", "generate", {})]),
+                            shard(2, [record("b", "batch", {"reorder_ignored": KILLED, "select_ignored": SURVIVED})])])
+    cells = merged["power"]["subjects"]["Pool"]["batch"]
+    assert merged["power"]["mode"] == "sampled"
+    assert cells["reorder_ignored"]["status"] == "killed" and cells["reorder_ignored"]["ran"] == 2
+    assert cells["reorder_ignored"]["killed_by"].endswith("[Pool-llama-batch_check-b]")
+    assert cells["select_ignored"]["status"] == "blind"
+    assert cells["select_ignored"]["blind_items"] == [record("b", "batch", {})["nodeid"]]
+    # reorder_ignored is expected of the generate family too: a cell there, n/a (no item of it ran the mutant)
+    assert merged["power"]["subjects"]["Pool"]["generate"]["reorder_ignored"]["status"] == "n/a"
