@@ -173,3 +173,18 @@ def test_merged_shards_give_the_power_table_of_the_whole_run():
     assert cells["select_ignored"]["blind_items"] == [record("b", "batch", {})["nodeid"]]
     # reorder_ignored is expected of the generate family too: a cell there, n/a (no item of it ran the mutant)
     assert merged["power"]["subjects"]["Pool"]["generate"]["reorder_ignored"]["status"] == "n/a"
+
+
+def test_a_mutant_that_makes_kvconforms_own_code_raise_is_no_kill(run_kvconform, pytester):
+    """kvconform's ``ReferenceCache`` whose ``reset()`` does nothing keeps two rows, and its own code then raises on
+    the next batch of four (``reference.py``, concatenating 2 rows with 4): a raise inside kvconform's own code
+    (``KVConformInternalError``), so the mutant's result is ``error`` (no verdict), never ``killed``; the cell is not killed by it, and the item and the exit code are unchanged."""
+    result = run_kvconform("--kvconform-model", "llama", "--kvconform-subject", "ReferenceCache", "-n", "0",
+                           "--kvconform-power", "full", "-k", "ReferenceCache and reset_larger_batch",
+                           "--kvconform-json", "r.json")
+    assert result.ret == 0, result.stdout.str()
+    report = json.loads((pytester.path / "r.json").read_text())
+    (record,) = report["results"]
+    assert record["outcome"] == "passed" and record["metrics"]["power"]["reset_noop"] == "error"
+    cell = report["power"]["subjects"]["ReferenceCache"]["lifecycle"]["reset_noop"]
+    assert cell["status"] == "n/a" and cell["errors"] == 1 and cell["killed"] == 0
