@@ -178,7 +178,8 @@ def test_merged_shards_give_the_power_table_of_the_whole_run():
 def test_a_mutant_that_makes_kvconforms_own_code_raise_is_no_kill(run_kvconform, pytester):
     """kvconform's ``ReferenceCache`` whose ``reset()`` does nothing keeps two rows, and its own code then raises on
     the next batch of four (``reference.py``, concatenating 2 rows with 4): a raise inside kvconform's own code
-    (``KVConformInternalError``), so the mutant's result is ``error`` (no verdict), never ``killed``; the cell is not killed by it, and the item and the exit code are unchanged."""
+    (``KVConformInternalError``), so the mutant's result is ``error`` (no verdict), never ``killed``; the cell is
+    not killed by it, and the item and the exit code are unchanged."""
     result = run_kvconform("--kvconform-model", "llama", "--kvconform-subject", "ReferenceCache", "-n", "0",
                            "--kvconform-power", "full", "-k", "ReferenceCache and reset_larger_batch",
                            "--kvconform-json", "r.json")
