@@ -39,8 +39,10 @@ class CheckResult:
 def _session(caches, models, checks, cases, strict, device, full):
     from kvconform.session import build_session
 
-    return build_session(caches=list(caches), models=models, strict=strict, device=device, full=full,
-                         builtin=False, checks=checks, case_ids=cases)
+    session = build_session(caches=list(caches), models=models, strict=strict, device=device, full=full,
+                            builtin=False, checks=checks, case_ids=cases)
+    session.power = "off"  # no power table without the plugin's report (pytest --kvconform --kvconform-power)
+    return session
 
 
 def _as_list(obj):

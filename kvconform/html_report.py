@@ -242,12 +242,55 @@ def _header_html(payload: dict, digest) -> str:
                      f'<ul class="ids">{rows}</ul></details>')
     other = {k: v for k, v in env.items() if k not in ("kvconform", "transformers", "torch", "python", "device",
                                                            "cuda_available", "strict", "platform", "subjects",
-                                                           "models", "shard", "merged_from", "architectures")}
+                                                           "models", "shard", "merged_from", "architectures", "power")}
     if other:
         parts.append("<details><summary>environment (other keys)</summary><pre class=\"msg\">"
                      + _e(json.dumps(other, indent=1, ensure_ascii=False, default=str)) + "</pre></details>")
     parts.append(_known_faults_html(payload, digest))
+    parts.append(_power_html(payload))
     return "\n".join(parts)
+
+
+def _power_html(payload: dict) -> str:
+    """The power tables of the JSON report's ``power`` section (``report.power_section``): one table per subject,
+    families × mutants, cells killed / BLIND / n/a ("·": not expected of that family), then the blind cells with an
+    item each; empty when the report has none."""
+    section = payload.get("power")
+    if not isinstance(section, dict) or not section.get("subjects"):
+        return ""
+    mutants = section.get("mutants") or {}
+    out = [f'<section id="kv-power"><h2>Power (mutants at each subject\'s interface; pass: '
+           f'{_e(section.get("mode", "?"))})</h2>',
+           '<p class="env">A mutant is the subject\'s own cache with one planted bug. killed: an item of the family '
+           'failed on it; BLIND: items ran it and all passed; n/a: no item ran it.</p>']
+    for subject, table in section["subjects"].items():
+        names = [n for n in mutants if any(n in cells for cells in table.values())]
+        head = "".join(f'<th title="{_e(mutants[n].get("what", ""))}">{_e(n)}</th>' for n in names)
+        rows = []
+        for family, cells in table.items():
+            tds = []
+            for n in names:
+                cell = cells.get(n)
+                status = "·" if cell is None else cell.get("status", "n/a")
+                cls = {"killed": "c-pass", "blind": "c-fail", "n/a": "c-skip"}.get(status, "")
+                title = ""
+                if cell is not None:
+                    title = (f'ran {cell.get("ran", 0)}, killed {cell.get("killed", 0)}'
+                             + (f', e.g. {cell["killed_by"]}' if cell.get("killed_by") else "")
+                             + (f', passed on {cell["blind_items"][0]}' if cell.get("blind_items") else ""))
+                tds.append(f'<td class="{cls}" title="{_e(title)}">{_e("BLIND" if status == "blind" else status)}'
+                           f"</td>")
+            rows.append(f"<tr><th>{_e(family)}</th>{''.join(tds)}</tr>")
+        out.append(f'<h3>{_e(subject)}</h3><table class="grid power" data-subject="{_e(subject)}"><tr><th>family'
+                   f"</th>{head}</tr>{''.join(rows)}</table>")
+    blind = [(s, f, n, c) for s, t in section["subjects"].items() for f, cells in t.items()
+             for n, c in cells.items() if c.get("status") == "blind"]
+    if blind:
+        out.append("<ul>" + "".join(
+            f'<li class="kf-stale">blind: {_e(s)} × {_e(f)} × {_e(n)} ({_e(mutants.get(n, {}).get("what", ""))}): '
+            f'passed on {c.get("ran", 0)} item(s), e.g. {_e((c.get("blind_items") or ["?"])[0])}</li>'
+            for s, f, n, c in blind) + "</ul>")
+    return "\n".join(out) + "</section>"
 
 
 def render(payload: dict, digest=None, title: str = "kvconform conformance report") -> str:

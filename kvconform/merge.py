@@ -276,8 +276,13 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
     environment.update(subjects=subjects, models=models,
                        merged_from=[{"path": p, "shard": (d.get("environment") or {}).get("shard"),
                                      **_progress(d)} for p, d in reports])
+    from kvconform.digest import RunDigest
+    from kvconform.report import power_section
+
+    # the power tables of the whole run, from the records' power results (each shard ran its own items' mutants)
+    power = power_section(results, RunDigest.from_environment(environment))
     return {"schema": 1, **merged_progress(reports), "environment": environment,
-            "results": sorted(results.values(), key=lambda r: r["nodeid"])}
+            "results": sorted(results.values(), key=lambda r: r["nodeid"]), **({"power": power} if power else {})}
 
 
 def _progress(payload: dict) -> dict:

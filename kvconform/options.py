@@ -134,6 +134,14 @@ DURATIONS = Option("--kvconform-durations", metavar="REPORT",
                         "(its duration_s per item); items it lacks fall back to the static cost estimate",
                    ini="string", ini_help="JSON report whose durations balance the shards (same as "
                                           "--kvconform-durations)", ini_default="", paths="path")
+POWER = Option("--kvconform-power", metavar="off|sampled|full",
+               help="power on the subject's own cache: after an item passes, re-run its check on mutants of the "
+                    "subject made at its interface (a stale or dropped token, batch ops ignoring their indices, "
+                    "reset / crop doing nothing, a hidden leak) and print a power table per subject (killed / "
+                    "blind / n/a). 'sampled' (default): subjects that are not kvconform's own, a few items per "
+                    "family and mutant; 'full': every candidate item of every subject, built-in ones too; 'off'",
+               ini="string", ini_help="power pass: off, sampled or full (same as --kvconform-power)",
+               ini_default="sampled")
 
 
 # ------------------------------------------------------------------------------------------------------ reading
@@ -270,6 +278,7 @@ def check_usage(config) -> None:
             from None
     if timeout < 0:
         raise pytest.UsageError(f"kvconform: --kvconform-timeout {timeout:g}: must be ≥ 0 (0 disables the timeout)")
+    power_mode(config)
     device = opt(config, DEVICE) or "cpu"
     if device == "cpu":
         return  # the default; torch is not imported for it here, so that usage errors found later come at once
@@ -284,6 +293,22 @@ def check_usage(config) -> None:
                                 f"({torch.__version__})")
     if dev.type not in ("cpu", "cuda"):
         raise pytest.UsageError(f"kvconform: --kvconform-device {device!r}: kvconform runs on cpu or cuda")
+
+
+def power_mode(config) -> str:
+    """``--kvconform-power`` (or its ini twin): ``"off"``, ``"sampled"`` (the default) or ``"full"``
+    (``checks._power.MODES``).
+
+    Raises:
+        pytest.UsageError: another value, naming it and the allowed ones.
+    """
+    from kvconform.checks._power import MODES
+
+    value = str(opt(config, POWER) or "sampled").strip().lower()
+    if value not in MODES:
+        raise pytest.UsageError(f"kvconform: --kvconform-power {value!r}: must be one of {', '.join(MODES)} "
+                                f"(sampled: the default; full: every candidate item, built-in subjects too)")
+    return value
 
 
 def refuse_mistyped_specs(config) -> None:

@@ -19,8 +19,8 @@ import pytest
 from kvconform.families import FAMILIES
 from kvconform.outcomes import UsageError
 from kvconform.options import (CACHE, CASES, DEVICE, DURATIONS, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT,
-                               SUBJECT, TRUST,
-                               add_options, check_usage, hooked_specs, is_active, opt, read_fuzz_seed, read_shard,
+                               SUBJECT, TRUST, add_options, check_usage, hooked_specs, is_active, opt, power_mode,
+                               read_fuzz_seed, read_shard,
                                refuse_flags_without_kvconform, refuse_mistyped_specs, reproduce_args, timeout_s)
 from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SESSION_KEY, await_digest,
                                crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
@@ -180,6 +180,7 @@ def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) ->
     except UsageError as exc:  # SpecError, CaseFileError, KnownFaultsError, a bad model or subject name
         raise pytest.UsageError(f"kvconform: {exc}") from None
     session.fuzz_seed, session.shard, session.reproduce_args = fuzz_seed, shard, reproduce_args
+    session.power = "off" if opt(config, SELFTEST) else power_mode(config)
     config.stash[SESSION_KEY] = session
 
 
@@ -245,27 +246,32 @@ def pytest_collect_file(file_path, parent):
 # after -k / -m deselection (trylast), so that the shares stay balanced
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
 def pytest_collection_modifyitems_shard(session, config, items):
-    """``--kvconform-shard I/N``: keep share I of the items (``merge.select_shard``), deselect the others."""
-    shard = getattr(config.stash.get(SESSION_KEY, None), "shard", None) if is_active(config) else None
-    if not shard:
-        return
-    from kvconform.merge import read_durations, select_shard
+    """``--kvconform-shard I/N``: keep share I of the items (``merge.select_shard``), deselect the others. Then the
+    items left (after -k / -m and the shard) are the ones the sampled power pass samples from
+    (``KVSession.power_scope``)."""
+    kv_session = config.stash.get(SESSION_KEY, None) if is_active(config) else None
+    shard = getattr(kv_session, "shard", None)
+    if shard:
+        from kvconform.merge import read_durations, select_shard
 
-    index, count = (int(x) for x in shard.split("/"))
-    durations_path = opt(config, DURATIONS)
-    durations = read_durations(durations_path) if durations_path else None
-    kept, dropped = select_shard(items, index, count, durations)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-    items[:] = kept
-    source = getattr(config, "_kvconform_shard_source", "")
-    balance = "balanced by the durations of " + durations_path if durations else "balanced by estimated cost"
-    config._kvconform_shard_line = (f"kvconform shard {shard}{f' ({source})' if source else ''}: {len(kept)} of "
-                                    f"{len(kept) + len(dropped)} items, {balance} (merge the shards' "
-                                    f"--kvconform-json reports with kvconform-merge)")
-    worker_rundir = getattr(config, "workerinput", {}).get(RUNDIR_KEY)
-    if worker_rundir:  # the xdist controller prints it (pytest_xdist_node_collection_finished): workers print nothing
-        write_atomically(os.path.join(worker_rundir, SHARD_LINE_FILE), config._kvconform_shard_line)
+        index, count = (int(x) for x in shard.split("/"))
+        durations_path = opt(config, DURATIONS)
+        durations = read_durations(durations_path) if durations_path else None
+        kept, dropped = select_shard(items, index, count, durations)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+        source = getattr(config, "_kvconform_shard_source", "")
+        balance = "balanced by the durations of " + durations_path if durations else "balanced by estimated cost"
+        config._kvconform_shard_line = (f"kvconform shard {shard}{f' ({source})' if source else ''}: {len(kept)} "
+                                        f"of {len(kept) + len(dropped)} items, {balance} (merge the shards' "
+                                        f"--kvconform-json reports with kvconform-merge)")
+        worker_rundir = getattr(config, "workerinput", {}).get(RUNDIR_KEY)
+        if worker_rundir:  # the xdist controller prints it (pytest_xdist_node_collection_finished)
+            write_atomically(os.path.join(worker_rundir, SHARD_LINE_FILE), config._kvconform_shard_line)
+    if kv_session is not None:
+        kv_session.power_scope = {it.callspec.params["kv_item"].id for it in _suite_items(items)
+                                  if "kv_item" in getattr(getattr(it, "callspec", None), "params", {})}
 
 
 def pytest_report_collectionfinish(config, start_path, items):
@@ -571,11 +577,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not is_active(config) or RESULTS_KEY not in config.stash or hasattr(config, "workerinput"):
         return
     from kvconform.report import (reference_gaps, write_known_fault_summary, write_markdown_summary,
-                                  write_own_gaps_summary, write_terminal_matrix)
+                                  write_own_gaps_summary, write_power_summary, write_terminal_matrix)
 
     results, digest = config.stash[RESULTS_KEY], config.stash[DIGEST_KEY]
     reference_gaps(results)
     write_terminal_matrix(terminalreporter, results, digest)
+    write_power_summary(terminalreporter, results, digest)
     _write_own_failures_hint(terminalreporter, results)
     if opt(config, SELFTEST):
         from kvconform.report import write_selftest_summary

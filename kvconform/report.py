@@ -308,6 +308,114 @@ def markdown(results: dict, digest=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+POWER_STATES = ("killed", "blind", "n/a")
+"""A power-table cell (``power_section``): some item of the family failed on the mutant (killed); items ran it, all
+passed (blind: the family cannot see that bug on this subject); no item ran it (n/a)."""
+
+
+def power_section(results: dict, digest=None) -> dict | None:
+    """The JSON report's ``power`` section (schema 1, a top-level key; None when no item ran a mutant), built from
+    the records' ``metrics["power"]`` (``{mutant: "killed" | "survived" | "not run" | "error"}``, set by the power
+    pass, ``checks._power``)::
+
+        {"mode": "sampled" | "full" | "off",
+         "mutants": {name: {"what": str, "families": [family, ...]}},
+         "subjects": {subject: {family: {mutant: {"status": "killed" | "blind" | "n/a",
+                                                  "ran": int, "killed": int, "errors": int,
+                                                  "killed_by": nodeid | None, "blind_items": [nodeid, ...]}}}}}
+
+    ``ran`` counts the items whose check ran the mutant live to a verdict (killed or survived); ``errors`` the
+    mutant runs kvconform's own code failed on (no verdict, never a kill). Every family a mutant is expected to be
+    killed by (``families``) has a cell for each subject with power data, n/a where no item ran it."""
+    from kvconform.checks._power import BY_NAME, MUTANTS
+
+    subjects: dict = {}
+    for r in sorted(results.values(), key=lambda r: r["nodeid"]):
+        power = (r.get("metrics") or {}).get("power")
+        if not isinstance(power, dict):
+            continue
+        table = subjects.setdefault(r["subject"], {})
+        for name, result in power.items():
+            cell = table.setdefault(r["family"], {}).setdefault(name, {"status": "n/a", "ran": 0, "killed": 0,
+                                                                       "errors": 0, "killed_by": None,
+                                                                       "blind_items": []})
+            if result == "killed":
+                cell["ran"] += 1
+                cell["killed"] += 1
+                cell["killed_by"] = cell["killed_by"] or r["nodeid"]
+            elif result == "survived":
+                cell["ran"] += 1
+                cell["blind_items"].append(r["nodeid"])
+            elif result == "error":
+                cell["errors"] += 1
+    if not subjects:
+        return None
+    present = {r["family"] for r in results.values()}  # families the run has items of
+    for table in subjects.values():
+        for mutant in MUTANTS:  # the mutants this subject ran: a cell in every family expected to kill each
+            if not any(mutant.name in cells for cells in table.values()):
+                continue
+            for family in mutant.families:
+                if family in present:
+                    table.setdefault(family, {}).setdefault(mutant.name, {"status": "n/a", "ran": 0, "killed": 0,
+                                                                          "errors": 0, "killed_by": None,
+                                                                          "blind_items": []})
+        for family, cells in table.items():
+            for name, cell in cells.items():
+                cell["status"] = "killed" if cell["killed"] else "blind" if cell["ran"] else "n/a"
+                if cell["killed"]:
+                    cell["blind_items"] = []
+            table[family] = dict(sorted(cells.items(), key=lambda kv: list(BY_NAME).index(kv[0])
+                                        if kv[0] in BY_NAME else len(BY_NAME)))
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    subjects = {name: dict(sorted(table.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+                for name, table in subjects.items()}
+    ordered = _ordered(subjects, _digest_order(digest, "subject"))
+    mode = ((getattr(digest, "environment", None) or {}).get("power")) if digest is not None else None
+    return {"mode": mode or "sampled",
+            "mutants": {m.name: {"what": m.what, "families": list(m.families)} for m in MUTANTS},
+            "subjects": {name: subjects[name] for name in ordered}}
+
+
+def blind_cells(section: dict | None) -> list[tuple[str, str, str, dict]]:
+    """Every blind cell of a ``power_section``: ``(subject, family, mutant, cell)``."""
+    return [(subject, family, name, cell) for subject, table in ((section or {}).get("subjects") or {}).items()
+            for family, cells in table.items() for name, cell in cells.items() if cell["status"] == "blind"]
+
+
+def write_power_summary(tr, results: dict, digest=None) -> None:
+    """Print one power table per subject that ran mutants (``power_section``): rows the families, columns the
+    mutants, cells killed / BLIND / n/a ("·": the mutant is not expected to be killed by that family), then each
+    blind cell with an item that passed on the mutant."""
+    section = power_section(results, digest)
+    if section is None:
+        return
+    tr.section("kvconform power (mutants of each subject made at its interface)")
+    tr.write_line(f"power pass: {section['mode']}; a mutant is the subject's own cache with one planted bug: "
+                  f"killed = an item of the family failed on it, BLIND = items ran it and all passed, n/a = no item "
+                  f"ran it (not planned, not exercised, or no verdict)")
+    mutants = section["mutants"]
+    for subject, table in section["subjects"].items():
+        names = [n for n in mutants if any(n in cells for cells in table.values())]
+        rows = []
+        for family, cells in table.items():
+            texts = []
+            for n in names:
+                cell = cells.get(n)
+                texts.append("·" if cell is None else {"killed": "killed", "blind": "BLIND"}.get(cell["status"], "n/a"))
+            rows.append((family, texts, any(t == "BLIND" for t in texts)))
+        tr.write_line("")
+        _table(tr, f"{subject}: families × mutants", ["family", *names], rows)
+    blind = blind_cells(section)
+    if blind:
+        tr.write_line("")
+        tr.write_line(f"{len(blind)} blind cell(s): items that pass on the subject and on a mutant that should break "
+                      f"them (a missing case, or a check that cannot see that bug on this subject):", yellow=True)
+        for subject, family, name, cell in blind:
+            tr.write_line(f"  {subject} × {family} × {name} ({mutants[name]['what']}): passed on "
+                          f"{cell['ran']} item(s), e.g. {cell['blind_items'][0]}", yellow=True)
+
+
 def write_markdown_summary(results: dict, path: str | None, digest=None) -> None:
     """Append the Markdown matrix to ``path`` (``$GITHUB_STEP_SUMMARY``) when set."""
     if path and results:
@@ -317,13 +425,15 @@ def write_markdown_summary(results: dict, path: str | None, digest=None) -> None
 
 def json_payload(results: dict, digest, progress: dict | None = None) -> dict:
     """The JSON report's data: ``{"schema": 1, "complete", "planned", "finished", "incomplete", "environment": {...},
-    "results": [...]}``, results sorted by node id; ``digest.environment`` is the environment (``{}`` for a ``digest``
+    "results": [...], "power": {...}}``, results sorted by node id, ``power`` only where items ran mutants
+    (``power_section``); ``digest.environment`` is the environment (``{}`` for a ``digest``
     of None: a report written before the run's session is known). ``progress``: the run's state (``run_progress``);
     without it the report says it is complete with every record finished. What ``write_json`` writes and the HTML
     page reads."""
     progress = progress or run_progress(len(results), len(results), None)
+    power = power_section(results, digest)
     return {"schema": SCHEMA, **progress, "environment": digest.environment if digest is not None else {},
-            "results": sorted(results.values(), key=lambda r: r["nodeid"])}
+            "results": sorted(results.values(), key=lambda r: r["nodeid"]), **({"power": power} if power else {})}
 
 
 def write_json(path: str, results: dict, digest, progress: dict | None = None) -> None:

@@ -50,6 +50,14 @@ class KVSession:
     why (``sweep.survey``); listed in the header and the JSON report."""
     """Extra header lines (a repository's own cache classes found, ``remote.py``)."""
     _oracles: dict = field(default_factory=dict)
+    power: str = "sampled"
+    """``--kvconform-power`` (``checks._power.MODES``): ``sampled`` (default) runs mutants on a sample of the items
+    of subjects that are not kvconform's own, ``full`` on every candidate item of every subject, ``off`` none."""
+    power_scope: set | None = None
+    """The ids of the items this process may run (after ``-k`` / ``-m`` / ``--kvconform-shard``; set by the plugin),
+    the ones the sampled power pass samples from; None: every planned item."""
+    _power_plan: dict | None = None
+    _power_killed: set = field(default_factory=set)
 
     def items(self) -> list[PlanItem]:
         out = []
@@ -106,11 +114,55 @@ class KVSession:
                            known_fault=self.known_fault(item), full=self.full, benchmark=benchmark,
                            reproduce_args=tuple(self.reproduce_args), fuzz_seed=self.fuzz_seed)
         try:
-            return run_check(item.check.name, ctx)
+            metrics = run_check(item.check.name, ctx)
         except ConformanceError as exc:
             if item.xfail is None:
                 self.judge_known_fault(item, ctx, exc)
             raise
+        mutants = self.power_mutants(item) if item.xfail is None else []
+        if mutants:  # the item passed: its power on this subject (a mutant never changes the item's outcome)
+            import time
+
+            from kvconform.checks import run_power
+
+            start = time.perf_counter()
+            power = run_power(item.check.name, ctx, mutants)
+            metrics["power"] = power
+            metrics["power_s"] = round(time.perf_counter() - start, 4)
+            self._power_killed.update((item.subject.name, item.check.family, name)
+                                      for name, result in power.items() if result == "killed")
+        return metrics
+
+    def power_mutants(self, item: PlanItem) -> list:
+        """The mutants (``checks._power.Mutant``) the power pass runs on ``item`` once it has passed: none under
+        ``--kvconform-power off`` or for kvconform's own subjects unless ``full``; under ``full`` every candidate
+        (``_power.candidates``); under ``sampled`` those of which ``item`` is among the first ``_power.SAMPLE``
+        candidate items of its subject × family × mutant (by estimated cost, then item id: the same in every
+        process), less those an earlier item of this process already killed."""
+        from kvconform.checks._power import SAMPLE, candidates, is_own
+
+        if self.power == "off" or (self.power != "full" and is_own(item.subject)):
+            return []
+        found = candidates(item.subject, item.check, item.case)
+        if self.power == "full" or not found:
+            return found
+        if self._power_plan is None:
+            ranked: dict = {}
+            for other in self.items():
+                if other.skip or other.xfail or is_own(other.subject) or (
+                        self.power_scope is not None and other.id not in self.power_scope):
+                    continue
+                for mutant in candidates(other.subject, other.check, other.case):
+                    key = (other.subject.name, other.check.family, mutant.name)
+                    ranked.setdefault(key, []).append((getattr(other.check, "cost", 1.0), other.id))
+            plan: dict = {}
+            for key, ids in ranked.items():
+                for _, item_id in sorted(ids)[:SAMPLE]:
+                    plan.setdefault(item_id, set()).add(key[2])
+            self._power_plan = plan
+        chosen = self._power_plan.get(item.id, set())
+        return [m for m in found if m.name in chosen
+                and (item.subject.name, item.check.family, m.name) not in self._power_killed]
 
     def expected_fault(self, item: PlanItem, own_failures: bool = True):
         """The known-fault entry matching ``item`` on the installed transformers, or None (``own_failures``: also
@@ -272,6 +324,7 @@ class KVSession:
                 "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict,
                 # the run's orders (kvconform-merge keeps them) and its share of a sharded run
                 "subjects": [s.name for s in self.subjects], "models": [m.name for m in self.models],
+                "power": self.power,
                 **({"shard": self.shard} if self.shard else {}),
                 **({"architectures": [r for _, records in self.architectures for r in records]}
                    if self.architectures else {})}

@@ -241,6 +241,40 @@ def run_check(name: str, ctx: CheckContext) -> dict:
     return ctx.metrics
 
 
+def run_power(name: str, ctx: CheckContext, mutants) -> dict:
+    """The power pass of an item that passed (ARCHITECTURE.md, "Power on the subject's own cache"): re-run check
+    ``name`` on the same ``ctx`` (model, case, oracle) with the subject replaced by each of ``mutants``
+    (``checks._power.Mutant``: ``_power.mutant_spec``), in process. Returns ``{mutant name: result}``, a result
+    being ``_power.KILLED`` (the check failed on it: a ``ConformanceError``, or an ``Unexcused`` failure of the
+    subject's own raise), ``SURVIVED`` (it passed: the item cannot see that bug), ``UNUSED`` (the check skipped on
+    it, or never made the mutant live: its mutated method was never called) or ``ERROR`` (kvconform's own code
+    failed on it, or the mutant could not be made for this cache: no verdict, never a kill). Never raises a mutant's
+    failure: the item's outcome is the subject's alone."""
+    import torch
+
+    from kvconform.checks._power import ERROR, KILLED, SURVIVED, UNUSED, mutant_spec
+
+    out = {}
+    for mutant in mutants:
+        spec = mutant_spec(ctx.subject, mutant)
+        mctx = ctx.replace(subject=spec, metrics={})
+        torch.manual_seed(0)
+        try:
+            run_check(name, mctx)
+            result = SURVIVED
+        except (SubjectNotBuilt, KVConformInternalError):
+            result = ERROR
+        except (ConformanceError, Unexcused):
+            result = KILLED
+        except CheckSkipped:
+            result = UNUSED
+        except Exception:  # noqa: BLE001 - anything else is no verdict on the mutant (never the item's)
+            result = ERROR
+        # a mutant the check never made live (its method never called, no decode step) is no evidence either way
+        out[mutant.name] = result if spec.kvconform_touched.count or result == ERROR else UNUSED
+    return out
+
+
 def _read_only_attribute(exc: BaseException) -> str | None:
     """The attribute name of an ``AttributeError`` raised by assigning a property without a setter (Python ≥ 3.11:
     "property 'batch_size' of 'X' object has no setter"; 3.10: "can't set attribute 'batch_size'"), else None."""
