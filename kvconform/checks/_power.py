@@ -240,7 +240,9 @@ def _plus_one(positions):
 _FEEDING = ("logits", "crop", "prefix", "batch", "lifecycle", "generate", "quality")
 """The families that judge the logits of decode steps: each should see a wrong token. (Not ``fuzz``: its programs
 leave out what a single op's family already finds, and each of its items is a dozen programs; not ``contract``,
-which judges lengths and the API, not values: it is expected to kill a dropped token only.)"""
+which judges lengths and the API, not values: it is expected to kill a dropped token only; not ``speculative``,
+which compares greedy tokens, not logits — a dropped oldest token left 12 greedy tokens of the tiny llama unchanged
+— and is expected to kill a crop that does nothing.)"""
 _BYTES_OR_REFUSALS = ("check_compression_real", "check_memory_bound", "check_deepcopy_refused")
 """Checks of the logit-judging families that judge bytes held or a refusal, not the logits: a wrong token returned by
 ``update()`` changes neither."""
@@ -259,8 +261,8 @@ MUTANTS: tuple[Mutant, ...] = (
            _repeat_ignored),
     Mutant("reset_noop", "reset() does nothing", ("reset",), None, ("reset",), ("lifecycle", "contract"),
            True, True, _reset_noop),
-    Mutant("crop_noop", "crop() does nothing", ("crop",), None, ("crop",), ("crop", "prefix", "contract"),
-           True, True, _crop_noop),
+    Mutant("crop_noop", "crop() does nothing", ("crop",), None, ("crop",),
+           ("crop", "speculative", "prefix", "contract"), True, True, _crop_noop),
     Mutant("hidden_leak", "each update's keys (a model adapter: each state) are also kept in a hidden list on the "
            "cache object", (), None, (), ("memory",), True, True, _leak),
     Mutant("held_shift", "kvconform_held() gives every held position shifted by one", (), "kvconform_held", (),
