@@ -1,7 +1,8 @@
 """Reading what a subject's cache holds without ever raising on its shape (``read_attr``, ``layer_items``,
 ``layer_list``, ``attributes_of``, ``cache_halves``, ``self_half``, ``tensors_of``, ``cache_layers``) and counting the
 bytes it holds (``held_bytes``, ``layer_bytes``, ``cache_bytes``, ``storage_bytes``, ``owned_by_model``). Evidence,
-diagnosis and byte counting read a subject's cache only through these (ARCHITECTURE.md, "Reading a subject"). Imports no other engine module.
+diagnosis and byte counting read a subject's cache only through these (ARCHITECTURE.md, "Reading a subject").
+Imports no other engine module.
 """
 
 from __future__ import annotations
