@@ -205,6 +205,7 @@ def check_capacity(ctx):
     where = f"the forward at {label} would hold {held + (1 if label.startswith('decode') else 0)}+ tokens"
     if refusal is not None:
         text = f"{where} > max_cache_len {cap}; it raised {describe_exception(refusal)}"
+        _judge_capacity_refusal(ctx, text, label, refusal)
         if not clear_error(refusal, CAPACITY_WORDS + (str(cap),)) or isinstance(refusal, RAW_ERRORS):
             ctx.fail([text, "but should raise a clear error naming the capacity before writing anything",
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
@@ -228,6 +229,36 @@ def check_capacity(ctx):
 
         fail_verdict(ctx, verdict, cause, ops_text=f"{ctx.case.ops_label()} (max_cache_len={cap})",
                      driver=run_capacity_case)
+
+
+def _judge_capacity_refusal(ctx, text: str, label: str, refusal) -> None:
+    """A refusal past ``max_cache_len`` is the contract's where the subject declares the capacity it enforces
+    (``get_max_length()`` ≥ 0, read from a cache built with that ``max_cache_len``) or the reference refuses the same
+    forward too (``_refusal.allowed_refusal``); recorded in ``ctx.measured``. A cache that says it is unbounded
+    (``get_max_length()`` = -1) and refuses what the reference holds fails here, naming both."""
+    declared = ctx.metrics.get("get_max_length")
+    by: str | None
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 0:
+        by = f"subject, declared: get_max_length() = {declared}"
+    else:
+        def reference_run(ref_ctx):
+            info: dict = {}
+            run_capacity_case(ref_ctx, None, info)
+            over = info.get("overflow")
+            if over is not None and over[2] is not None:
+                raise SubjectRaised(over[0], over[2])
+
+        allowed = allowed_refusal(ctx, "capacity", reference_run)
+        by = allowed.by
+        if by is None:
+            ctx.fail([text, f"but it declares no maximum (get_max_length() = {declared}) and {allowed.reference} "
+                            f"holds those tokens: a refusal is clear only where the cache declares its capacity",
+                      f"ops: {ctx.case.ops_label()}   (max_cache_len={int(ctx.case.params['max_cache_len'])})",
+                      "likely cause: a capacity check the cache does not declare: get_max_length() must return the "
+                      "capacity it enforces (or the cache must grow past max_cache_len)"],
+                     {"raised": type(refusal).__name__, "failed_at": label, "reference_accepts": True})
+    ctx.measured.record(refusal=describe_exception(refusal), refused_by=by)
+    ctx.metrics.update(refused_by=by)
 
 
 def _max_length(ctx):
