@@ -5,7 +5,12 @@ tuples, dicts and plain objects, not through ``nn.Module``s or configs), counted
 of the storage: a view of a larger buffer keeps that whole buffer alive, so it costs what the buffer costs. A
 wrapper tensor subclass (optimum-quanto's ``QTensor``: ``WeightQBitsTensor`` → packed ``_data``, ``_scale``,
 ``_shift``) is counted through its inner tensors (``__tensor_flatten__``), because its own ``nbytes`` is its
-*logical* size (measured on transformers 5.24, see ARCHITECTURE.md).
+*logical* size (measured on transformers 5.24, see ARCHITECTURE.md). Each layer is counted without entering its cache
+or its siblings; what the cache object owns beyond its layers — a vLLM-style page pool, block tables and a free list
+its layers reach by a back-reference — is counted once as the pseudo-layer ``SHARED`` (``_measure.cache_bytes``),
+held to what the layers leave of their bounds; tensors the model owns (``_measure.owned_by_model``: its weights, what
+its modules or a model adapter keep, e.g. a rotary table a setup call rebuilds) are counted nowhere. A case that
+holds tokens measured at 0 bytes is no pass (``Measured.blind``).
 
 The formula, per layer (``expected_layer``), with ``B`` batch, ``H_kv`` key/value heads, ``D`` head size and ``b``
 bytes per element of the K/V the model hands the cache, ``S`` tokens fed so far::
