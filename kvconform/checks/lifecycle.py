@@ -205,7 +205,6 @@ def check_capacity(ctx):
     where = f"the forward at {label} would hold {held + (1 if label.startswith('decode') else 0)}+ tokens"
     if refusal is not None:
         text = f"{where} > max_cache_len {cap}; it raised {describe_exception(refusal)}"
-        _judge_capacity_refusal(ctx, text, label, refusal)
         if not clear_error(refusal, CAPACITY_WORDS + (str(cap),)) or isinstance(refusal, RAW_ERRORS):
             ctx.fail([text, "but should raise a clear error naming the capacity before writing anything",
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
@@ -217,6 +216,7 @@ def check_capacity(ctx):
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
                       "likely cause: the capacity check comes after a write (a length counter bumped, a layer "
                       "updated) — the cache is now inconsistent"], {"changed": diff[:10]})
+        _judge_capacity_refusal(ctx, text, label, refusal)  # clear and clean: allowed where declared or shared
         return
     verdict = judge(ctx, steps, driver=run_capacity_case)
     record_verdict(ctx, verdict, len(steps))

@@ -284,7 +284,8 @@ FAULTY = [
         check="check_memory_bytes", model="llama", case="memory_decode",
         message=("check_memory_bytes failed: LeakyPagePoolCache on llama",
                  "cache object (shared by its layers) holds 32,768 B"),
-        cause=r"bytes survive reset\(\)",
+        cause=r"pages are not freed by reset\(\): the pages \(4 tokens each\) of the sequence before reset\(\) are "
+              r"still held after it",
     ),
     FaultyCache(
         name="page_pool_stale_tables", attr="StaleTablesPagePoolCache", module=__name__, family="lifecycle",
