@@ -114,7 +114,10 @@ class HiddenStoreCache(PagePoolCache):
 
 
 def test_a_cache_whose_bytes_cannot_be_seen_is_not_a_pass():
-    result = _one(kvconform.check_cache(HiddenStoreCache, models=["llama"], **MEMORY))
+    try:
+        result = _one(kvconform.check_cache(HiddenStoreCache, models=["llama"], **MEMORY))
+    finally:
+        _HIDDEN.clear()
     assert result.outcome == "failed", result.message
     assert result.metrics["blind"].startswith("0 bytes counted while the cache holds 12 tokens per row")
     assert "blind: 0 bytes counted" in result.message
