@@ -48,3 +48,50 @@ def test_the_interpreter_records_the_batch_ops_it_applied_to_the_subject():
                  if r.outcome != "skipped"]
     assert result.outcome == "passed", result.message
     assert result.metrics["measured"]["ops_applied"]["reorder"] >= 1
+
+
+def _ctx(subject, ops):
+    import dataclasses
+
+    from kvconform.cases import Case, Op
+    from kvconform.checks import CheckContext
+    from kvconform.oracle import Oracle
+    from kvconform.subjects import builtin_subjects
+    from kvconform.zoo import build_zoo_model
+
+    zm = build_zoo_model("llama")
+    reference = next(s for s in builtin_subjects() if s.name == "ReferenceCache")
+    case = Case(id="unit", check="check_reorder_then_decode", source="test", batch=2,
+                ops=tuple(Op(*op) for op in ops))
+    return CheckContext(dataclasses.replace(reference, name=subject.__name__, factory=subject), zm, case,
+                        Oracle(zm), reference=reference)
+
+
+class RefusesReorder(PagePoolCache):
+    """Refuses every reorder, clearly (a cache without beam search)."""
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("RefusesReorder does not reorder its rows")
+
+
+def test_a_reached_batch_op_that_raised_and_was_let_pass_is_blind_unless_recorded_as_refused():
+    """The interpreter records what it applied on the case's own ops: a check that caught the reorder's raise and
+    passed would have measured nothing about the reorder (``blind``); one that lets it pass through ``on_raise`` (the
+    contract's allowed refusal) records it as refused."""
+    from kvconform.checks._drive import SubjectRaised
+    from kvconform.checks._interpreter import Runner
+
+    ops = [("prefill", 6), ("decode", 1), ("reorder", 0), ("decode", 1)]
+    ctx = _ctx(RefusesReorder, ops)
+    with pytest.raises(SubjectRaised):
+        Runner(ctx, ctx.new_cache()).run()
+    assert ctx.measured.ops_applied == {"prefill": 1, "decode": 1}
+    assert ctx.measured.blind().startswith("the case's reorder op was never applied to the cache")
+
+    ctx = _ctx(RefusesReorder, ops)
+    Runner(ctx, ctx.new_cache()).run(on_raise=lambda runner, op, i, exc: True)
+    assert ctx.measured.ops_refused == {"reorder": 1} and ctx.measured.blind() is None
+
+    ctx = _ctx(PagePoolCache, ops)  # a correct cache: applied, nothing blind
+    Runner(ctx, ctx.new_cache()).run()
+    assert ctx.measured.ops_applied == {"prefill": 1, "decode": 2, "reorder": 1} and ctx.measured.blind() is None
