@@ -67,8 +67,8 @@ from kvconform.checks._drive import SubjectRaised, measure_reference
 from kvconform.checks._measure import cache_bytes, layers_problem, owned_by_model, storage_key
 # counting bytes lives in _measure (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._measure import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
-from kvconform.checks._allocation import (NO_POLICY, TOKEN_BY_TOKEN, Allocation, Expectation, GrowthProbe, LayerShape,
-                                          allocations, expected_layer, reference_shapes,
+from kvconform.checks._allocation import (NO_POLICY, SHARED, TOKEN_BY_TOKEN, Allocation, Expectation, GrowthProbe,
+                                          LayerShape, allocations, expected_layer, reference_shapes,
                                           buffer_tokens, granularities, granularity_summary, hint_applies,
                                           not_inferred)
 from kvconform.checks._interpreter import Runner
@@ -80,8 +80,6 @@ from kvconform.ops import tokens_held as ops_tokens_held
 from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
-SHARED = "cache object (shared by its layers)"
-"""The pseudo-layer of what the cache object owns and no layer holds itself (``Checkpoint.shared``)."""
 MEMORY_OPS = op_names(copies=False, rows=("keep", "new"))
 
 
@@ -263,9 +261,9 @@ def check_memory_bytes(ctx):
                       f"({m.get('ratio')}×) after S={m.get('tokens')} tokens")
     if not raw:
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
-    grains = granularities(ctx.subject, probe.rows, shapes)
-    if any(cp.shared for cp, _ in raw) and len({g.tokens for g in grains.values()}) == 1:
-        grains[SHARED] = next(iter(grains.values()))  # the pool's pages are its layers' (one allocation rule)
+    grains = granularities(ctx.subject, probe.rows, shapes)  # with SHARED: the pool's pages (declared or inferred)
+    if any(cp.shared for cp, _ in raw) and SHARED not in grains and len({g.tokens for g in grains.values()}) == 1:
+        grains[SHARED] = next(iter(grains.values()))  # no forward saw the pool grow: its layers' allocation rule
     policies = allocations(ctx.subject, raw, probe.rows, shapes, slack, capacities)
     checkpoints = _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies)
     page_tokens = sorted({g.tokens for g in grains.values() if g.tokens > 1})

@@ -125,3 +125,20 @@ def test_a_cache_whose_bytes_cannot_be_seen_is_not_a_pass():
     assert (measured["bytes_held"], measured["tokens_held"]) == (0, 12)
     # the op interpreter's own count of the ops applied to the subject's cache (the reference's run is not in it)
     assert measured["ops_applied"] == {"prefill": 2, "chunk": 1, "decode": 2, "reset": 1}
+
+
+class UndeclaredPagePool(PagePoolCache):
+    """The same pool, its page size not declared (what a vLLM-style author writes without kvconform in mind)."""
+
+    kvconform_page_size = None
+
+
+def test_an_undeclared_pool_has_its_pages_inferred_from_its_growth():
+    """The pool grows by 2 rows × 1 page of both layers (2 · 2,048 B = P · Σ token bytes, P = 4) at S = 13, 17, 21
+    and not at the other decode steps: pages of 4 tokens, inferred, so S = 6 after the reset (2 pages a row) is
+    within one page per row and layer above the formula."""
+    result = _one(kvconform.check_cache(UndeclaredPagePool, models=["llama"], **MEMORY))
+    assert result.outcome == "passed", result.message
+    assert result.metrics["page_tokens"] == 4
+    assert "pages of 4 tokens, inferred from growth at decode steps" in result.metrics["granularity"]
+    assert "of the pool on the cache object" in result.metrics["granularity"]
