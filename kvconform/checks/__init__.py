@@ -17,8 +17,9 @@ from kvconform.outcomes import CheckSkipped, KVConformError  # noqa: F401 - re-e
 from kvconform.outcomes import REPORT_TO, KVConformInternalError, own_fault  # noqa: F401 - re-exported
 from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, LOSSY_FRESH,  # noqa: F401 - for
                                       LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
-from kvconform.checks._registry import (CHECKS, IGNORES_OPS, OP_PARAMS, TOKEN_OPS, CheckInfo,  # noqa: F401 - the
-                                        OpRule, Param, load_checks, register)  # registry, re-exported
+from kvconform.checks._registry import (BATCH_OPS, CHECKS, IGNORES_OPS, OP_PARAMS,  # noqa: F401 - the registry,
+                                        TOKEN_OPS, CheckInfo, Measured, OpRule, Param, load_checks,  # re-exported
+                                        register)
 from kvconform.digest import reproduce_line as digest_reproduce_line
 
 if TYPE_CHECKING:  # the types of CheckContext's fields, without importing torch-heavy modules at run time
@@ -82,6 +83,8 @@ class CheckContext:
         fuzz_seed: ``--kvconform-fuzz-seed``: mixed into the fuzz family's fixed seeds (None: the fixed seeds).
         benchmark: the pytest-benchmark fixture for ``speed`` items when the plugin is installed, else None
             (``kvconform.timing`` then times with its own loop).
+        measured: what the item measured (``Measured``), filled by the check and the op interpreter, shared by the
+            contexts ``replace`` makes; a pass it calls blind fails (``run_check``).
     """
 
     subject: CacheSpec
@@ -96,6 +99,7 @@ class CheckContext:
     benchmark: Any = None
     reproduce_args: tuple = ()
     fuzz_seed: int | None = None
+    measured: Measured = field(default_factory=Measured)
 
     def tolerance(self):
         from kvconform.oracle import Tolerance, dtype_tolerance
@@ -238,6 +242,14 @@ def run_check(name: str, ctx: CheckContext) -> dict:
         fail_raised(ctx, exc, "the subject raised where the check did not expect it (see the exception above)")
     except Exception as exc:  # noqa: BLE001 - escaped the check: kvconform's gap, or the subject's own code raised
         escaped(ctx, exc)
+    record = ctx.measured.as_metrics()
+    if record:
+        ctx.metrics["measured"] = record
+    reason = ctx.measured.blind()
+    if reason:  # nothing measured is not a pass (docs/reading-results.md, "Blind items")
+        ctx.fail([f"blind: {reason}",
+                  "a pass needs a measurement of the cache; this one measured nothing the case says it must",
+                  f"ops: {ctx.case.ops_label()}"], {"blind": reason})
     return ctx.metrics
 
 

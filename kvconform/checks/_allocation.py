@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 from kvconform import compat
-from kvconform.checks._measure import cache_layers, held_bytes, layer_bytes, quant_params, read_attr, storage_bytes
+from kvconform.checks._measure import (cache_bytes, cache_layers, held_bytes, owned_by_model, quant_params, read_attr,
+                                       storage_bytes)
 
 QUANT_BAND = 0.10
 
@@ -185,16 +186,31 @@ class GrowthProbe:
     def __init__(self):
         self.rows: list[Growth] = []
         self._before: dict = {}
+        self._owned: frozenset | None = None
 
     def before_forward(self, runner, label, n):
         """Bytes of every layer before the forward."""
-        self._before = layer_bytes(runner.cache)
+        if self._owned is None:  # the model's own storages, read once a run (its setup ran when the cache was made)
+            self._owned = owned_by_model(runner.model.model)
+        self._before = _held_by_label(runner.cache, self._owned)
 
     def after_forward(self, runner, step):
         """Bytes of every layer after the forward, paired with those before."""
-        after = layer_bytes(runner.cache)
+        after = _held_by_label(runner.cache, self._owned or frozenset())
         self.rows.append(Growth(step.label, step.start, step.length,
                                 {name: (self._before.get(name, 0), b) for name, b in after.items()}))
+
+
+SHARED = "cache object (shared by its layers)"
+"""The pseudo-layer of what a cache object owns that none of its layers holds itself (``_measure.cache_bytes``: a
+page pool the layers reach by a back-reference)."""
+
+
+def _held_by_label(cache, owned: frozenset) -> dict:
+    """``{layer label: bytes}`` of ``cache``, plus ``SHARED`` where the cache object owns bytes no layer holds (the
+    model's own storages, ``owned``, counted nowhere: ``owned_by_model``)."""
+    per_layer, shared = cache_bytes(cache, exclude=owned)
+    return {**per_layer, SHARED: shared} if shared else per_layer
 
 
 def infer_granularity(rows: list, label: str, token_bytes: int) -> Granularity | None:
@@ -231,8 +247,9 @@ def granularities(subject, rows: list, shapes: dict) -> dict:
     other layers of the cache agree on (one cache class allocates one way), named after the layer it was seen on;
     when they disagree or show none, it is ``TOKEN_BY_TOKEN``."""
     declared = getattr(subject, "page_size", None)
+    pooled = any(SHARED in row.held for row in rows)
     if declared:
-        return {label: Granularity(int(declared), "declared") for label in shapes}
+        return {label: Granularity(int(declared), "declared") for label in [*shapes, *([SHARED] if pooled else [])]}
     seen = {label: infer_granularity(rows, label, shape.token_bytes) for label, shape in shapes.items()}
     paged = {label: g for label, g in seen.items() if g is not None and g.tokens > 1}
     sizes = {g.tokens for g in seen.values() if g is not None}
@@ -240,7 +257,16 @@ def granularities(subject, rows: list, shapes: dict) -> dict:
     if paged and len(sizes) == 1:
         first, g = next(iter(paged.items()))
         shared = Granularity(g.tokens, "inferred", f"{g.evidence} on {first}")
-    return {label: g if g is not None else (shared or TOKEN_BY_TOKEN) for label, g in seen.items()}
+    pool = None
+    if pooled:  # a pool on the cache object grows by pages of every layer at once: P · Σ token_bytes a step
+        pool = infer_granularity(rows, SHARED, sum(shape.token_bytes for shape in shapes.values()))
+        if pool is not None and pool.tokens > 1:
+            pool = Granularity(pool.tokens, "inferred", f"{pool.evidence} of the pool on the cache object")
+            shared = shared or pool
+    out = {label: g if g is not None else (shared or TOKEN_BY_TOKEN) for label, g in seen.items()}
+    if pooled:
+        out[SHARED] = pool if pool is not None and pool.tokens > 1 else (shared or TOKEN_BY_TOKEN)
+    return out
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from kvconform.checks._evidence import (UpdateWatch, kv_length_mismatch, layer_m
                                         shared_layers, unmasked_slots)
 from kvconform.checks._measure import tensors_of
 from kvconform.ops import OPS
+from kvconform.checks._registry import BATCH_OPS
 from kvconform.outcomes import CheckSkipped, KVConformError
 
 if TYPE_CHECKING:  # tensor types without importing torch at module import
@@ -518,12 +519,15 @@ class Runner:
         with the next op (the refused op changed nothing the runner tracks), False to end the run, or raises.
         Without it the ``SubjectRaised`` propagates, like any other exception of ``apply``.
         """
+        measured = self.ctx.measured if ops is None and plan is None else None  # the case's own ops, unchanged
         try:
             for i, op in enumerate(self.ctx.case.ops if ops is None else ops):
                 if plan is not None:
                     op = plan(self, op, i)
                     if op is None:
                         continue
+                if measured is not None and op.name in BATCH_OPS and op.name not in measured.expects_ops:
+                    measured.expects_ops = (*measured.expects_ops, op.name)  # reached: applied or refused it must be
                 try:
                     self.apply(op, i if index_ops else None)
                 except SubjectRaised as exc:
@@ -531,6 +535,11 @@ class Runner:
                         raise
                     if not on_raise(self, op, i, exc):
                         return self.steps
+                    if measured is not None:
+                        measured.applied(op.name, refused=True)
+                else:
+                    if measured is not None:
+                        measured.applied(op.name)
             if parked:
                 self.check_parked()
         except StopRun:

@@ -1,7 +1,8 @@
 """Reading what a subject's cache holds without ever raising on its shape (``read_attr``, ``layer_items``,
 ``layer_list``, ``attributes_of``, ``cache_halves``, ``self_half``, ``tensors_of``, ``cache_layers``) and counting the
-bytes it holds (``held_bytes``, ``layer_bytes``, ``storage_bytes``). Evidence, diagnosis and byte counting read a
-subject's cache only through these (ARCHITECTURE.md, "Reading a subject"). Imports no other engine module.
+bytes it holds (``held_bytes``, ``layer_bytes``, ``cache_bytes``, ``storage_bytes``, ``owned_by_model``). Evidence,
+diagnosis and byte counting read a subject's cache only through these (ARCHITECTURE.md, "Reading a subject").
+Imports no other engine module.
 """
 
 from __future__ import annotations
@@ -223,8 +224,10 @@ def held_tensors(obj, max_depth: int = 8, skip=()) -> list:
     return [t for _, t in held_tensor_items(obj, max_depth, skip)]
 
 
-def _storage_key(t) -> tuple:
-    """``(key, bytes)`` of the storage behind ``t`` (a sparse, meta or functional tensor: its own elements)."""
+def storage_key(t) -> tuple:
+    """``(key, bytes)`` of the storage behind ``t`` (a sparse, meta or functional tensor: its own elements): the one
+    identity of a storage wherever it is reached (``held_storages``, ``owned_by_model``, the memory family's live
+    tensor count)."""
     try:
         storage = t.untyped_storage()
         return (t.device.type, storage.data_ptr(), storage.nbytes()), storage.nbytes()
@@ -239,25 +242,88 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a view costs its whole storage, once)."""
     total, seen = 0, set()
     for t in tensors:
-        key, size = _storage_key(t)
+        key, size = storage_key(t)
         if size and key not in seen:
             seen.add(key)
             total += size
     return total
 
 
-def held_bytes(obj, skip=()) -> int:
-    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object (not entering ``skip``)."""
-    return storage_bytes(held_tensors(obj, skip=skip))
+def held_bytes(obj, skip=(), exclude=frozenset()) -> int:
+    """``storage_bytes(held_tensors(obj))``: bytes held by a cache, a layer, or any object (not entering ``skip``;
+    storages whose ``storage_key`` is in ``exclude`` are not counted: ``owned_by_model``)."""
+    return sum(held_storages(obj, skip, exclude).values())
 
 
-def layer_bytes(cache) -> dict:
+def held_storages(obj, skip=(), exclude=frozenset()) -> dict:
+    """``{storage key: bytes}`` of the distinct storages reachable from ``obj`` (``held_tensors``), without the keys
+    in ``exclude``."""
+    out: dict = {}
+    for t in held_tensors(obj, skip=skip):
+        key, size = storage_key(t)
+        if size and key not in exclude:
+            out.setdefault(key, size)
+    return out
+
+
+def owned_by_model(model) -> frozenset:
+    """Storage keys (``storage_key``) of every tensor a model owns: its parameters and buffers, and the tensors its
+    modules reach through attributes that are no modules (a from-scratch model's adapter and what its setup calls
+    put there: a rotary table rebuilt by ``new_cache``). A cache that refers to them does not hold them: the model
+    does, with or without the cache (the memory family counts what the cache owns). Never raises."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return frozenset()
+    keys: set = set()
+    try:
+        modules = list(model.modules())
+    except Exception:  # noqa: BLE001 - a module tree that cannot be walked: nothing is the model's
+        return frozenset()
+    for module in modules:
+        try:
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        except Exception:  # noqa: BLE001
+            tensors = []
+        for name, value in attributes_of(module).items():
+            if name not in ("_parameters", "_buffers", "_modules") and not isinstance(value, torch.nn.Module):
+                tensors.extend(held_tensors(value))
+        keys.update(storage_key(t)[0] for t in tensors)
+    return frozenset(keys)
+
+
+def layer_bytes(cache, exclude=frozenset()) -> dict:
     """``{label: bytes}`` held by each layer of ``cache`` (``cache_layers``), each counted without entering the
     cache, its halves or the other layers: a layer that keeps a reference to its cache (or a sibling) is not charged
-    for what they hold."""
+    for what they hold (``cache_bytes`` counts that once, as the cache object's). ``exclude``: storage keys counted
+    nowhere (``owned_by_model``)."""
+    return _layer_storages(cache, exclude)[0]
+
+
+def _layer_storages(cache, exclude) -> tuple[dict, set]:
+    """``({label: bytes}, storage keys counted)`` of the layers of ``cache`` (``layer_bytes``)."""
     layers = cache_layers(cache)
     others = [cache, *(half for _, half in cache_halves(cache)), *(layer for _, layer in layers)]
-    return {label: held_bytes(layer, skip=others) for label, layer in layers}
+    per_layer, counted = {}, set(exclude)
+    for label, layer in layers:
+        held = held_storages(layer, skip=others, exclude=exclude)
+        per_layer[label] = sum(held.values())
+        counted.update(held)
+    return per_layer, counted
+
+
+def cache_bytes(cache, exclude=frozenset()) -> tuple[dict, int]:
+    """What a cache owns, each storage once: ``({label: bytes held by that layer}, shared)``. Each layer is counted
+    without entering its cache, its halves or its siblings (a storage two layers share is charged to each, as a
+    layer's own); ``shared`` is the bytes of every other storage reachable from the cache object — a page pool,
+    block tables, free lists kept on the cache and reached by its layers through a back-reference — that no layer
+    holds itself. Storages in ``exclude`` (the model's: ``owned_by_model``) are counted nowhere. A cache without
+    readable layers is one pseudo-layer ``"cache"`` (``cache_layers``) and ``shared`` is 0. Never raises on a
+    cache's shape."""
+    per_layer, counted = _layer_storages(cache, exclude)
+    if list(per_layer) == ["cache"] and cache_layers(cache)[0][1] is cache:
+        return per_layer, 0
+    return per_layer, sum(held_storages(cache, exclude=frozenset(counted)).values())
 
 
 def largest_holdings(obj, n: int = 3) -> list:
@@ -265,7 +331,7 @@ def largest_holdings(obj, n: int = 3) -> list:
     (``description``: dtype and shape of the first tensor reached on it), for failure messages."""
     seen, rows = set(), []
     for path, t in held_tensor_items(obj):
-        key, size = _storage_key(t)
+        key, size = storage_key(t)
         if size and key not in seen:
             seen.add(key)
             rows.append((path, size, f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"))

@@ -1,4 +1,5 @@
-"""Refusals and snapshots: whether an exception is a *clear* refusal, and proof that a refused call changed nothing.
+"""Refusals and snapshots: whether an exception is a *clear* refusal, whether the contract *allows* it
+(``allowed_refusal``), and proof that a refused call changed nothing.
 
 Shared by the families that judge a refusal (crop, contract, lifecycle, prefix, evicting), so that no family module
 imports another.
@@ -6,7 +7,9 @@ imports another.
 
 from __future__ import annotations
 
-from kvconform.checks._drive import seq_length
+from dataclasses import dataclass
+
+from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._measure import tensors_of
 
 RAW_ERRORS = (IndexError, KeyError, AttributeError, ZeroDivisionError)
@@ -58,3 +61,40 @@ def changed(before: dict, after: dict) -> list[str]:
         elif a != b:
             out.append(name)
     return out
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """Whether a clear refusal is the contract's (``allowed_refusal``).
+
+    Attributes:
+        by: who refused and why that is allowed (``"subject, declared: <why>"``, ``"subject and ReferenceCache"``,
+            ``"subject (model adapter contract: ...)"``), or None: not allowed.
+        reference: the reference's name (for a failure's message), or ``"the reference"``.
+    """
+
+    by: str | None
+    reference: str = "the reference"
+
+
+def allowed_refusal(ctx, refusal: str, run_reference, adapter_contract: str | None = None) -> Allowance:
+    """Whether the subject's clear refusal named ``refusal`` (a name of ``spec.REFUSALS``) is allowed by the
+    contract: the subject declares it (``CacheSpec.refuses``), or the reference (``ctx.reference``) cannot do it
+    either — ``run_reference(ref_ctx)`` runs the same case on a fresh reference cache (``ref_ctx``: this context with
+    the reference as its subject, its own metrics and record) and raises ``SubjectRaised`` where it refuses too.
+    A model written from scratch has no reference; its documented contract (``adapter_contract``) allows the refusal
+    where one is given. A refusal that is none of these is a fault the item must report (a cache that refuses what
+    the simplest correct cache does is not conforming, however clear its message)."""
+    from kvconform.checks._registry import Measured
+
+    declared = dict(getattr(ctx.subject, "refuses", None) or {})
+    if refusal in declared:
+        return Allowance(f"subject, declared: {declared[refusal]}")
+    if ctx.reference is None:
+        return Allowance(f"subject (model adapter contract: {adapter_contract})" if adapter_contract else None)
+    ref_ctx = ctx.replace(subject=ctx.reference, metrics={}, measured=Measured())
+    try:
+        run_reference(ref_ctx)
+    except SubjectRaised:
+        return Allowance(f"subject and {ctx.reference.name}", ctx.reference.name)
+    return Allowance(None, ctx.reference.name)

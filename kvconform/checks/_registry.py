@@ -1,6 +1,7 @@
 """The check registry: ``register`` (the one place a check declares its family, the capabilities it needs, the kinds
 it judges, its params schema and its ops rule), ``CHECKS`` and ``load_checks``; ``Param`` and ``OpRule``, the
-schemas a case file is validated against at load. ``kvconform.checks`` re-exports every public name.
+schemas a case file is validated against at load; ``Measured``, the typed record of what an item measured.
+``kvconform.checks`` re-exports every public name.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvconform.ops import FORWARD_OPS, OPS_WITH_COUNT
+from kvconform.ops import FORWARD_OPS, OPS, OPS_WITH_COUNT
 from kvconform.subjects.kinds import ALL_KINDS, DEFAULT_JUDGES, check_judges
 
 _TYPE_NAMES = {bool: "bool", int: "int", float: "number", str: "string", list: "list", dict: "table"}
@@ -313,3 +314,85 @@ def load_checks() -> dict[str, CheckInfo]:
         if not module.name.startswith("_"):
             importlib.import_module(f"kvconform.checks.{module.name}")
     return CHECKS
+
+
+# ------------------------------------------------------------------------------------------------ what was measured
+BATCH_OPS = tuple(name for name, spec in OPS.items() if spec.rows in ("permute", "resize"))
+"""The ops that edit the batch rows of a warm cache (reorder, select, repeat, beam fork, swap): an item whose case
+has one measured nothing about it unless the op was applied to the cache (or refused by it)."""
+
+
+@dataclass
+class Measured:
+    """What one item measured, as typed values (``CheckContext.measured``): the checks and the op interpreter fill
+    it; ``run_check`` turns a pass whose measurement is empty or degenerate where the case says it cannot be into a
+    failure (``blind``), and the item's metrics carry it (``as_metrics``, metric ``measured``).
+
+    Attributes:
+        bytes_held: bytes the cache owned when the check counted them (``_measure.cache_bytes``), or None.
+        tokens_held: tokens per row the cache should hold then, or None.
+        ops_applied: ``{op name: times}`` the op interpreter applied to a cache of the item's runs on the case's
+            own ops (``Runner.run`` without a plan).
+        ops_refused: ``{op name: times}`` a check's ``on_raise`` let a refused op pass on those runs.
+        expects_ops: the batch ops (``BATCH_OPS``) of the case those runs were given: each must be applied or
+            refused.
+        timed_steps: timed samples of the target measured least (the speed family), or None.
+        refusal: the refusal an item accepted as the contract's (``"ValueError: ..."``), or None.
+        refused_by: who refused it and why that is allowed: ``"subject, declared"``, ``"subject and reference"``.
+    """
+
+    bytes_held: int | None = None
+    tokens_held: int | None = None
+    ops_applied: dict = field(default_factory=dict)
+    ops_refused: dict = field(default_factory=dict)
+    expects_ops: tuple = ()
+    timed_steps: int | None = None
+    refusal: str | None = None
+    refused_by: str | None = None
+
+    def record(self, **values) -> None:
+        """Set fields by name.
+
+        Raises:
+            TypeError: a name that is no field."""
+        for name, value in values.items():
+            if name not in self.__dataclass_fields__:
+                raise TypeError(f"Measured has no field {name!r}")
+            setattr(self, name, value)
+
+    def applied(self, op_name: str, refused: bool = False) -> None:
+        """Count one application (or an allowed refusal) of ``op_name``."""
+        table = self.ops_refused if refused else self.ops_applied
+        table[op_name] = table.get(op_name, 0) + 1
+
+    def blind(self) -> str | None:
+        """Why the measurement says nothing about the cache although the case says it must, or None:
+
+        * 0 bytes counted while the cache holds tokens (its keys/values are somewhere kvconform cannot see);
+        * a batch op of the case never applied to the cache nor refused by it;
+        * a timed target with no timed sample.
+        """
+        if self.tokens_held and self.bytes_held == 0:
+            return (f"0 bytes counted while the cache holds {self.tokens_held} tokens per row: its keys/values are "
+                    f"nowhere kvconform can reach from the cache object (its attributes, its layers, what they "
+                    f"refer to), so the bytes it holds were not measured")
+        missing = [op for op in self.expects_ops if op not in self.ops_applied and op not in self.ops_refused]
+        if missing:
+            return (f"the case's {', '.join(missing)} op{'s were' if len(missing) > 1 else ' was'} never applied "
+                    f"to the cache (applied: {', '.join(self.ops_applied) or 'none'}), so the item measured "
+                    f"nothing about {'them' if len(missing) > 1 else 'it'}")
+        if self.timed_steps == 0:
+            return "no timed sample: the timed step never ran, so no time was measured"
+        return None
+
+    def as_metrics(self) -> dict:
+        """The fields that were measured (JSON-serialisable; empty when nothing was recorded)."""
+        out = {}
+        for name in ("bytes_held", "tokens_held", "timed_steps", "refusal", "refused_by"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        for name in ("ops_applied", "ops_refused"):
+            if getattr(self, name):
+                out[name] = dict(getattr(self, name))
+        return out

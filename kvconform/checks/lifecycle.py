@@ -3,7 +3,10 @@
 * ``check_reset_then_reuse``: ``reset()`` then a new sequence equals a fresh cache (the oracle); a cache that says
   ``is_compileable`` keeps the same data pointers for every tensor it held (CUDA graphs and ``torch.compile``
   captured those addresses). After ``reset B`` (the next sequence has batch size ``B``) the cache must work, or its
-  first forward must raise a clear error naming the batch size (a raw tensor-op error fails).
+  first forward must raise a clear error naming the batch size (a raw tensor-op error fails) — and such a refusal
+  passes only where the contract allows it: the subject declares it (``refuses={"reset_batch": why}``), or
+  kvconform's reference refuses the same case too (``_refusal.allowed_refusal``); else it fails, naming the refusal
+  and that the reference accepts it.
 * ``check_capacity``: a cache built with ``max_cache_len = M`` and fed past ``M`` tokens either keeps working
   exactly (an unbounded or window-only cache) or raises a clear error *before writing anything* (a fixed-size cache);
   a raw ``IndexError`` from a tensor op, a write before the error, or silently wrong logits fail.
@@ -19,7 +22,7 @@ from kvconform.checks._measure import tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict
-from kvconform.checks._refusal import RAW_ERRORS, changed, clear_error, snapshot
+from kvconform.checks._refusal import RAW_ERRORS, allowed_refusal, changed, clear_error, snapshot
 
 BATCH_WORDS = ("batch",)
 """A clear refusal of reuse with another batch size names it."""
@@ -69,8 +72,9 @@ def check_reset_then_reuse(ctx):
         after_reset = "reset" in info.get("done", [])[:-1] or exc.where == "reset"
         resized = after_reset and any(op.name == "reset" and op.n and op.n != ctx.case.batch for op in ctx.case.ops)
         if resized and exc.where != "reset" and clear_error(exc.cause, BATCH_WORDS):
-            # reusing a cache object for a batch of another size may be refused, clearly, by the first forward
-            ctx.metrics.update(refused=describe_exception(exc.cause), refused_at=exc.where)
+            # reusing a cache object for a batch of another size may be refused, clearly, by the first forward —
+            # where the contract allows it: the subject declares it, or the reference cannot do it either
+            _judge_reset_refusal(ctx, exc)
             return
         fail_raised(ctx, exc, ("after reset() the cache still has buffers sized for the previous batch: reuse with "
                                "another batch size must work, or raise a clear error that names the batch size")
@@ -98,6 +102,31 @@ def check_reset_then_reuse(ctx):
                           "likely cause: reset() (or the next update) reallocates tensors instead of zeroing them in "
                           "place; CUDA graphs and compiled decode steps keep reading the old addresses"],
                          {"moved": moved[:10]})
+
+
+def _judge_reset_refusal(ctx, exc) -> None:
+    """A clear refusal of reuse with another batch size (``exc``, at the first forward after ``reset B``) is the
+    contract's only where it allows it (``_refusal.allowed_refusal``: the subject declares ``reset_batch`` in
+    ``refuses``, or the reference refuses the same case too, or a model adapter, whose documented contract allows
+    it); it is recorded in ``ctx.measured``. Otherwise the item fails, naming what was refused and that the
+    reference accepts it."""
+    refusal = describe_exception(exc.cause)
+    allowed = allowed_refusal(ctx, "reset_batch", lambda ref_ctx: run_reset_case(ref_ctx, ref_ctx.new_cache()),
+                              adapter_contract="docs/from-scratch.md: a reset cache may refuse another batch size")
+    ctx.metrics.update(refused=refusal, refused_at=exc.where)
+    if allowed.by is not None:
+        ctx.measured.record(refusal=refusal, refused_by=allowed.by)
+        ctx.metrics.update(refused_by=allowed.by)
+        return
+    batches = [op.n for op in ctx.case.ops if op.name == "reset" and op.n]
+    ctx.fail([f"after reset() to a batch of {batches[0]} (first used with {ctx.case.batch}), the subject refused "
+              f"the next forward ({exc.where}): {refusal}",
+              f"but {allowed.reference} accepts it: the same case runs to the end on it, and {ctx.subject.name} "
+              f"declares no such refusal (refuses={{'reset_batch': why}} / kvconform_refuses)",
+              f"ops: {ctx.case.ops_label()}   [failed at {exc.where}]",
+              "likely cause: after reset() the cache still has buffers sized for the previous batch (block tables, "
+              "a batch dimension set once): reset() must forget the batch size, as a fresh cache does"],
+             {"refused": refusal, "refused_at": exc.where, "failed_at": exc.where, "reference_accepts": True})
 
 
 # ------------------------------------------------------------------------------------------------ capacity
@@ -187,6 +216,7 @@ def check_capacity(ctx):
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
                       "likely cause: the capacity check comes after a write (a length counter bumped, a layer "
                       "updated) — the cache is now inconsistent"], {"changed": diff[:10]})
+        _judge_capacity_refusal(ctx, text, label, refusal)  # clear and clean: allowed where declared or shared
         return
     verdict = judge(ctx, steps, driver=run_capacity_case)
     record_verdict(ctx, verdict, len(steps))
@@ -199,6 +229,36 @@ def check_capacity(ctx):
 
         fail_verdict(ctx, verdict, cause, ops_text=f"{ctx.case.ops_label()} (max_cache_len={cap})",
                      driver=run_capacity_case)
+
+
+def _judge_capacity_refusal(ctx, text: str, label: str, refusal) -> None:
+    """A refusal past ``max_cache_len`` is the contract's where the subject declares the capacity it enforces
+    (``get_max_length()`` ≥ 0, read from a cache built with that ``max_cache_len``) or the reference refuses the same
+    forward too (``_refusal.allowed_refusal``); recorded in ``ctx.measured``. A cache that says it is unbounded
+    (``get_max_length()`` = -1) and refuses what the reference holds fails here, naming both."""
+    declared = ctx.metrics.get("get_max_length")
+    by: str | None
+    if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 0:
+        by = f"subject, declared: get_max_length() = {declared}"
+    else:
+        def reference_run(ref_ctx):
+            info: dict = {}
+            run_capacity_case(ref_ctx, None, info)
+            over = info.get("overflow")
+            if over is not None and over[2] is not None:
+                raise SubjectRaised(over[0], over[2])
+
+        allowed = allowed_refusal(ctx, "capacity", reference_run)
+        by = allowed.by
+        if by is None:
+            ctx.fail([text, f"but it declares no maximum (get_max_length() = {declared}) and {allowed.reference} "
+                            f"holds those tokens: a refusal is clear only where the cache declares its capacity",
+                      f"ops: {ctx.case.ops_label()}   (max_cache_len={int(ctx.case.params['max_cache_len'])})",
+                      "likely cause: a capacity check the cache does not declare: get_max_length() must return the "
+                      "capacity it enforces (or the cache must grow past max_cache_len)"],
+                     {"raised": type(refusal).__name__, "failed_at": label, "reference_accepts": True})
+    ctx.measured.record(refusal=describe_exception(refusal), refused_by=by)
+    ctx.metrics.update(refused_by=by)
 
 
 def _max_length(ctx):

@@ -5,7 +5,12 @@ tuples, dicts and plain objects, not through ``nn.Module``s or configs), counted
 of the storage: a view of a larger buffer keeps that whole buffer alive, so it costs what the buffer costs. A
 wrapper tensor subclass (optimum-quanto's ``QTensor``: ``WeightQBitsTensor`` → packed ``_data``, ``_scale``,
 ``_shift``) is counted through its inner tensors (``__tensor_flatten__``), because its own ``nbytes`` is its
-*logical* size (measured on transformers 5.24, see ARCHITECTURE.md).
+*logical* size (measured on transformers 5.24, see ARCHITECTURE.md). Each layer is counted without entering its cache
+or its siblings; what the cache object owns beyond its layers — a vLLM-style page pool, block tables and a free list
+its layers reach by a back-reference — is counted once as the pseudo-layer ``SHARED`` (``_measure.cache_bytes``),
+held to what the layers leave of their bounds; tensors the model owns (``_measure.owned_by_model``: its weights, what
+its modules or a model adapter keep, e.g. a rotary table a setup call rebuilds) are counted nowhere. A case that
+holds tokens measured at 0 bytes is no pass (``Measured.blind``).
 
 The formula, per layer (``expected_layer``), with ``B`` batch, ``H_kv`` key/value heads, ``D`` head size and ``b``
 bytes per element of the K/V the model hands the cache, ``S`` tokens fed so far::
@@ -59,11 +64,11 @@ from typing import Any
 
 from kvconform.checks import EXACT, LOSSY_FRESH, LOSSY_TWIN, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, measure_reference
-from kvconform.checks._measure import layer_bytes, layers_problem
+from kvconform.checks._measure import cache_bytes, layers_problem, owned_by_model, storage_key
 # counting bytes lives in _measure (the quality family's compression checks count them too); re-exported here
 from kvconform.checks._measure import cache_layers, held_bytes, held_tensors, quant_params, storage_bytes  # noqa: F401
-from kvconform.checks._allocation import (NO_POLICY, TOKEN_BY_TOKEN, Allocation, Expectation, GrowthProbe, LayerShape,
-                                          allocations, expected_layer, reference_shapes,
+from kvconform.checks._allocation import (NO_POLICY, SHARED, TOKEN_BY_TOKEN, Allocation, Expectation, GrowthProbe,
+                                          LayerShape, allocations, expected_layer, reference_shapes,
                                           buffer_tokens, granularities, granularity_summary, hint_applies,
                                           not_inferred)
 from kvconform.checks._interpreter import Runner
@@ -71,6 +76,7 @@ from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import FORWARD_OPS, measured_at_batch_one, run_observed
 from kvconform.memo import MEMO
 from kvconform.ops import op_names
+from kvconform.ops import tokens_held as ops_tokens_held
 from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
@@ -131,6 +137,9 @@ class Checkpoint:
     after_reset: bool = False
     layers: list = field(default_factory=list)
     reported: int | None = None  # the cache's get_seq_length() there (None: it raised or is not an int)
+    shared: int = 0
+    """Bytes the cache object owns that no layer holds itself (a page pool its layers reach by a back-reference:
+    ``_measure.cache_bytes``); judged as the pseudo-layer ``SHARED`` against what the layers leave of their bounds."""
 
     @property
     def held(self) -> int:
@@ -138,11 +147,11 @@ class Checkpoint:
 
     @property
     def formula(self) -> int:
-        return sum(e.exact for _, _, e in self.layers)
+        return sum(e.exact for name, _, e in self.layers if name != SHARED)
 
     @property
     def full_precision(self) -> int:
-        return sum(e.full_precision for _, _, e in self.layers)
+        return sum(e.full_precision for name, _, e in self.layers if name != SHARED)
 
     def worst(self):
         """The layer furthest outside its expectation, as ``(label, held, exp, excess)`` (excess > 0: too many
@@ -234,8 +243,9 @@ def check_memory_bytes(ctx):
     capacities: dict = {}
 
     def measure(label, tokens, after_reset):
-        layers, held = dict(cache_layers(cache)), layer_bytes(cache)
-        raw.append((Checkpoint(label, tokens, after_reset, reported=_reported_length(cache)),
+        layers = dict(cache_layers(cache))
+        held, shared = cache_bytes(cache, exclude=owned_by_model(ctx.model.model))
+        raw.append((Checkpoint(label, tokens, after_reset, reported=_reported_length(cache), shared=shared),
                     [(name, held[name], layer, tokens) for name, layer in layers.items()]))
         for name, layer in layers.items():
             capacities.setdefault(name, []).append((tokens, buffer_tokens(layer)))
@@ -251,17 +261,23 @@ def check_memory_bytes(ctx):
                       f"({m.get('ratio')}×) after S={m.get('tokens')} tokens")
     if not raw:
         raise ValueError(f"case {ctx.case.id}: no token-feeding op, nothing to measure")
-    grains = granularities(ctx.subject, probe.rows, shapes)
+    grains = granularities(ctx.subject, probe.rows, shapes)  # with SHARED: the pool's pages (declared or inferred)
+    if any(cp.shared for cp, _ in raw) and SHARED not in grains and len({g.tokens for g in grains.values()}) == 1:
+        grains[SHARED] = next(iter(grains.values()))  # no forward saw the pool grow: its layers' allocation rule
     policies = allocations(ctx.subject, raw, probe.rows, shapes, slack, capacities)
     checkpoints = _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies)
     page_tokens = sorted({g.tokens for g in grains.values() if g.tokens > 1})
     last = checkpoints[-1]
     peak = max(checkpoints, key=lambda c: c.held)
-    ctx.metrics.update(_checkpoint_metrics(last), peak_bytes=peak.held, layers=len(last.layers),
+    ctx.metrics.update(_checkpoint_metrics(last), peak_bytes=peak.held,
+                       layers=len([name for name, _, _ in last.layers if name != SHARED]),
                        per_op=[[c.op, c.tokens, c.held, c.formula] for c in checkpoints],
                        granularity=granularity_summary(grains),
                        allocation=sorted({p.describe() for p in policies.values() if p.policy}) or None,
                        page_tokens=page_tokens[0] if len(page_tokens) == 1 else (page_tokens or 1))
+    # what was measured: the first checkpoint that counted no byte while tokens are held (blind), else the last
+    empty = next((cp for cp in checkpoints if cp.tokens and not cp.held), last)
+    ctx.measured.record(bytes_held=empty.held, tokens_held=empty.tokens)
     failing = [(cp, cp.worst()) for cp in checkpoints if cp.worst() is not None]
     if not failing:
         return
@@ -315,8 +331,21 @@ def _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies) -
             enc = ctx.case.encoder_len if name.startswith("cross") else tokens
             cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
                                                          policies[name].policy)))
+        if cp.shared:
+            cp.layers.append((SHARED, cp.shared, _shared_expectation(cp.layers, slack)))
         checkpoints.append(cp)
     return checkpoints
+
+
+def _shared_expectation(layers: list, slack: int) -> Expectation:
+    """What the cache object may own besides its layers (a pool they reach by a back-reference): what the layers'
+    own holdings leave of their formulas (``exact``) and of their bounds (``high``, + ``slack``), summed over the
+    layers — so the whole cache is held to the sum of its layers' bounds, each storage counted once."""
+    exact = sum(max(e.exact - held, 0) for _, held, e in layers)
+    high = sum(max(e.high - held, 0) for _, held, e in layers) + slack
+    return Expectation(0, high, f"what its {len(layers)} layers leave of their formulas (Σ formula − bytes the layer "
+                                f"holds itself = {exact:,} B; bound {high:,} B with the layers' page allowance and "
+                                f"slack)", exact)
 
 
 def _allocation_hint(raw, capacities, label, shape, exp, excess, policy, grain) -> str | None:
@@ -400,7 +429,8 @@ def _checkpoint_metrics(c) -> dict:
     """The JSON metrics of one memory checkpoint (bytes, tokens, ratios: all of the same step, ``measured_at``)."""
     return dict(measured_at=c.op, bytes_held=c.held, bytes_formula=c.formula, tokens=c.tokens,
                 ratio=round(c.held / c.formula, 4) if c.formula else None, bytes_full_precision=c.full_precision,
-                ratio_to_full_precision=round(c.held / c.full_precision, 4) if c.full_precision else None)
+                ratio_to_full_precision=round(c.held / c.full_precision, 4) if c.full_precision else None,
+                **({"bytes_shared": c.shared} if c.shared else {}))
 
 
 def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN, rows=()) -> str:
@@ -548,11 +578,12 @@ def _deeper(zm, layers: int):
     return model.to(device=device, dtype=zm.dtype).eval()
 
 
-def live_tensor_bytes() -> int:
+def live_tensor_bytes(exclude=frozenset()) -> int:
     """Bytes of every distinct tensor storage reachable as a live Python ``torch.Tensor`` (``gc.get_objects()``,
     after ``gc.collect()``; objects frozen by ``gc.freeze()`` are not walked), on any device: what a process keeps,
     wherever it is referenced from (a class-level or module-level pool, a closure, a global list) — attribute
-    traversal of the cache cannot see those."""
+    traversal of the cache cannot see those. Storages whose key (``_measure.storage_key``) is in ``exclude`` are not
+    counted (the model's own: ``_measure.owned_by_model``)."""
     import gc
 
     import torch
@@ -564,12 +595,14 @@ def live_tensor_bytes() -> int:
         if issubclass(kind, torch.Tensor) and not issubclass(kind, torch.nn.Parameter):
             try:
                 storage = obj.untyped_storage()
-                key = (storage.data_ptr(), obj.device.type)
+                if storage.data_ptr() == 0:
+                    continue
             except Exception:  # noqa: BLE001 - a tensor subclass without a plain storage (meta, sparse ...)
                 continue
-            if key not in seen and storage.data_ptr() != 0:
+            key, size = storage_key(obj)
+            if key not in seen and key not in exclude:
                 seen.add(key)
-                total += storage.nbytes()
+                total += size
     return total
 
 
@@ -582,12 +615,16 @@ def check_memory_released(ctx):
     process (``live_tensor_bytes``, CPU and GPU alike) after the last must be within ``slack_bytes`` of the bytes
     after the warm-up. A host-side pool that grows with every request fails; the memory family's formula checks
     see only what the live cache object holds."""
+    held: list = []  # (tokens, bytes) the cache owned at the end of each request: what was measured
+
     def request():
         cache = ctx.new_cache()
         try:
             run_memory_ops(ctx, cache, lambda *_: None)
         except SubjectRaised as exc:
             fail_raised(ctx, exc, "the cache does not support this sequence of calls (see the exception)")
+        per_layer, shared = cache_bytes(cache, exclude=owned_by_model(ctx.model.model))
+        held.append(((ops_tokens_held(ctx.case.ops) or [0])[-1], sum(per_layer.values()) + shared))
         del cache
 
     import gc
@@ -607,10 +644,14 @@ def check_memory_released(ctx):
         after = []
         for _ in range(requests):
             request()
-            after.append(live_tensor_bytes() - base)
+            # the model's own tensors are not the cache's: a from-scratch model whose setup call (new_cache) rebuilds
+            # its rotary table keeps one table, a new one after every request
+            after.append(live_tensor_bytes(exclude=owned_by_model(ctx.model.model)) - base)
     finally:
         gc.unfreeze()
-    ctx.metrics.update(kept_bytes=after[-1], kept_per_request=after, slack_bytes=slack)
+    tokens, owned = held[-1]
+    ctx.metrics.update(kept_bytes=after[-1], kept_per_request=after, slack_bytes=slack, bytes_held=owned)
+    ctx.measured.record(bytes_held=owned, tokens_held=tokens)
     if after[-1] > slack:
         ctx.fail([
             f"after {requests} requests, each with a fresh cache dropped at its end, {_mib(after[-1])} more of live "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from kvconform.checks import ALL_KINDS, EVICTING, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, measure_reference
 from kvconform.checks._measure import (cache_layers, held_bytes, held_tensor_items, largest_holdings, layer_bytes,
-                                       storage_bytes)
+                                       owned_by_model, storage_bytes)
 from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, oracle_slices, twin_spec
 from kvconform.checks._observe import measured_at_batch_one
 from kvconform.memo import MEMO
@@ -332,7 +332,8 @@ def check_compression_real(ctx):
         f"cache holds"))
     layers = _reference_layers(ctx)
     exact = sum(layer.exact_bytes for layer in layers)
-    held = held_bytes(cache)
+    held = held_bytes(cache, exclude=owned_by_model(ctx.model.model))  # what the cache owns, not the model's
+    ctx.measured.record(bytes_held=held, tokens_held=tokens)  # 0 bytes for held tokens: blind, not "compressed"
     ratio = held / exact if exact else float("inf")
     budget = getattr(ctx.subject, "budget", None)
     declared = (ctx.case.params or {}).get("bytes_ratio_max", getattr(budget, "bytes_ratio_max", None))
@@ -505,7 +506,8 @@ def check_memory_bound(ctx):
     token_bytes = sum(layer.token_bytes for layer in layers)
     states = sum(layer.state_bytes for layer in layers)
     bound = tokens_max * token_bytes + states + slack * len(layers)
-    held = held_bytes(cache)
+    held = held_bytes(cache, exclude=owned_by_model(ctx.model.model))  # what the cache owns, not the model's
+    ctx.measured.record(bytes_held=held, tokens_held=min(tokens, tokens_max))
     kept = (held - states) / token_bytes if token_bytes else float("nan")
     ctx.metrics.update(bytes_held=held, bytes_bound=bound, tokens_max=tokens_max, tokens=tokens,
                        tokens_equivalent=round(kept, 1))

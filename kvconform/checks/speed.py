@@ -268,6 +268,7 @@ def _measure(ctx, targets, extra, confirm=False):
                               "families' cases are short)",
                     ops_text=f"prefill({extra['prefill']}) timed" if "prefill" in extra else
                     f"prefill(context {contexts}, untimed) → decode×{int(_param(ctx, 'steps'))} timed")
+    ctx.measured.record(timed_steps=min((len(t.seconds) for t in timings.values()), default=0))
     clock = clock_for(device, threads).name
     timer = (f"timer: {clock}{' + cuda.synchronize' if device.type == 'cuda' else ''} on {device.type}"
              f"{f', {threads} thread' if threads else ''}; "

@@ -56,7 +56,7 @@ from kvconform.subjects.construction import (CONSTRUCTION_KWARGS, MODEL_KWARG, F
                                              required_unknown_arguments, unpack_factory_result)
 from kvconform.subjects.context import CALL_CONTEXT_ATTR, CallContext, ModelLeftChanged, call_context
 from kvconform.subjects.spec import (ALLOCATIONS, BUDGET_KEYS, CAPABILITIES, KINDS, SUPPORT_LAYER_TYPES,
-                                     SUPPORT_MODEL_KINDS, SUPPORTS, Budget, CacheSpec, SpecError, unsupported)
+                                     REFUSALS, SUPPORT_MODEL_KINDS, SUPPORTS, Budget, CacheSpec, SpecError, unsupported)
 from kvconform.subjects.builtin import (OFFLOAD_REASON, QUANTIZED_BUDGETS, _dynamic, _reference, _static,
                                         builtin_subjects, full_attention_only, offloaded_subjects, quantized_subjects,
                                         static_crop_note)
@@ -71,7 +71,8 @@ __all__ = [
     "CONSTRUCTION_KWARGS", "MODEL_KWARG", "FactoryResultError", "SubjectBuildError", "accepted_kwargs",
     "accepted_names", "meta_model", "names_model", "required_unknown_arguments", "unpack_factory_result",
     "CALL_CONTEXT_ATTR", "CallContext", "ModelLeftChanged", "call_context",
-    "ALLOCATIONS", "BUDGET_KEYS", "CAPABILITIES", "KINDS", "SUPPORT_LAYER_TYPES", "SUPPORT_MODEL_KINDS", "SUPPORTS",
+    "ALLOCATIONS", "BUDGET_KEYS", "CAPABILITIES", "KINDS", "REFUSALS", "SUPPORT_LAYER_TYPES", "SUPPORT_MODEL_KINDS",
+    "SUPPORTS",
     "Budget", "CacheSpec", "SpecError", "unsupported",
     "OFFLOAD_REASON", "QUANTIZED_BUDGETS", "builtin_subjects", "full_attention_only", "offloaded_subjects",
     "quantized_subjects", "static_crop_note",

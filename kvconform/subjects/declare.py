@@ -5,8 +5,10 @@ expected failures)."""
 
 from __future__ import annotations
 
-from kvconform.subjects.spec import (ALLOCATIONS, CAPABILITIES, KINDS, SUPPORTS, Budget, CacheSpec, SpecError,
-                                     _check_names)
+from collections.abc import Mapping
+
+from kvconform.subjects.spec import (ALLOCATIONS, CAPABILITIES, KINDS, REFUSALS, SUPPORTS, Budget, CacheSpec,
+                                     SpecError, _check_names)
 
 
 def declared_capabilities(obj, where: str) -> frozenset:
@@ -90,7 +92,34 @@ def _declared(obj, where: str) -> dict:
     kind, budget = declared_kind(obj, where)
     return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
                 page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where),
-                supports=declared_supports(obj, where))
+                supports=declared_supports(obj, where), refuses=declared_refuses(obj, where))
+
+
+def declared_refuses(obj, where: str) -> dict:
+    """The ``kvconform_refuses`` a Cache subclass or factory declares: ``{refusal: why}`` with names of
+    ``REFUSALS`` (what it refuses by design where kvconform's reference does not), ``{}`` when it declares none.
+
+    Raises:
+        SpecError: not a dict of names to non-empty reasons, or a name outside ``REFUSALS`` (closest named).
+    """
+    declared = getattr(obj, "kvconform_refuses", None)
+    if declared is None:
+        return {}
+    return check_refuses(declared, f"{where}: kvconform_refuses")
+
+
+def check_refuses(declared, where: str) -> dict:
+    """``declared`` as ``{refusal: why}``.
+
+    Raises:
+        SpecError: not a dict, a reason that is not a non-empty string, or a name outside ``REFUSALS``.
+    """
+    example = '{"reset_batch": "buffers are sized for one batch at construction"}'
+    if not isinstance(declared, Mapping) or not all(isinstance(v, str) and v.strip() for v in declared.values()):
+        raise SpecError(f"{where} must be a dict of refusal names ({', '.join(REFUSALS)}) to the reason; got "
+                        f"{declared!r} (e.g. {example})")
+    _check_names(where, "refusals", set(declared), REFUSALS)
+    return dict(declared)
 
 
 def declared_supports(obj, where: str) -> frozenset | None:
@@ -190,6 +219,8 @@ def validate_spec(spec: "CacheSpec", where: str, known_checks=(), known_cases=()
         _check_names(f"{where}: {spec.name}", "allocation", {spec.allocation}, ALLOCATIONS)
     if spec.supports is not None:
         check_supports(spec.supports, f"{where}: {spec.name}: supports")
+    if spec.refuses:
+        check_refuses(spec.refuses, f"{where}: {spec.name}: refuses")
     if known_checks:
         keys = list(spec.expected_failures)
         _check_names(f"{where}: expected_failures", "checks",

@@ -17,6 +17,11 @@ CAPABILITIES = ("forward", "generate", "crop", "deepcopy", "reorder", "batch_rep
                 "compile")
 """Capability vocabulary: what a subject declares it supports; a check needing an undeclared one is skipped."""
 
+REFUSALS = ("reset_batch",)
+"""What a subject may declare it refuses (``CacheSpec.refuses``), where kvconform's reference does it:
+``reset_batch`` — reuse after ``reset()`` with a batch of another size (its first forward raises a clear error
+naming the batch)."""
+
 SUPPORT_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
                        "linear_attention", "conv", "hybrid", "hybrid_sliding")
 """The decoder layer types a subject may scope itself to (``CacheSpec.supports``): transformers' cache layer types
@@ -214,6 +219,10 @@ class CacheSpec:
             bounded layer holds its capacity from the first token on: a fixed ring of a sliding layer's window, a
             capacity buffer), ``"doubling"`` (amortised doubling buffers: at most twice the tokens held), or None
             (undeclared: the memory family infers it from the held bytes). Declared with ``kvconform_allocation``.
+        refuses: ``{refusal: why}`` (names of ``REFUSALS``): what the cache refuses, clearly, by design although
+            kvconform's reference does it. Such a refusal passes its item (recorded in the metrics: ``refused_by``);
+            an undeclared one passes only where the reference refuses the same case too. Declared with
+            ``kvconform_refuses = {"reset_batch": "pages are sized for one batch at construction"}``.
     """
 
     name: str
@@ -235,6 +244,7 @@ class CacheSpec:
     page_size: int | None = None
     allocation: str | None = None
     supports: frozenset | None = None
+    refuses: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         budget = self.budget

@@ -28,6 +28,11 @@ class _NoCrop:
         raise NotImplementedError(f"{type(self).__name__} does not support crop")
 
 
+STATIC_BATCH = {"reset_batch": "static buffers are allocated once, for the first batch (a static shape for "
+                               "torch.compile): another batch size after reset() is refused, clearly"}
+"""The refusal the static caches below declare (``kvconform_refuses``): by design, not a fault of theirs."""
+
+
 class _CarefulStaticLayer(_NoCrop, StaticLayer):
     """A StaticLayer done right everywhere the faults below do not touch: ``get_seq_length()`` returns a snapshot
     (not the live length tensor), and writing past ``max_cache_len`` raises a clear error before anything changes
@@ -66,6 +71,7 @@ class BoundsCheckedStaticCache(Cache):
     a graph break under ``torch.compile`` although it declares ``is_compileable``."""
 
     kvconform_capabilities = ("forward", "generate", "reset", "compile")
+    kvconform_refuses = STATIC_BATCH
 
     def __init__(self, config, max_cache_len=64, **kwargs):
         types, _ = layer_types_and_kwargs(_text_config(config))
@@ -93,6 +99,7 @@ class UpdateCounterStaticCache(Cache):
     ``torch.compile``)."""
 
     kvconform_capabilities = ("forward", "generate", "reset", "compile")
+    kvconform_refuses = STATIC_BATCH
 
     def __init__(self, config, max_cache_len=64, **kwargs):
         types, _ = layer_types_and_kwargs(_text_config(config))
@@ -115,6 +122,7 @@ class OutOfPlaceStaticCache(Cache):
     exact logits eagerly (and compiled on CPU), stale addresses for CUDA graphs."""
 
     kvconform_capabilities = ("forward", "generate", "reset", "compile")
+    kvconform_refuses = STATIC_BATCH
 
     def __init__(self, config, max_cache_len=64, **kwargs):
         types, _ = layer_types_and_kwargs(_text_config(config))

@@ -68,7 +68,7 @@ def test_page_size_is_declared_by_attribute_or_field_and_validated(tmp_path):
     validate_spec(CacheSpec("Paged", PagedCache, page_size=8), "test")
     with pytest.raises(SpecError, match="Paged: page_size must be a positive int"):
         validate_spec(CacheSpec("Paged", PagedCache, page_size=0), "test")
-    assert list(CacheSpec.__dataclass_fields__)[-3:] == ["page_size", "allocation", "supports"]
+    assert list(CacheSpec.__dataclass_fields__)[-4:] == ["page_size", "allocation", "supports", "refuses"]
 
 
 # ------------------------------------------------------------------------------------------------- passing
