@@ -466,6 +466,7 @@ class RerotatingSinkCache(SinkWindowCache):
     """
 
     layer_class = RerotatingSinkLayer
+    kvconform_supports = {"full_attention", "decoder_only"}
 
     def __init__(self, config=None, sinks: int = SINKS, window: int = WINDOW, **ignored):
         if config is None:
