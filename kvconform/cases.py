@@ -47,7 +47,7 @@ from kvconform.ops import OP_NAMES, OPS, OPS_WITH_COUNT, Op, tokens_held  # noqa
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 POSITION_MODES = ("auto", "explicit", "implicit")
 TIERS = ("default", "full")
-REQUIREMENTS = ("attention", "sliding", "linear_attention", "decoder_only", "encoder_decoder")
+REQUIREMENTS = ("attention", "sliding", "linear_attention", "decoder_only", "encoder_decoder", "no_padding_mask")
 _ID = re.compile(r"^[A-Za-z0-9_.]+$")
 
 

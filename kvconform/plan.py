@@ -25,12 +25,17 @@ class ModelInfo:
     accepts_position_ids: bool
     trust_remote_code: bool = False
     """Load it with its repository's own code (``--kvconform-trust-remote-code``; ``remote.py``)."""
+    takes_mask: bool = True
+    """Whether its forward takes a padding mask: False only for a model adapter declaring ``takes_mask = False``
+    (``kvconform.scratch``); such a model has the feature ``no_padding_mask``, which the unpadded twins of the
+    left-padded batch and low-precision cases require."""
 
     @property
     def features(self) -> set:
         from kvconform.zoo import ZooModel
 
-        return set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
+        features = set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
+        return features if self.takes_mask else features | {"no_padding_mask"}
 
 
 def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
@@ -94,7 +99,8 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
         raise UsageError(problem)
     if not zoo_only and scratch.is_scratch_spec(spec):
         adapter = scratch.load_adapter(spec)
-        return ModelInfo(scratch.model_name(adapter), spec, scratch.layer_types(adapter), False, False)
+        return ModelInfo(scratch.model_name(adapter), spec, scratch.layer_types(adapter), False, False,
+                         takes_mask=scratch.takes_mask(adapter))
     if zoo_only or not zoo.is_checkpoint_spec(spec):
         config, name = zoo.zoo_config(spec), spec
     else:
@@ -203,7 +209,7 @@ def zoo_features(name: str) -> frozenset:
 def same_kind(model: ModelInfo) -> list[str]:
     """The zoo families with exactly ``model``'s features (decoder-only or encoder-decoder, attention, sliding
     window, linear-attention state), in zoo order."""
-    features = frozenset(model.features)
+    features = frozenset(model.features) - {"no_padding_mask"}  # a model adapter's own forward, not its kind
     return [name for name in zoo.ZOO_NAMES if zoo_features(name) == features]
 
 

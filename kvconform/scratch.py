@@ -22,7 +22,9 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
 * ``fork(cache)`` → an independent copy (default ``copy.deepcopy``) — prefix forks.
 * ``seq_length(cache)`` → the tokens it says it holds (default: kvconform's own count).
 * ``reset(cache)`` → the cache emptied for a new sequence, its batch size free (default: ``new_cache`` again).
-* ``takes_mask = False``: its forward takes no padding mask (the left-padded cases skip).
+* ``takes_mask = False``: its forward takes no padding mask: the left-padded cases skip, and their unpadded twins
+  (the batch ops and the bfloat16 / float16 cases on distinct rows of equal length; case feature
+  ``no_padding_mask``) run instead; the float64 pre-check (``float64_problem``) passes it no mask.
 * ``capacity(cache)`` → the most tokens per row it keeps (a ring buffer of its window), or -1 / None: unbounded
   (default).
 * ``kv_layout``: ``{"layers", "kv_heads", "head_dim"}`` — the keys and values it must hold per token, for the
@@ -57,7 +59,8 @@ REQUIRED = {
 """The methods every adapter defines, with the signature its usage error shows."""
 
 EXAMPLES = ("kvconform.examples.tiny_decoder:TinyDecoder", "kvconform.examples.tiny_decoder:TinySlidingDecoder",
-            "kvconform.examples.tiny_decoder:TinyDecoderTwoCaches")
+            "kvconform.examples.tiny_decoder:TinyDecoderTwoCaches",
+            "kvconform.examples.tiny_decoder:TinyMasklessDecoder")
 """The worked examples: run when named with ``--kvconform-model``, and in the full tier (``--kvconform-full``)."""
 
 _SPEC = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*|.+\.py):[A-Za-z_]\w*$")
@@ -193,6 +196,12 @@ def layer_types(adapter) -> tuple:
 def vocab_size(adapter) -> int:
     """The ids tokens are drawn below (the adapter's ``vocab_size``, default 128)."""
     return int(getattr(adapter, "vocab_size", 128))
+
+
+def takes_mask(adapter) -> bool:
+    """Whether the adapter's forward takes a padding mask: False only where it declares ``takes_mask = False``
+    (its model then gets the unpadded twins of the left-padded cases: feature ``no_padding_mask``)."""
+    return getattr(adapter, "takes_mask", True) is not False
 
 
 def capabilities(adapter) -> frozenset:
@@ -484,8 +493,9 @@ def build_model(spec: str, dtype=None, device: str = "cpu"):
 
 def float64_problem(spec: str) -> str | None:
     """Why the adapter's model cannot be the float64 oracle, or None: ``build(float64)`` or its uncached forward
-    of 2 rows × 6 tokens raises, returns logits of another shape or dtype, or NaN/inf — with and without a
-    left-padding mask. Checked once when the session is built (the oracle of every item is this forward)."""
+    of 2 rows × 6 tokens raises, returns logits of another shape or dtype, or NaN/inf — without a mask and, unless
+    the adapter declares ``takes_mask = False`` (no item then passes it one), with a left-padding mask. Checked once
+    when the session is built (the oracle of every item is this forward)."""
     torch = _torch()
     adapter = load_adapter(spec)
     what = type(adapter).__name__
@@ -502,7 +512,8 @@ def float64_problem(spec: str) -> str | None:
     ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    for label, m in (("", None), (" with an attention mask (a left-padded row)", mask)):
+    masks = (("", None), (" with an attention mask (a left-padded row)", mask))
+    for label, m in masks if takes_mask(adapter) else masks[:1]:
         try:
             with torch.no_grad():
                 logits = module(ids, attention_mask=m).logits
@@ -587,7 +598,7 @@ def not_applicable(check, case, spec: str | None = None) -> str | None:
     reason = NOT_APPLICABLE.get(check.name) or NOT_APPLICABLE.get(check.family)
     if reason:
         return f"not for a model outside transformers: {reason}"
-    if case.params.get("padding") and spec is not None and getattr(load_adapter(spec), "takes_mask", True) is False:
+    if case.params.get("padding") and spec is not None and not takes_mask(load_adapter(spec)):
         return "the model adapter declares takes_mask = False: its forward takes no padding mask"
     if case.position_ids == "explicit":
         return ("not for a model outside transformers: its positions come from the start offset the adapter is "
@@ -597,6 +608,9 @@ def not_applicable(check, case, spec: str | None = None) -> str | None:
 
 # ------------------------------------------------------------------------------------------ messages in its terms
 _POSITIONS = "positions: the start offset kvconform passes the adapter (cumsum(mask) - 1 on left-padded rows)"
+
+_BATCH_OPS = r"reorder|select|repeat|swap|beam"
+"""The batch ops (in an op label or a case's ops line) a from-scratch model's ``select`` performs."""
 
 _CAUSES = (
     # (check name, or "*"; regular expression over the op the step failed or raised at; cause in the model's terms)
@@ -616,7 +630,7 @@ _CAUSES = (
     ("*", r"reset",
      "after your reset (or new_cache) the next sequence is wrong: buffers kept from the previous sequence — its "
      "batch size (a setup that returns early when buffers exist), its length or its tokens"),
-    ("*", r"reorder|select|repeat|swap|beam",
+    ("*", _BATCH_OPS,
      "your select(cache, rows) does not move every tensor of every block to the rows asked, in that order"),
     ("*", r"^prefill",
      "your cached forward of the first tokens, into an empty cache, differs from your uncached forward of the same "
@@ -638,8 +652,8 @@ def likely_cause(check_name: str, lines: list) -> str | None:
     for check, pattern, cause in _CAUSES:
         if check not in ("*", check_name):
             continue
-        if check != "*" or re.search(pattern, at) or (pattern in ("after crop|crop", "reset")
-                                                       and re.search(pattern, ops) and at):
+        by_ops = pattern in ("after crop|crop", "reset") or (pattern == _BATCH_OPS and not at.startswith("prefill"))
+        if check != "*" or re.search(pattern, at) or (by_ops and re.search(pattern, ops) and at):
             return cause
     return None
 

@@ -9,7 +9,8 @@ every machine).
 The cache, as nanoVLM keeps it: a list with one ``{"key": [B, kv_heads, T, head_dim], "value": ...}`` dict per
 block (empty dicts before the first forward), which the forward extends by concatenation. The static variant
 (``new_cache(static=True)``, listed by ``TinyDecoderTwoCaches``) preallocates ``[B, kv_heads, max_len, head_dim]``
-buffers per block and writes at the start offset instead (the gpt-fast layout).
+buffers per block and writes at the start offset instead (the gpt-fast layout). ``TinyMasklessDecoder`` is the same
+model declared without a padding mask (``takes_mask = False``).
 
 The attention mask follows the usual convention: ``mask`` ``[B, start + T]``, 1 for a real token and 0 for a pad
 (left padding), over the tokens held and the new ones; positions are then ``cumsum(mask) - 1``.
@@ -207,3 +208,21 @@ class TinySlidingDecoder(TinyDecoder):
     name = "tiny_sliding_decoder"
     window = 8
     caches = {"TinySlidingDictCache": {}}
+
+
+class TinyMasklessDecoder(TinyDecoder):
+    """The same decoder as a model whose forward takes no padding mask (most models written from scratch): it
+    declares ``takes_mask = False``, so kvconform passes it no mask, skips the left-padded cases and runs their
+    unpadded twins instead (the batch ops and the bfloat16 / float16 cases on distinct rows of equal length)."""
+
+    name = "tiny_maskless_decoder"
+    takes_mask = False
+    caches = {"TinyMasklessCache": {}}
+
+    def forward(self, model, ids, cache, start: int, mask=None):
+        """Cached forward of ``ids`` ``[B, T]`` at offsets ``start ..`` (``mask`` is never given)."""
+        return model(ids, cache, start), cache
+
+    def forward_uncached(self, model, ids, mask=None):
+        """The whole sequence ``ids`` ``[B, T]`` without a cache: logits ``[B, T, V]``."""
+        return model(ids, None, 0)

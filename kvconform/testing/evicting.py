@@ -162,6 +162,22 @@ class SinkWindowLayer(BatchOpsMixin, CacheLayerMixin):
         decoding). The forwards attend exactly what they would without recording."""
         self.record_past = True
 
+    def held_token_indices(self) -> torch.Tensor:
+        """The token index (into the sequence seen since the last reset) of each held slot, int64 ``[held]``: the
+        sinks are tokens ``0 .. sinks - 1``, the rest a contiguous run ending at ``seen - 1``."""
+        slots = torch.arange(self.held)
+        if self.held == self.seen:
+            return slots
+        return torch.where(slots < self.sinks, slots, slots + (self.seen - self.held))
+
+    def kvconform_held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the next forward attends of the held tokens, as kvconform's exact evicting check reads it:
+        ``(tokens, positions)``, int64 ``[n]`` each (the same for every row) — the token indices (into the sequence
+        seen since the last reset) and the positions their keys carry (their own: keys are stored as the model
+        rotated them, nothing is re-rotated)."""
+        tokens = self._evict(self.held_token_indices().view(1, -1, 1)).view(-1)
+        return tokens, tokens.clone()
+
     # ------------------------------------------------------------------------------------------------ crop
     @property
     def is_croppable(self) -> bool:
@@ -336,6 +352,14 @@ class SinkWindowCache(Cache):
     def is_compileable(self) -> bool:
         return False
 
+    def kvconform_held(self, layer_idx: int):
+        """The tokens layer ``layer_idx``'s next forward attends and the positions their keys carry,
+        ``(tokens, positions)`` int64 ``[n]`` (``SinkWindowLayer.kvconform_held``); None for a layer without
+        keys (a linear-attention state). kvconform compares every step past the bound with the model's uncached
+        forward over exactly these tokens at these positions (``check_evicting_held_exact``)."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        return layer.kvconform_held() if isinstance(layer, SinkWindowLayer) else None
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens in every layer; all-or-nothing.
 
@@ -357,3 +381,99 @@ class SinkWindowCache(Cache):
                     raise RuntimeError(f"SinkWindowCache cannot crop({tokens_to_remove}): layer {idx} {problem}")
         for layer in self.layers:
             layer.crop(count)
+
+
+# ------------------------------------------------------------------------------------- re-rotated sinks (StreamingLLM)
+def rope_inverse_frequencies(config) -> torch.Tensor:
+    """The inverse frequencies ``[rotary_dim / 2]`` (float64) of a model's default rotary embedding, from its
+    config (``rope_parameters`` / ``rope_theta``, ``head_dim``, ``partial_rotary_factor``).
+
+    Raises:
+        ValueError: the config has no rotary embedding, or one of another type than ``"default"`` (scaled ropes
+            are not re-rotated by a plain angle).
+    """
+    text = config.get_text_config(decoder=True)
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    base = rope.get("rope_theta", getattr(text, "rope_theta", None))
+    kind = rope.get("rope_type", "default")
+    if base is None or kind != "default":
+        raise ValueError(f"re-rotating keys needs a model with a default rotary embedding; {type(text).__name__} "
+                         f"has {'none' if base is None else repr(kind)}")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dim = int(head_dim * rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0) or 1.0))
+    return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def rotate_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``keys`` ``[..., n, head_dim]`` (already rotated at their positions, rotate-half layout) rotated ``shift``
+    positions further: the keys they would be at their positions + ``shift``. A new tensor of ``keys``' dtype."""
+    dim = 2 * inv_freq.shape[0]
+    angle = float(shift) * inv_freq
+    cos = torch.cat([angle.cos(), angle.cos()]).to(keys.device)
+    sin = torch.cat([angle.sin(), angle.sin()]).to(keys.device)
+    rot, rest = keys[..., :dim].to(torch.float64), keys[..., dim:]
+    half = torch.cat([-rot[..., dim // 2:], rot[..., : dim // 2]], dim=-1)
+    return torch.cat([(rot * cos + half * sin).to(keys.dtype), rest], dim=-1)
+
+
+class RerotatingSinkLayer(SinkWindowLayer):
+    """``SinkWindowLayer`` with StreamingLLM's positions: once it evicted, the sinks are re-rotated at every
+    forward to sit just before the recent window (positions ``first window position - sinks + i``), so the cache
+    holds a contiguous run of positions; the window keeps its own positions.
+
+    Args:
+        inv_freq: the model's rotary inverse frequencies (``rope_inverse_frequencies``).
+        sinks, window: as ``SinkWindowLayer``.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, sinks: int = SINKS, window: int = WINDOW, **ignored):
+        super().__init__(sinks=sinks, window=window)
+        self.inv_freq = inv_freq
+
+    def _sink_shift(self) -> int:
+        """Positions the sinks move by in the next forward: the tokens evicted between them and the window."""
+        if self.held == self.seen or self.held <= self.sinks:
+            return 0
+        return self.seen - self._visible()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """``SinkWindowLayer.update``, with the returned sinks re-rotated by ``_sink_shift()`` (the stored ones keep
+        their own rotation)."""
+        shift = self._sink_shift()
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if shift:
+            s = self.sinks
+            keys = torch.cat([rotate_keys(keys[..., :s, :], shift, self.inv_freq), keys[..., s:, :]], dim=-2)
+        return keys, values
+
+    def kvconform_held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, positions)`` of the tokens the next forward attends: the window at its own positions, the
+        sinks (after an eviction) at the ``sinks`` positions just before the window's first."""
+        tokens, positions = super().kvconform_held()
+        s = self.sinks
+        if tokens.shape[0] > s and int(tokens[s]) != s:  # evicted: the sinks move up to the window
+            positions[:s] = positions[s] - s + torch.arange(s)
+        return tokens, positions
+
+
+class RerotatingSinkCache(SinkWindowCache):
+    """StreamingLLM's sink cache as its paper defines positions (sinks re-rotated to sit just before the recent
+    window, ``RerotatingSinkLayer``) on a model whose layers are all full attention with a default rotary
+    embedding (Llama-style). The same budget and contract as ``SinkWindowCache``.
+
+    Raises:
+        ValueError: a model without a default rotary embedding, or a layer type other than full attention.
+    """
+
+    layer_class = RerotatingSinkLayer
+    kvconform_supports = {"full_attention", "decoder_only"}
+
+    def __init__(self, config=None, sinks: int = SINKS, window: int = WINDOW, **ignored):
+        if config is None:
+            raise ValueError("RerotatingSinkCache needs the model's config (its rotary frequencies)")
+        inv_freq = rope_inverse_frequencies(config)
+        types, _ = layer_types_and_kwargs(config)
+        if set(types) != {"full_attention"}:
+            raise ValueError(f"RerotatingSinkCache supports full-attention layers only, not {sorted(set(types))}")
+        self.sinks, self.window = sinks, window
+        Cache.__init__(self, layers=[type(self).layer_class(inv_freq, sinks, window) for _ in types])

@@ -1,13 +1,15 @@
-"""Faulty *evicting* caches: ``SinkWindowCache`` (``kvconform.testing.evicting``) with one realistic bug each, all
-declared ``kvconform_evicting`` with the same budget. Each is exact while it holds at most ``tokens_max`` tokens, so
-only the evicting contract (``kvconform.checks.contract``, its evicting section) sees it."""
+"""Faulty *evicting* caches: ``SinkWindowCache`` (``kvconform.testing.evicting``; ``RerotatingSinkCache`` for
+``SinkShiftSinkCache``) with one realistic bug each, all declared ``kvconform_evicting`` with the same budget. Each
+is exact while it holds at most ``tokens_max`` tokens, so only the evicting contract (``kvconform.checks.contract``,
+its evicting section) sees it — ``SinkShiftSinkCache`` only its exact comparison past the bound
+(``check_evicting_held_exact``): its quality stays within the budget."""
 
 from __future__ import annotations
 
 import torch
 
 from kvconform.testing import FaultyCache
-from kvconform.testing.evicting import SinkWindowCache, SinkWindowLayer
+from kvconform.testing.evicting import RerotatingSinkCache, RerotatingSinkLayer, SinkWindowCache, SinkWindowLayer
 
 
 class _HeldLengthLayer(SinkWindowLayer):
@@ -96,6 +98,22 @@ class ReorderWindowOnlySinkCache(SinkWindowCache):
         self.layers = [_swap(layer, _ReorderWindowOnlyLayer) for layer in self.layers]
 
 
+# ---------------------------------------------------------------------------------------- sinks re-rotated too far
+class _SinkShiftLayer(RerotatingSinkLayer):
+    def _sink_shift(self) -> int:
+        if self.held == self.seen or self.held <= self.sinks:
+            return 0
+        return self.seen - self.window  # BUG: the tokens evicted, counted without subtracting the sinks
+
+
+class SinkShiftSinkCache(RerotatingSinkCache):
+    """``RerotatingSinkCache`` whose sinks are re-rotated by the tokens seen minus the window, without subtracting
+    the sink count: after an eviction every sink sits ``sinks`` positions too late, on top of the window's first
+    positions. Its ``kvconform_held`` states StreamingLLM's positions (inherited); its budget is the same."""
+
+    layer_class = _SinkShiftLayer
+
+
 def _swap(layer, cls):
     """``layer`` with its class replaced by ``cls`` where it is a plain ``SinkWindowLayer`` (hybrid and linear
     layers are kept)."""
@@ -148,4 +166,13 @@ FAULTY = [
                  "likely cause: reorder_cache() does not move every held tensor (sinks and window, per layer)"),
         also_caught_by=(), cause=r"reorder_cache\(\) does not move every held tensor",
     ),
+    FaultyCache(
+        name="evicting_sink_shift", attr="SinkShiftSinkCache", module=__name__, family="contract",
+        check="check_evicting_held_exact", model="llama", case="evicting_held_exact",
+        message=("check_evicting_held_exact failed: SinkShiftSinkCache on llama",
+                 "decode 1 of 6 (row 0, 69 tokens seen, 64 held): max|Δlogit| = ",
+                 "held: tokens [0..3, 9..68] at positions [5..68]"),
+        also_caught_by=(), cause=r"keys re-rotated by a wrong shift \(e\.g\. sinks moved without subtracting",
+    ),
 ]
+

@@ -12,6 +12,9 @@ adapter. Each is caught by name (``tests/subjects/test_scratch.py``)::
 * ``AliasedFork``: ``fork`` copies the list of per-block dicts, not the dicts: the fork and the original share them.
 * ``StaticSetupOnce``: a preallocated (static) cache whose setup returns early when buffers exist: reused (its own
   ``reset``) for a smaller batch, it keeps the old batch and the forward raises a shape error.
+* ``SelectIgnoresRows``: a model without a padding mask (``takes_mask = False``) whose ``select`` keeps as many rows
+  as asked but the first ones, in their old order ("the beams stay in order"): a reorder or a select then decodes
+  the wrong rows' history (only the unpadded batch cases reach such a model).
 * ``Float64MaskOverflow``: the padding mask is built in float32 and multiplied by the scores' dtype's minimum: at
   float64 it overflows to -inf and 0 × -inf = NaN (refused when the session is built: the oracle cannot run).
 """
@@ -22,7 +25,7 @@ import math
 
 import torch
 
-from kvconform.examples.tiny_decoder import TinyDecoder, TinyDecoderModel, TinySlidingDecoder
+from kvconform.examples.tiny_decoder import TinyDecoder, TinyDecoderModel, TinyMasklessDecoder, TinySlidingDecoder
 
 
 # ---------------------------------------------------------------------------------------- no causal mask in chunks
@@ -174,6 +177,21 @@ class StaticSetupOnce(TinyDecoder):
 
     def tensors(self, cache):
         return {f"{i}.{n}": layer[n] for i, layer in enumerate(cache) for n in ("key", "value") if n in layer}
+
+
+# ------------------------------------------------------------------------------------------ select ignores rows
+class SelectIgnoresRows(TinyMasklessDecoder):
+    """A maskless model whose ``select`` keeps the first rows in their old order (module docstring)."""
+
+    name = "select_ignores_rows"
+    caches = {"FirstRowsCache": {}}
+
+    def select(self, cache, rows):
+        n = int(rows.shape[0])
+        for layer in cache:
+            if "key" in layer:  # BUG: "beams stay in order": only the batch size follows rows, the rows do not
+                layer["key"], layer["value"] = layer["key"][:n], layer["value"][:n]
+        return cache
 
 
 # --------------------------------------------------------------------------------------- float64 mask overflow

@@ -69,6 +69,12 @@ class ShareEvictingLayer(SinkWindowLayer):
     def _visible(self) -> int:
         return self.held
 
+    def kvconform_held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens, positions)`` of every held token (the next forward attends them all; keys keep their own
+        rotation): see ``SinkWindowLayer.kvconform_held``."""
+        tokens = self.held_token_indices()
+        return tokens, tokens.clone()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Add ``[batch, kv_heads, q, head_dim]`` keys/values; return every held token plus the new chunk, then
         evict down to the share of the tokens seen."""
@@ -122,6 +128,12 @@ class ShareEvictingCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    def kvconform_held(self, layer_idx: int):
+        """``(tokens, positions)`` int64 ``[n]`` that layer ``layer_idx``'s next forward attends (its held tokens at
+        their own positions), None for a layer without keys: read by kvconform's exact evicting check."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        return layer.kvconform_held() if isinstance(layer, SinkWindowLayer) else None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens, only while nothing was evicted.

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from kvconform.examples.tiny_decoder import TinyDecoder, TinySlidingDecoder
+from kvconform.examples.tiny_decoder import TinyDecoder, TinyMasklessDecoder, TinySlidingDecoder
 from kvconform.testing import faulty_scratch
 
 EXAMPLE = "kvconform.examples.tiny_decoder"
@@ -32,6 +32,8 @@ TARGETS = {
                     "copied shallowly"),
     "StaticSetupOnce": ("static_setup_once", "reset_then_reuse and reset_smaller_batch", "check_reset_then_reuse",
                         "a setup that returns early when buffers exist"),
+    "SelectIgnoresRows": ("select_ignores_rows", "select_then_decode and select_unpadded", "check_select_then_decode",
+                          "your select(cache, rows) does not move every tensor of every block to the rows asked"),
 }
 _RUN: dict = {}
 
@@ -48,11 +50,14 @@ def _shared_run(tmp_path_factory) -> dict:
     """One run: both correct examples (every item of their default tier) and each faulty variant's target item."""
     if not _RUN:
         folder = tmp_path_factory.mktemp("scratch")
-        selection = " or ".join(["tiny_decoder", "tiny_sliding_decoder", "tiny_decoder_two_caches"]
+        selection = " or ".join(["tiny_decoder", "tiny_sliding_decoder", "tiny_decoder_two_caches",
+                                 "(tiny_maskless_decoder and (kvconform_batch or bf16 or fp16))",
+                                 "(select_ignores_rows and kvconform_batch)"]
                                 + [f"({model} and {sel})" for model, sel, _, _ in TARGETS.values()])
         args = ["--kvconform-json", "r.json", "-k", selection,
                 "--kvconform-model", f"{EXAMPLE}:TinyDecoder", "--kvconform-model", f"{EXAMPLE}:TinySlidingDecoder",
-                "--kvconform-model", f"{EXAMPLE}:TinyDecoderTwoCaches"]
+                "--kvconform-model", f"{EXAMPLE}:TinyDecoderTwoCaches",
+                "--kvconform-model", f"{EXAMPLE}:TinyMasklessDecoder"]
         for attr in TARGETS:
             args += ["--kvconform-model", f"{FAULTY}:{attr}"]
         proc = _kvconform(folder, *args)
@@ -95,6 +100,73 @@ def test_each_faulty_from_scratch_cache_is_caught_by_name(attr, tmp_path_factory
     message = target[0]["message"]
     assert "likely cause: " in message and cause in message, message
     assert f"--kvconform-model {FAULTY}:{attr}" in message and "--kvconform-cache" not in message, message
+
+
+def test_a_maskless_model_runs_the_unpadded_twins_and_they_catch_a_select_that_ignores_its_rows(tmp_path_factory):
+    """``takes_mask = False``: the left-padded batch and low-precision items skip, their unpadded twins run — and
+    pass on the correct maskless example, while a ``select`` that keeps the first rows in their old order fails every
+    batch op of them (the padded cases, all skipped, could not see it)."""
+    run = _shared_run(tmp_path_factory)
+    good = {r["case"]: r for r in run["records"] if r["model"] == "tiny_maskless_decoder"}
+    unpadded = {c for c in good if c.endswith("_unpadded")}
+    assert {"reorder_unpadded", "swap_rows_unpadded", "beam_fork_unpadded", "repeat_unpadded", "select_unpadded",
+            "bf16_reorder_unpadded", "fp16_reorder_unpadded", "bf16_decode_unpadded", "fp16_decode_unpadded",
+            "bf16_chunk_unpadded", "fp16_chunk_unpadded"} <= unpadded, sorted(good)
+    bad = [(c, good[c]["outcome"], good[c]["message"][:300]) for c in unpadded if good[c]["outcome"] != "passed"]
+    assert not bad, bad
+    padded = [r for c, r in good.items() if r["family"] == "batch" and c.endswith("_padded")]
+    assert padded and all(r["outcome"] == "skipped" and "takes_mask = False" in (r.get("message") or
+                                                                                  r.get("skip_reason") or "")
+                          for r in padded), [(r["case"], r["outcome"]) for r in padded]
+    faulty = {r["case"]: r for r in run["records"] if r["model"] == "select_ignores_rows" and r["family"] == "batch"}
+    caught = {c for c, r in faulty.items() if r["outcome"] == "failed"}
+    assert {"reorder_unpadded", "swap_rows_unpadded", "beam_fork_unpadded", "repeat_unpadded",
+            "select_unpadded"} <= caught, {c: r["outcome"] for c, r in faulty.items()}
+
+
+def test_the_unpadded_twins_reach_only_models_without_a_padding_mask():
+    from kvconform.session import build_session
+
+    session = build_session(models=["llama", f"{EXAMPLE}:TinyMasklessDecoder", f"{EXAMPLE}:TinyDecoder"],
+                            checks=["check_select_then_decode", "check_prefill_then_decode"], runs_items=False)
+    cases = {}
+    for item in session.items():
+        cases.setdefault(item.model.name, {})[item.case.id] = item.skip
+    assert "select_unpadded" in cases["tiny_maskless_decoder"] and cases["tiny_maskless_decoder"]["select_unpadded"] \
+        is None
+    assert cases["tiny_maskless_decoder"]["bf16_decode_unpadded"] is None
+    assert not any(c.endswith("_unpadded") for c in cases["llama"]), sorted(cases["llama"])
+    assert not any(c.endswith("_unpadded") for c in cases["tiny_decoder"]), sorted(cases["tiny_decoder"])
+    # a maskless adapter still stands in for the zoo models of its kind (the cases limited to them reach it)
+    assert "select_padded" in cases["tiny_maskless_decoder"]
+
+
+class RefusesMask(TinyMasklessDecoder):
+    """A maskless adapter whose uncached forward refuses a mask."""
+
+    name = "refuses_mask"
+
+    def forward_uncached(self, model, ids, mask=None):
+        if mask is not None:
+            raise TypeError("this model takes no attention mask")
+        return super().forward_uncached(model, ids)
+
+
+class RefusesMaskButTakesOne(RefusesMask):
+    """The same forward, declared as taking masks."""
+
+    name = "refuses_mask_declared"
+    takes_mask = True
+
+
+def test_a_maskless_adapter_is_not_given_a_mask_by_the_float64_precheck():
+    """``takes_mask = False`` exempts the adapter from the pre-check's left-padded forward: no item passes it a mask,
+    so a forward that refuses one is no reason to refuse the model; the same forward declaring it takes masks is."""
+    from kvconform import scratch
+
+    assert scratch.float64_problem(scratch.register_adapter(RefusesMask())) is None
+    problem = scratch.float64_problem(scratch.register_adapter(RefusesMaskButTakesOne()))
+    assert problem and "with an attention mask" in problem and "takes no attention mask" in problem, problem
 
 
 def test_a_float64_mask_overflow_is_refused_naming_the_mask(tmp_path):

@@ -401,3 +401,252 @@ def check_evicting_ops(ctx):
               f"equivalent history, but should be ≤ {tol:.1e}",
               f"ops: {ops_text}   [failed at {where}]", "likely cause: " + cause[op]],
              {"failed_at": where, "op": label})
+
+
+# ------------------------------------------------------------------------------------------ exact past the bound
+# An evicting cache that says which tokens it holds and at which positions (``kvconform_held(layer_idx)`` on the
+# cache: ``(tokens, positions)``) is exact past its bound too, against StreamingLLM's own definition: the query of a
+# step attends exactly the held tokens, whose keys carry the declared positions. The oracle is one uncached float64
+# forward of the whole sequence with an explicit attention mask, each token's row holding what its own forward
+# attended (the held tokens then, plus its own chunk up to itself): a held token's keys at every layer are the ones
+# computed when it was fed, from its own row — a forward of only the held tokens would recompute them from a shorter
+# history (1.1 off for a correct sink cache on llama). A held token declared at another position than its own (sinks
+# re-rotated to sit before the window) is added as a copy at that position, together with the copies its own row
+# needs (RoPE depends only on position differences, so a copy shifted as a block has the same hidden states).
+
+HELD_LIMIT = 4096
+"""The most tokens (the sequence and the copies at declared positions) of the held-token oracle's forward."""
+
+
+def _held_applies(subject, model, case, device="cpu"):
+    """Plan-time rule of ``check_evicting_held_exact``: decoder-only models whose layers are all full attention
+    and whose forward takes ``position_ids``."""
+    if model.is_encoder_decoder:
+        return "the held-token oracle is one decoder forward; an encoder-decoder model's cross-attention is another"
+    types = set(model.layer_types)
+    if types - {"full_attention"}:
+        return (f"the held-token oracle replaces the model's own mask, so it needs layers that are all full "
+                f"attention ({model.name} has {', '.join(sorted(types - {'full_attention'}))})")
+    if not model.accepts_position_ids:
+        return f"{model.name}'s forward takes no position_ids counted from 0 (the held tokens' positions)"
+    return None
+
+
+def _rotary(torch_model) -> bool:
+    """Whether a model embeds positions by rotating queries and keys (a module named ``*Rotary*``): only there is a
+    block of tokens at shifted positions the same as at its own."""
+    return any("rotary" in type(m).__name__.lower() for m in torch_model.modules())
+
+
+def _declared_held(ctx, cache, seen: int, batch: int, label: str):
+    """``{row: (tokens, positions)}`` (python lists) the next forward attends, read from every attention layer's
+    ``kvconform_held``; checks the declaration (types, ranges, distinct tokens and positions, the same on every
+    layer).
+
+    Raises:
+        CheckSkipped: layers declare different held sets (no one forward gives both), or none declares any.
+        SubjectRaised: ``kvconform_held`` raised.
+    """
+    import torch
+
+    declared = {}
+    for i, _ in layer_items(self_half(cache)):
+        try:
+            got = cache.kvconform_held(i)
+        except Exception as exc:  # noqa: BLE001 - the subject's failure
+            raise SubjectRaised(f"kvconform_held({i}) before {label}", exc) from exc
+        if got is None:
+            continue
+        ok = (isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)
+              and got[0].shape == got[1].shape and got[0].dim() in (1, 2)
+              and (got[0].dim() == 1 or got[0].shape[0] == batch))
+        if not ok:
+            what = (", ".join(f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in got)
+                    if isinstance(got, (tuple, list)) else type(got).__name__)
+            ctx.fail([f"kvconform_held({i}) before {label} returned ({what}), but should return (tokens, positions): "
+                      f"two int64 tensors of one shape, [n] (every row) or [{batch}, n]",
+                      "likely cause: the declaration of the held tokens does not follow kvconform_held's protocol"],
+                     {"failed_at": label})
+        tokens, positions = (t.long().cpu().expand(batch, -1) for t in got)
+        declared[i] = (tokens, positions)
+    if not declared:
+        raise CheckSkipped(f"{ctx.subject.name}.kvconform_held answers None for every layer: no held tokens to "
+                           f"compare (judged by its quality budget)")
+    first, (tokens, positions) = next(iter(declared.items()))
+    for i, (t, p) in declared.items():
+        if not (torch.equal(t, tokens) and torch.equal(p, positions)):
+            raise CheckSkipped(f"layers {first} and {i} hold different tokens (or positions) before {label}: one "
+                               f"uncached forward cannot attend both, so only the quality budget judges "
+                               f"{ctx.subject.name} past its bound")
+    out = {}
+    for b in range(batch):
+        t, p = tokens[b].tolist(), positions[b].tolist()
+        problem = None
+        if any(not 0 <= x < seen for x in t):
+            problem = f"token indices {t} outside the {seen} tokens fed"
+        elif len(set(t)) != len(t):
+            problem = f"a token held twice: {sorted(x for x in set(t) if t.count(x) > 1)}"
+        elif len(set(p)) != len(p):
+            problem = (f"two held tokens at one position: {sorted(x for x in set(p) if p.count(x) > 1)} (positions "
+                       f"{p[:8]}{' …' if len(p) > 8 else ''})")
+        elif p and max(p) >= seen:
+            problem = f"a held token at position {max(p)}, not before the next token's position {seen}"
+        if problem:
+            ctx.fail([f"kvconform_held({first}) before {label}, row {b}: {problem}",
+                      "likely cause: the cache's held tokens (or the positions it rotates them to) are not a set of "
+                      "distinct earlier tokens at distinct earlier positions, as StreamingLLM defines them"],
+                     {"failed_at": label, "row": b})
+        out[b] = (t, p)
+    return out
+
+
+def held_oracle_inputs(n_tokens: int, forwards, limit: int = HELD_LIMIT):
+    """The inputs of the held-token oracle for one row: ``(order, allowed)`` — ``order`` the ``(token, position)``
+    of each input slot (slot ``j < n_tokens`` is token ``j`` at its own position; copies at declared positions
+    follow), ``allowed`` ``[L, L]`` bool (slot ``i`` attends slot ``j``); None when more than ``limit`` slots are
+    needed.
+
+    ``forwards``: ``(start, n, tokens, positions)`` per forward, in order: its ``n`` new tokens start at index
+    ``start`` and attend the held ``tokens`` (lists) at ``positions``, then their own chunk up to themselves.
+    """
+    rows = {}
+    for start, n, tokens, positions in forwards:
+        held = list(zip(tokens, positions))
+        for t in range(start, start + n):
+            rows[(t, t)] = held + [(u, u) for u in range(start, t + 1)]
+    order = [(j, j) for j in range(n_tokens)]
+    slot = {node: j for j, node in enumerate(order)}
+    queue = [key for node in order for key in rows[node]]
+    while queue:
+        node = queue.pop()
+        if node in slot:
+            continue
+        token, position = node
+        shift = position - token
+        rows[node] = [(s, q + shift) for s, q in rows[(token, token)]]
+        slot[node] = len(order)
+        order.append(node)
+        if len(order) > limit:
+            return None
+        queue.extend(rows[node])
+    import torch
+
+    allowed = torch.zeros(len(order), len(order), dtype=torch.bool)
+    for node, j in slot.items():
+        allowed[j, [slot[k] for k in rows[node]]] = True
+    return order, allowed
+
+
+def _held_oracle(ctx, seq_row, forwards):
+    """float64 logits ``[n_tokens, V]`` of every token of ``seq_row`` ``[n_tokens]`` under the held-token oracle.
+
+    Raises:
+        CheckSkipped: the declared positions need copies on a model without rotary positions, or too many.
+    """
+    import torch
+
+    n = int(seq_row.shape[0])
+    model = ctx.model.oracle_model()
+    built = held_oracle_inputs(n, forwards)
+    if built is None:
+        raise CheckSkipped(f"the declared positions need over {HELD_LIMIT} tokens in the held-token oracle")
+    order, allowed = built
+    if len(order) > n and not _rotary(model):
+        raise CheckSkipped(f"{ctx.subject.name} declares held tokens at other positions than their own, and "
+                           f"{ctx.model.name} has no rotary positions: a token cannot be moved in one forward")
+    ids = seq_row[torch.tensor([t for t, _ in order])][None]
+    positions = torch.tensor([p for _, p in order])[None]
+    mask = torch.zeros(1, 1, *allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
+                    use_cache=False).logits
+    return out[0, :n].detach().to("cpu", torch.float64)
+
+
+@register("contract", needs=("forward",), judges=(EVICTING,), unjudged=EVICTING_ONLY, applies=_held_applies,
+          params={**_PARAMS, "decode": Param(int, default=6, min=1, doc="decode steps after the prefill past the "
+                                                                           "bound (a chunk of 3 and 2 more follow)")},
+          ops=IGNORES_OPS)
+def check_evicting_held_exact(ctx):
+    """Past ``tokens_max``, a cache that declares what it holds (``kvconform_held(layer_idx)`` → ``(tokens,
+    positions)``) gives at every step the logits of the model's uncached float64 forward in which each token
+    attends exactly the held tokens at the declared positions (plus its own chunk); a cache that does not declare
+    it is judged by its quality budget only (skipped here)."""
+    held_fn = getattr(ctx.new_cache(), "kvconform_held", None)
+    if not callable(held_fn):
+        raise CheckSkipped(f"{ctx.subject.name} does not say which tokens it holds (no kvconform_held(layer_idx) "
+                           f"method): past its bound it is judged by its quality budget only")
+    if ctx.model.image is not None:
+        raise CheckSkipped("the held-token oracle moves text tokens only; a vision-language prompt starts with an "
+                           "image")
+    T, over, decode = _tokens_max(ctx), int(ctx.case.params["over"]), int(ctx.case.params["decode"])
+    gen = case_generator(ctx.case, ctx.model.name)
+    B = ctx.case.batch
+    program = [("prefill", T + over), ("decode", decode), ("chunk", 3), ("decode", 2)]
+    ops_text = " → ".join(f"{name}({n})" if name != "decode" else f"decode×{n}" for name, n in program)
+    run = _Driver(ctx, ctx.new_cache(), None)
+    forwards: dict = {b: [] for b in range(B)}
+    steps = []
+    try:
+        for name, n in program:
+            for i in range(n if name == "decode" else 1):
+                k = 1 if name == "decode" else n
+                label = f"{name}({n})" if name != "decode" else f"decode {i + 1} of {n}"
+                seen = run.runner.length
+                held = (_declared_held(ctx, run.cache, seen, B, label) if seen
+                        else {b: ([], []) for b in range(B)})
+                for b in range(B):
+                    forwards[b].append((seen, k, *held[b]))
+                steps.append((label, seen, k, run.feed(_tokens(ctx, gen, B, k), label),
+                               max((len(t) for t, _ in held.values()), default=0)))
+    except SubjectRaised as exc:
+        fail_raised(ctx, exc, "the cache does not take this program past its tokens_max (see the exception)",
+                    ops_text)
+    oracle = [_held_oracle(ctx, run.seq[b], forwards[b]) for b in range(B)]
+    tol = ctx.tolerance().bound(0.0)
+    # the first forward's rows are plain causal: where the model does not honour an explicit 4-D mask (its own code
+    # rebuilds the mask), they differ from the oracle, and no step can be judged this way
+    first = int(steps[0][2])
+    plain = ctx.oracle.logits(run.seq[:, :first])
+    gap = max(_max_abs(oracle[b][:first], plain[b]) for b in range(B))
+    if gap > tol:
+        raise CheckSkipped(f"{ctx.model.name} does not honour an explicit 4-D attention mask (its causal rows differ "
+                           f"from its uncached forward by {gap:.1e}): the held-token oracle cannot be built")
+    worst = 0.0
+    for index, (label, start, k, logits, n_held) in enumerate(steps):
+        for b in range(B):
+            diff = _max_abs(logits[b], oracle[b][start:start + k])
+            worst = max(worst, diff)
+            if diff > tol:
+                tokens, positions = forwards[b][index][2:]
+                shown = f"tokens {_span(tokens)} at positions {_span(positions)}"
+                ctx.metrics.update(max_abs=diff, tolerance=tol, steps_compared=len(steps))
+                ctx.fail([f"{label} (row {b}, {start} tokens seen, {n_held} held): max|Δlogit| = {diff:.1e} against "
+                          f"the model's uncached float64 forward attending exactly the held tokens at the positions "
+                          f"kvconform_held declares, but should be ≤ {tol:.1e}",
+                          f"held: {shown}",
+                          f"ops: {ops_text}   [failed at {label}]",
+                          "likely cause: " + (
+                              "the cache evicts inside the forward that brings the tokens (its own chunk): a "
+                              "forward into an empty cache must attend all its tokens, and evict only afterwards"
+                              if start == 0 else
+                              "the keys the cache attends are not the declared tokens at the declared positions: "
+                              "keys re-rotated by a wrong shift (e.g. sinks moved without subtracting the sink "
+                              "count), positions that restart after an eviction, tokens kept other than the "
+                              "declared ones, or a declaration that says something else than the cache does")],
+                         {"failed_at": label, "row": b})
+    ctx.metrics.update(max_abs=worst, tolerance=tol, steps_compared=len(steps),
+                       most_held=max(s[4] for s in steps))
+
+
+def _span(values) -> str:
+    """A list of ints written as runs: ``0..3, 10..69``."""
+    runs, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            runs.append(str(v) if start == v else f"{start}..{v}")
+            start = None
+    return "[" + ", ".join(runs) + "]"
