@@ -295,7 +295,8 @@ def owned_by_model(model) -> frozenset:
 def layer_bytes(cache, exclude=frozenset()) -> dict:
     """``{label: bytes}`` held by each layer of ``cache`` (``cache_layers``), each counted without entering the
     cache, its halves or the other layers: a layer that keeps a reference to its cache (or a sibling) is not charged
-    for what they hold (``cache_bytes`` counts that once, as the cache object's). ``exclude``: storage keys counted
+    for what they hold, nor for a storage another layer reaches too (``cache_bytes`` counts those once, as the cache
+    object's). ``exclude``: storage keys counted
     nowhere (``owned_by_model``)."""
     return _layer_storages(cache, exclude)[0]
 
@@ -304,22 +305,27 @@ def _layer_storages(cache, exclude) -> tuple[dict, set]:
     """``({label: bytes}, storage keys counted)`` of the layers of ``cache`` (``layer_bytes``)."""
     layers = cache_layers(cache)
     others = [cache, *(half for _, half in cache_halves(cache)), *(layer for _, layer in layers)]
-    per_layer, counted = {}, set(exclude)
-    for label, layer in layers:
-        held = held_storages(layer, skip=others, exclude=exclude)
-        per_layer[label] = sum(held.values())
-        counted.update(held)
+    held = {label: held_storages(layer, skip=others, exclude=exclude) for label, layer in layers}
+    reach: dict = {}
+    for storages in held.values():
+        for key in storages:
+            reach[key] = reach.get(key, 0) + 1
+    # a storage two layers reach (a page pool each layer holds directly) is no layer's own: counted once, as the
+    # cache object's (cache_bytes), like a pool the layers reach through a back-reference to the cache
+    per_layer = {label: sum(size for key, size in storages.items() if reach[key] == 1)
+                 for label, storages in held.items()}
+    counted = set(exclude) | {key for key, n in reach.items() if n == 1}
     return per_layer, counted
 
 
 def cache_bytes(cache, exclude=frozenset()) -> tuple[dict, int]:
     """What a cache owns, each storage once: ``({label: bytes held by that layer}, shared)``. Each layer is counted
-    without entering its cache, its halves or its siblings (a storage two layers share is charged to each, as a
-    layer's own); ``shared`` is the bytes of every other storage reachable from the cache object — a page pool,
-    block tables, free lists kept on the cache and reached by its layers through a back-reference — that no layer
-    holds itself. Storages in ``exclude`` (the model's: ``owned_by_model``) are counted nowhere. A cache without
-    readable layers is one pseudo-layer ``"cache"`` (``cache_layers``) and ``shared`` is 0. Never raises on a
-    cache's shape."""
+    without entering its cache, its halves or its siblings, and only for the storages no other layer reaches;
+    ``shared`` is the bytes of every other storage reachable from the cache object — a page pool, block tables, free
+    lists kept on the cache and reached by its layers through a back-reference, or held by each layer directly —
+    that no single layer holds alone. Storages in ``exclude`` (the model's: ``owned_by_model``) are counted
+    nowhere. A cache without readable layers is one pseudo-layer ``"cache"`` (``cache_layers``) and ``shared`` is 0.
+    Never raises on a cache's shape."""
     per_layer, counted = _layer_storages(cache, exclude)
     if list(per_layer) == ["cache"] and cache_layers(cache)[0][1] is cache:
         return per_layer, 0

@@ -36,6 +36,20 @@ def test_the_pool_on_the_cache_object_is_counted_once_and_not_per_layer():
     assert shared == 2 * 3 * PAGE_BYTES  # 2 rows × ceil(10 / 4) pages, counted once though both layers reach it
 
 
+def test_a_pool_every_layer_holds_directly_is_counted_once_too():
+    # a pool object each layer keeps a reference to (no back-reference to the cache): a storage two layers reach is
+    # no layer's own, so it is the cache object's, once — it was charged to every layer (a newcomer's false alarm:
+    # 2x the formula on a correct paged cache with copy-on-write)
+    from types import SimpleNamespace
+
+    pool = SimpleNamespace(pages=[torch.zeros(4, 16) for _ in range(3)])  # 3 pages of 256 B
+    layers = [SimpleNamespace(pool=pool, table=torch.zeros(2, dtype=torch.long)) for _ in range(2)]  # 16 B own each
+    cache = SimpleNamespace(layers=layers)
+    per_layer, shared = cache_bytes(cache)
+    assert per_layer == {"layer 0": 16, "layer 1": 16} and shared == 3 * 256
+    assert sum(per_layer.values()) + shared == 3 * 256 + 2 * 16  # every storage once
+
+
 def test_page_pool_passes_memory_with_the_bytes_of_its_pages():
     """By hand: S = 12, 16, 24 fill whole pages (the formula exactly); after reset, S = 6 takes 2 pages a row
     (8,192 B against 6,144 B, within one page per row and layer), S = 8 fills them again."""
