@@ -7,8 +7,8 @@ runs the real thing, with the subject as the target model's cache:
 
 * ``check_speculative_greedy``, ``params.mode = "prompt_lookup"``: ``generate(prompt_lookup_num_tokens=k)``
   (candidates copied from an earlier occurrence of the last n-gram; the prompt repeats one on purpose);
-  ``"assisted"``: ``generate(assistant_model=draft)`` with a tiny draft of the same zoo family and vocabulary
-  built from another seed (it disagrees often, so most steps roll back).
+  ``"assisted"``: ``generate(assistant_model=draft)`` with a tiny draft of the same vocabulary: the zoo family built
+  from another seed, or the zoo's llama for a model outside the zoo (it disagrees often, so most steps roll back).
 
 Greedy speculative decoding must produce exactly the tokens of greedy decoding without a cache
 (``generate(use_cache=False)`` at the case dtype; the float64 oracle's greedy is named when they differ). Every
@@ -31,30 +31,30 @@ DRAFT_SEED = 1
 """The seed of the draft model's weights (the target's is 0): the same family and vocabulary, other weights."""
 
 
-def _draftable(subject, model, case, device=None):
-    """Why ``model`` gets no item of this family, or None: the assisted mode needs a draft from the zoo family of the
-    same name (a checkpoint or an architecture has no tiny twin to draft with)."""
-    from kvconform import zoo
-
-    if case.params.get("mode") == "assisted" and model.name not in zoo.ALL_NAMES:
-        return f"{model.name} is not a zoo family: assisted decoding needs a tiny draft of the same vocabulary"
-    return None
-
-
 def _draft(ctx):
-    """The draft model of the item's zoo family and dtype, built once per process (seed ``DRAFT_SEED``)."""
+    """The draft model of the item, built once per process and dtype (seed ``DRAFT_SEED``): the zoo family of the
+    same name from another seed, or for a model outside the zoo (a checkpoint, an architecture) the zoo's tiny llama
+    with the target's vocabulary — transformers' assisted decoding needs only the same token ids."""
     import torch
 
     from kvconform import zoo
 
-    dtype = next(ctx.model.model.parameters()).dtype
-    key = (ctx.model.name, str(dtype))
+    target = ctx.model.model
+    dtype, device = next(target.parameters()).dtype, next(target.parameters()).device
+    vocab = int(target.config.get_text_config(decoder=True).vocab_size)
+    own = ctx.model.name in zoo.ALL_NAMES
+    key = (ctx.model.name if own else f"llama/{vocab}", str(dtype))
     if key not in _DRAFTS:
-        device = next(ctx.model.model.parameters()).device
-        _DRAFTS[key] = zoo.build_zoo_model(ctx.model.name, dtype=dtype, device=str(device), seed=DRAFT_SEED).model
-    draft = _DRAFTS[key]
-    assert isinstance(draft, torch.nn.Module)
-    return draft
+        if own:
+            _DRAFTS[key] = zoo.build_zoo_model(ctx.model.name, dtype=dtype, device=str(device), seed=DRAFT_SEED).model
+        else:
+            from transformers import AutoModelForCausalLM
+
+            config = zoo.zoo_config("llama")
+            config.vocab_size = vocab
+            torch.manual_seed(DRAFT_SEED)
+            _DRAFTS[key] = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+    return _DRAFTS[key]
 
 
 def _prompt(ctx):
@@ -89,7 +89,6 @@ class CropCounter:
 
 
 @register("speculative", cost=2.0, needs=("generate", "crop"), ops=IGNORES_OPS, judges=(EXACT,),
-          applies=_draftable,
           unjudged="{subject} is not exact: speculative decoding's tokens are compared with the exact model's greedy "
                    "tokens, which a lossy or evicting cache need not reproduce",
           params={"mode": Param(str, required=True, choices=("prompt_lookup", "assisted"),

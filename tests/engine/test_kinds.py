@@ -65,7 +65,8 @@ def test_checks_declare_the_kinds_they_judge():
     registry = load_checks()
     judges = {name: info.judges for name, info in registry.items()}
     assert {n for n, j in judges.items() if j == {EXACT}} == {
-        "check_generate_greedy", "check_beam_search", "check_prefix_generate", "check_multi_turn"}
+        "check_generate_greedy", "check_beam_search", "check_prefix_generate", "check_multi_turn",
+        "check_speculative_greedy"}
     assert {n for n, j in judges.items() if j == {EXACT, LOSSY_TWIN}} == {
         "check_memory_bytes", "check_memory_cuda_allocated"}
     assert {n for n, j in judges.items() if j == ALL_KINDS} == {
