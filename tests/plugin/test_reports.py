@@ -248,9 +248,11 @@ SLOW_CACHE = textwrap.dedent('''
 
 
 def _start(tmp_path, *args, env=None):
+    # the power pass off: these runs are about interrupting a run of plain items (a mutant run would triple a slow
+    # item's time and move the moments the tests interrupt at)
     cmd = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly",
            "--kvconform-model", "llama", "--kvconform-cache", "slow.py:SlowCache", "--kvconform-subject", "SlowCache",
-           *args]
+           "--kvconform-power", "off", *args]
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env or _env(KVCONFORM_WORKERS="0"))
 
