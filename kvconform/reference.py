@@ -141,7 +141,9 @@ class ReferenceAttentionLayer(BatchOpsMixin, CacheLayerMixin):
         if tokens_to_remove == 0 or not self.key_chunks:
             return
         keep = max(self.get_seq_length() + tokens_to_remove, 0)
-        keys, values = self.keys[..., :keep, :], self.values[..., :keep, :]
+        # copies, not views: a view would pin the whole concatenated buffer (the cropped tokens' bytes) for as long
+        # as the layer lives, so the reference would hold more than its formula after every crop
+        keys, values = self.keys[..., :keep, :].clone(), self.values[..., :keep, :].clone()
         self.key_chunks, self.value_chunks = ([keys], [values]) if keep > 0 else ([], [])
 
     def reset(self) -> None:

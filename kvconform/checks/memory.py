@@ -75,12 +75,15 @@ from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
 from kvconform.checks._observe import FORWARD_OPS, measured_at_batch_one, run_observed
 from kvconform.memo import MEMO
-from kvconform.ops import op_names
+from kvconform.ops import OPS, op_names
 from kvconform.ops import tokens_held as ops_tokens_held
 from kvconform.oracle import Tolerance
 
 DEFAULT_SLACK_BYTES = 256
-MEMORY_OPS = op_names(copies=False, rows=("keep", "new"))
+MEMORY_OPS = op_names(copies=False, rows=("keep", "new", "permute"))
+"""The ops the memory drivers account for: the token-feeding ops, crop, reset, and the row permutations of beam
+search (reorder, swap_rows, beam_fork: the rows and tokens held stay the same, so the formula does too — a cache that
+keeps the pages or buffers a row left behind after a reorder holds more than it)."""
 
 
 # ------------------------------------------------------------------------------------------------ driving the ops
@@ -433,6 +436,10 @@ def _checkpoint_metrics(c) -> dict:
                 **({"bytes_shared": c.shared} if c.shared else {}))
 
 
+_PERMUTE_LABELS = frozenset(OPS[name].label_of(0) for name in op_names(rows="permute"))
+"""How a checkpoint names the row permutations (``reorder``, ``swap_rows``, ``beam_fork``)."""
+
+
 def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN, rows=()) -> str:
     """The likeliest cause, from how ``label``'s bytes relate to its formula over all checkpoints, its granularity
     ``grain`` and its growth at each forward (``rows``, ``GrowthProbe.rows``)."""
@@ -466,6 +473,11 @@ def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN,
     if grain.tokens > 1 and cropped and any(over[cropped[0]:]) and not any(over[:cropped[0]]):
         return (f"pages are not freed by crop(): after crop the layer still holds the pages ({grain.tokens} tokens "
                 f"each) past the new end; free every page beyond ceil(S/{grain.tokens})")
+    reordered = [i for i, cp in enumerate(checkpoints) if cp.op in _PERMUTE_LABELS]
+    if reordered and any(over[reordered[0]:]) and not any(over[:reordered[0]]):
+        return (f"bytes grow at a reorder of the rows (beam search, after {checkpoints[reordered[0]].op}): what the "
+                f"rows held before reorder_cache() is kept — the old rows' pages or buffers are copied for the new "
+                f"rows but never freed")
     if ratios and all(over) and max(ratios) - min(ratios) < 0.05 and round(ratios[0]) >= 2:
         heads = f" (H_kv = {shape.dims[1]})" if shape is not None and shape.dims else ""
         page = (f", or a page of {round(ratios[0])} tokens allocated per token" if per_token

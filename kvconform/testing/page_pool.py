@@ -25,6 +25,9 @@ Faulty variants (every line that carries the bug is marked ``# BUG:``):
 * ``LeakyPagePoolCache``: ``reset()`` and ``crop()`` drop pages from the block tables but never return them to the
   free list, so every page of every earlier sequence stays in the pool (exact logits: the leaked pages are never
   read). The memory family catches it only because it counts the pool on the cache object.
+* ``ForkLeakPagePoolCache``: a reorder (beam search keeping two continuations of one beam, ``beam_fork``) gives each
+  row fresh copies of its pages but never returns the pages the rows held before, so every reorder leaks a batch's
+  worth of pages (exact logits: the leaked pages are never read again). Only a memory case that reorders sees it.
 * ``StaleTablesPagePoolCache``: ``reset()`` empties each row's block table but keeps the rows, so the next sequence
   must have the old batch size: a batch of another size is refused (``"holds 4 rows, got a batch of 2"``), although
   the correct cache and kvconform's reference accept it. Memory and logits are right otherwise.
@@ -109,8 +112,8 @@ class PagePoolCache(Cache):
     """A page pool owned by the cache object (see the module docstring).
 
     Args:
-        config: the model's ``PretrainedConfig`` (its text config): ``num_hidden_layers`` layers, each a
-            ``PoolLayer``.
+        config: the model's ``PretrainedConfig`` (its decoder's text config): ``num_decoder_layers`` layers where the
+            config has them (t5), else ``num_hidden_layers``, each a ``PoolLayer``.
         **ignored_kwargs: ``max_cache_len``, ``batch_size``, ``device``, ``dtype``: the pool takes dtype, device,
             rows and head sizes from the first states written.
 
@@ -126,7 +129,8 @@ class PagePoolCache(Cache):
 
     def __init__(self, config=None, **ignored_kwargs):
         text = config.get_text_config(decoder=True) if config is not None else None
-        count = int(getattr(text, "num_hidden_layers", 0) or 0)
+        # an encoder-decoder's decoder may have fewer layers than its encoder (t5: num_decoder_layers)
+        count = int(getattr(text, "num_decoder_layers", None) or getattr(text, "num_hidden_layers", 0) or 0)
         window = getattr(text, "sliding_window", None)
         types = list(getattr(text, "layer_types", None) or ["full_attention"] * count)
         super().__init__(layers=[PoolLayer(self, i, window if t != "full_attention" else None)
@@ -269,6 +273,22 @@ class LeakyPagePoolCache(PagePoolCache):
         pass  # BUG: pages dropped from the block tables are never returned to the free list: they leak in the pool
 
 
+class ForkLeakPagePoolCache(PagePoolCache):
+    """``PagePoolCache`` whose reorders leak the pages the rows held before (see the module docstring)."""
+
+    def _map_rows(self, rows: list[int]) -> None:
+        if not self.block_tables or self.pool is None:
+            return
+        copies = [self.pool[self.block_tables[r]] for r in rows]
+        # BUG: the old rows' pages are never returned to the free list before the copies take pages of their own
+        like = self.pool.new_zeros(1, self.pool.shape[3], 1, self.pool.shape[-1])
+        self.block_tables = []
+        for content in copies:
+            pages = self._take_pages(content.shape[0], like)
+            self.pool[pages] = content
+            self.block_tables.append(pages)
+
+
 class StaleTablesPagePoolCache(PagePoolCache):
     """A page pool whose ``reset()`` keeps its block tables' rows: the next sequence must have the old batch size."""
 
@@ -286,6 +306,13 @@ FAULTY = [
                  "cache object (shared by its layers) holds 32,768 B"),
         cause=r"pages are not freed by reset\(\): the pages \(4 tokens each\) of the sequence before reset\(\) are "
               r"still held after it",
+    ),
+    FaultyCache(
+        name="page_pool_fork_leak", attr="ForkLeakPagePoolCache", module=__name__, family="memory",
+        check="check_memory_bytes", model="llama", case="memory_beam",
+        message=("check_memory_bytes failed: ForkLeakPagePoolCache on llama",
+                 "cache object (shared by its layers) holds 73,728 B"),
+        cause=r"bytes grow at a reorder of the rows \(beam search, after beam_fork\)",
     ),
     FaultyCache(
         name="page_pool_stale_tables", attr="StaleTablesPagePoolCache", module=__name__, family="lifecycle",

@@ -156,3 +156,21 @@ def test_an_undeclared_pool_has_its_pages_inferred_from_its_growth():
     assert result.metrics["page_tokens"] == 4
     assert "pages of 4 tokens, inferred from growth at decode steps" in result.metrics["granularity"]
     assert "of the pool on the cache object" in result.metrics["granularity"]
+
+
+def test_page_pool_reorders_keep_the_bytes_of_the_rows_and_a_fork_leak_is_caught():
+    """By hand (one page = 2,048 B, formula 1,024 B per token held per row pair): S = 12, 14, 16, 18, 20 take 3, 4,
+    4, 5, 5 pages a row; beam search's reorders (a row taken twice, a plain reorder) copy each new row's pages and
+    free the old ones, so the bytes do not move at a reorder. ``ForkLeakPagePoolCache`` keeps the old pages at every
+    reorder: 73,728 B (36 pages) at the end against 20,480 B."""
+    beam = dict(checks=["check_memory_bytes"], cases=["memory_beam"])
+    result = _one(kvconform.check_cache(PagePoolCache, models=["llama"], **beam))
+    assert result.outcome == "passed", result.message
+    assert [row[1:] for row in result.metrics["per_op"]] == [
+        [12, 12288, 12288], [14, 16384, 14336], [14, 16384, 14336], [16, 16384, 16384], [16, 16384, 16384],
+        [18, 20480, 18432], [18, 20480, 18432], [20, 20480, 20480]]
+    from kvconform.testing.page_pool import ForkLeakPagePoolCache
+
+    leak = _one(kvconform.check_cache(ForkLeakPagePoolCache, models=["llama"], **beam))
+    assert leak.outcome == "failed" and "bytes grow at a reorder of the rows" in leak.message
+    assert leak.metrics["per_op"][-1][1:] == [20, 73728, 20480]
