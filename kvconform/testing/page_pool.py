@@ -243,7 +243,7 @@ class PagePoolCache(Cache):
         if not self.block_tables or self.pool is None:
             return
         copies = [self.pool[self.block_tables[r]] for r in rows]  # advanced indexing: copies
-        self.free = sorted(set(self.free) | {page for table in self.block_tables for page in table})
+        self._return_old_rows()
         like = self.pool.new_zeros(1, self.pool.shape[3], 1, self.pool.shape[-1])
         self.block_tables = []
         for content in copies:
@@ -251,6 +251,10 @@ class PagePoolCache(Cache):
             self.pool[pages] = content
             self.block_tables.append(pages)
         self._release([])
+
+    def _return_old_rows(self) -> None:
+        """Put every page of the rows held before a reorder on the free list (their content is copied already)."""
+        self.free = sorted(set(self.free) | {page for table in self.block_tables for page in table})
 
     def reorder_cache(self, beam_idx) -> None:
         """Rows reordered (``beam_idx``: row ``i`` becomes old row ``beam_idx[i]``)."""
@@ -276,17 +280,8 @@ class LeakyPagePoolCache(PagePoolCache):
 class ForkLeakPagePoolCache(PagePoolCache):
     """``PagePoolCache`` whose reorders leak the pages the rows held before (see the module docstring)."""
 
-    def _map_rows(self, rows: list[int]) -> None:
-        if not self.block_tables or self.pool is None:
-            return
-        copies = [self.pool[self.block_tables[r]] for r in rows]
-        # BUG: the old rows' pages are never returned to the free list before the copies take pages of their own
-        like = self.pool.new_zeros(1, self.pool.shape[3], 1, self.pool.shape[-1])
-        self.block_tables = []
-        for content in copies:
-            pages = self._take_pages(content.shape[0], like)
-            self.pool[pages] = content
-            self.block_tables.append(pages)
+    def _return_old_rows(self) -> None:
+        pass  # BUG: the old rows' pages are never returned to the free list: the copies take pages of their own
 
 
 class StaleTablesPagePoolCache(PagePoolCache):
