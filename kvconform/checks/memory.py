@@ -484,6 +484,15 @@ def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN,
                 and decode_growth[0] == round(ratios[0]) * token_bytes else "")
         return (f"a constant {round(ratios[0])}× the formula at every op: keys/values stored repeated across the "
                 f"query heads (repeat_kv) or kept twice{heads}{page}")
+    # an exact cache never holds less than full-precision keys/values can take: a ratio below 0.9 is compression
+    # (asked before the shapes of excess below, which a falling ratio would otherwise mimic)
+    if ratios and min(ratios) < 0.9:
+        low_op, low = min(((op, held / e.exact) for op, held, e in series if e.exact), key=lambda p: p[1])
+        return (f"held/formula falls from {max(ratios):.2f}× to {low:.2f}× (after {low_op}): at that "
+                f"length the layer holds fewer bytes than full-precision keys/values can take, so it compresses or "
+                f"drops them, with a fixed buffer on top that exceeds the formula at short lengths. A cache that "
+                f"quantizes, compresses or evicts by design declares it (kvconform_lossy, kvconform_evicting or "
+                f"kvconform_press) and is measured against its own formula")
     multi = [op.startswith(("prefill", "chunk")) for op, _, _ in series]
     if any(over) and all(m for m, o in zip(multi, over) if o) and not all(over):
         return ("over only right after a multi-token op, back within the formula after a decode step: the layer "
@@ -499,13 +508,6 @@ def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN,
     if after_reset_over and (carried or not before_reset_over):
         return ("bytes survive reset(): superseded keys/values are kept somewhere reset() does not clear "
                 "(a history list, a second buffer)")
-    if ratios and min(ratios) < 0.9:
-        low_op, low = min(((op, held / e.exact) for op, held, e in series if e.exact), key=lambda p: p[1])
-        return (f"held/formula falls from {max(ratios):.2f}× to {low:.2f}× (after {low_op}): at that "
-                f"length the layer holds fewer bytes than full-precision keys/values can take, so it compresses or "
-                f"drops them, with a fixed buffer on top that exceeds the formula at short lengths. A cache that "
-                f"quantizes, compresses or evicts by design declares it (kvconform_lossy, kvconform_evicting or "
-                f"kvconform_press) and is measured against its own formula")
     return ("the bytes grow faster than the tokens: superseded keys/values are kept (a history list, or views "
             "that pin old buffers)")
 

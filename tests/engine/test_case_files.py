@@ -119,7 +119,8 @@ WRONG_FOR_CHECK = [
     ("crop_refused_reset", 'check = "check_crop_refused"\nops = ["prefill 6", "reset", "prefill 4", "crop 1"]', "ops",
      "check_crop_refused cannot run op 'reset'"),
     ("memory_fork", 'check = "check_memory_bytes"\nops = ["prefill 6", "fork", "decode 2"]', "ops",
-     "check_memory_bytes cannot run op 'fork': its driver accepts only 'prefill', 'decode', 'chunk', 'crop', 'reset'"),
+     "check_memory_bytes cannot run op 'fork': its driver accepts only 'prefill', 'decode', 'chunk', 'crop', "
+     "'reorder', 'swap_rows', 'beam_fork', 'reset'"),
     ("bookkeeping_fork", 'check = "check_length_bookkeeping"\nops = ["prefill 6", "fork", "decode 2"]', "ops",
      "check_length_bookkeeping cannot run op 'fork'"),
     ("crop_refused_no_crop", 'check = "check_crop_refused"\nops = ["prefill 6", "decode 2"]', "ops",

@@ -197,7 +197,8 @@ def test_every_op_of_the_table_is_parsed_labelled_and_dispatched():
     from kvconform.checks.memory import MEMORY_OPS
 
     assert TOKEN_OPS == ("prefill", "decode", "chunk") and set(CAUSES) == set(STRUCTURAL_OPS)
-    assert "swap_rows" in LOSSY_OPS and "swap_rows" not in MEMORY_OPS and NEEDS["swap_rows"] == "reorder"
+    assert "swap_rows" in LOSSY_OPS and NEEDS["swap_rows"] == "reorder"
+    assert "swap_rows" in MEMORY_OPS and "fork" not in MEMORY_OPS  # rows permuted, never copied into a new cache
     assert FUZZ_OPS == ("decode", "chunk", "crop", "fork", "reorder", "repeat", "select", "reset")  # programs kept
 
 
