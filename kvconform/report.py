@@ -14,6 +14,7 @@ import tempfile
 from kvconform.outcomes import KVConformError, REPORT_TO
 from kvconform.families import FAMILIES
 from kvconform.digest import write_atomically
+from kvconform.subjects.kinds import exact_kind
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error", "internal")
 """``internal``: kvconform's own code failed on the item (``outcomes.KVConformInternalError``, or kvconform's
@@ -235,7 +236,7 @@ def undeclared_kind_hints(results: dict, digest) -> list[str]:
     lines = []
     for facts in getattr(digest, "subjects", ()):
         name = facts.name
-        if facts.kind != "exact" or facts.builtin:
+        if not exact_kind(facts.kind) or facts.builtin:
             continue
         failed = [r for r in results.values() if r["subject"] == name and r["outcome"] in ("failed", "error")]
         families = sorted({r["family"] for r in failed})

@@ -15,8 +15,9 @@ from kvconform.families import FAMILIES  # noqa: F401 - the one family list (mat
 from kvconform.memo import MEMO
 from kvconform.outcomes import CheckSkipped, KVConformError  # noqa: F401 - re-exported: the suite catches it here
 from kvconform.outcomes import REPORT_TO, KVConformInternalError, own_fault  # noqa: F401 - re-exported
-from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, LOSSY_FRESH,  # noqa: F401 - for
-                                      LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
+from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH_KINDS,  # noqa: F401 - for
+                                      LOSSY_FRESH, LOSSY_KINDS, LOSSY_TWIN,  # @register(judges=...) in the
+                                      check_judges)  # family modules
 from kvconform.checks._registry import (BATCH_OPS, CHECKS, IGNORES_OPS, OP_PARAMS,  # noqa: F401 - the registry,
                                         TOKEN_OPS, CheckInfo, Measured, OpRule, Param, load_checks,  # re-exported
                                         register)

@@ -14,16 +14,16 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import (ALL_KINDS, EXACT, IGNORES_OPS, LOSSY_FRESH, OP_PARAMS, CheckSkipped, OpRule, Param,
-                              register)
+from kvconform.checks import (EXACT, FRESH_KINDS, IGNORES_OPS, LOSSY_FRESH, LOSSY_KINDS, OP_PARAMS, CheckSkipped,
+                              OpRule, Param, register)
 from kvconform.checks._drive import (SubjectRaised, case_generator, forward, generate, image_prompt,
                                      prefill_refusal, random_tokens, seq_length)
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
-from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
+from kvconform.checks._lossy import LOSSY_OPS, TWIN_ONLY, drive, fail_subject_raised, fail_twin, judge_twin
 from kvconform.ops import op_names
-from kvconform.subjects import FRESH, PRESS, kind_of
+from kvconform.subjects import FRESH, kind_of
 
 
 def _run_batch_case(ctx, names):
@@ -169,7 +169,7 @@ def check_beam_search(ctx):
 FRESH_ONLY = ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'), whose beam search is "
               "compared with a fresh instance of their class; an exact subject's is compared with uncached beam "
               "search (check_beam_search)")
-"""The skip reason of ``check_beam_search_self_consistent`` (``judges=(LOSSY_FRESH, PRESS)``) on the other kinds."""
+"""The skip reason of ``check_beam_search_self_consistent`` (``judges=FRESH_KINDS``) on the other kinds."""
 
 
 def cache_before_any_token(cache) -> bool:
@@ -199,7 +199,7 @@ def _beam_prompts(ctx):
     return prompt, mask, text
 
 
-@register("batch", needs=("generate", "reorder"), judges=(LOSSY_FRESH, PRESS), unjudged=FRESH_ONLY,
+@register("batch", needs=("generate", "reorder"), judges=FRESH_KINDS, unjudged=FRESH_ONLY,
           params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
           ops=IGNORES_OPS)
 def check_beam_search_self_consistent(ctx):
@@ -272,7 +272,7 @@ def _wrong_without_reorder(ctx, prompt, mask, n) -> str | None:
     prompts (no beams, so no reorder) with a fresh subject cache against uncached greedy. Returns the cause when the
     cache is already wrong there (raises, other tokens, or logits beyond the case tolerance), else None. Exact
     subjects only (a lossy cache differs from uncached greedy by design)."""
-    if ctx.kind.declared != "exact":
+    if ctx.kind.budgeted:
         return None
     model = ctx.model
     try:
@@ -298,14 +298,12 @@ def _wrong_without_reorder(ctx, prompt, mask, n) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ reorder after a flush
-def _lossy_subject(subject, model, case, device="cpu"):
-    """Applicability: lossy subjects, with a fake-quant twin or judged by self-consistency (``kind="lossy"``)."""
-    if kind_of(subject).declared_lossy:
-        return None
-    return lossy_only(subject, model, case, device=device)
+QUANTIZED_ONLY = {"quantized": TWIN_ONLY["has_twin"]}
+"""``facts=`` of ``check_reorder_after_flush``: quantized subjects, with a fake-quant twin or judged by
+self-consistency (``kind="lossy"``; ``Kind.quantized``)."""
 
 
-@register("batch", needs=("reorder",), applies=_lossy_subject,
+@register("batch", needs=("reorder",), facts=QUANTIZED_ONLY,
           ops=OpRule(allowed=LOSSY_OPS, required=("reorder",), min_batch=2, why="the rows are reversed around a flush"))
 def check_reorder_after_flush(ctx):
     """Beam ``reorder_cache`` (rows reversed) around a residual flush, then decode: every step equals the twin,
@@ -387,7 +385,7 @@ CAUSES = {
 }
 
 
-NON_EXACT = ALL_KINDS - {EXACT}
+NON_EXACT = LOSSY_KINDS
 """The kinds the exactness checks judge: every kind but ``exact`` (lossy with or without a twin, evicting, press)."""
 NOT_FOR_EXACT = ("applies to lossy, evicting and press subjects: an exact subject is held to the float64 oracle by "
                  "every family already")

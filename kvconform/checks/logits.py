@@ -128,7 +128,7 @@ def _judge_half_store(ctx, cache, verdict) -> None:
     same fault is 1e4× the noise floor)."""
     import torch
 
-    if ctx.kind.name != "exact" or ctx.model.dtype not in (torch.bfloat16, torch.float16):
+    if ctx.kind.lossy or ctx.model.dtype not in (torch.bfloat16, torch.float16):
         return
     cause = _narrow_cause(ctx, cache)
     if cause is None:

@@ -112,12 +112,12 @@ def test_every_builtin_case_satisfies_its_checks_schema_and_rules_live_in_the_re
     registry = load_checks()
     cases = load_cases(known_checks=registry)  # raises CaseFileError on any violation
     assert {c.check for c in cases} <= set(registry)
-    lossy = {name for name, info in registry.items() if info.applies is not None
-             and getattr(info.applies, "__name__", "") == "lossy_only"}
-    assert lossy == {"check_generate_vs_twin"}
-    assert registry["check_reorder_after_flush"].applies.__name__ == "_lossy_subject"  # twin or kind="lossy"
-    budgeted = {name: getattr(info.applies, "__name__", None) for name, info in registry.items()
-                if info.family == "quality"}
-    assert budgeted == {"check_quality_budget": "budgeted", "check_compression_real": "compressing",
-                        "check_memory_bound": None}  # evicting subjects only: judges=(EVICTING,)
+    # no applies= rule selects a kind: the checks that need a fact of the subject's kind name it (facts=)
+    facts = {name: tuple(info.facts) for name, info in registry.items() if info.facts}
+    assert facts == {"check_generate_vs_twin": ("has_twin",), "check_reorder_after_flush": ("quantized",),
+                     "check_quality_budget": ("lossy",), "check_compression_real": ("compresses",)}
+    quality = {name: getattr(info.applies, "__name__", None) for name, info in registry.items()
+               if info.family == "quality"}
+    assert quality == {"check_quality_budget": "_declares_no_budget", "check_compression_real": "_compression_judged",
+                       "check_memory_bound": None}  # evicting subjects only: judges=(EVICTING,)
     assert not [name for name, info in registry.items() if hasattr(info.fn, "kvconform_applies")]
