@@ -14,6 +14,7 @@ import tempfile
 from kvconform.outcomes import KVConformError, REPORT_TO
 from kvconform.families import FAMILIES
 from kvconform.digest import write_atomically
+from kvconform.oracle import DTYPES
 from kvconform.subjects.kinds import exact_kind
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error", "internal")
@@ -177,7 +178,7 @@ def _table(tr, title, header, rows):
         tr.write_line(fmt.format(name, *cells), red=failed, green=not failed)
 
 
-_DTYPE_ORDER = ("float32", "float64", "bfloat16", "float16")
+_DTYPE_ORDER = tuple(DTYPES)  # the order of oracle.DTYPES, the one table of dtypes
 
 
 def dtype_counts(results: dict) -> str:

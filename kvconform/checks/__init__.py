@@ -151,7 +151,9 @@ class CheckContext:
                           encoder_len=self.case.encoder_len)
 
     def headline(self) -> str:
-        dtype = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}[self.case.dtype]
+        from kvconform.oracle import DTYPES
+
+        dtype = DTYPES[self.case.dtype].short
         return (f"{self.check_name} failed: {self.subject.name} on {self.model.name} "
                 f"({dtype}, batch {self.case.batch}), case {self.case.id}")
 
@@ -334,8 +336,9 @@ def internal_error(ctx: CheckContext, fault: dict) -> KVConformInternalError:
     "kvconform internal error: ...", the place (file:line in function) and the exception, that the item is not a
     verdict on the subject, the installed versions, where to report it, and the reproduce line. Metrics:
     ``kvconform_internal`` (the place), ``raised``, ``internal_error`` (the exception's first line)."""
-    dtype = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}.get(ctx.case.dtype,
-                                                                                            ctx.case.dtype)
+    from kvconform.oracle import short_dtype
+
+    dtype = short_dtype(ctx.case.dtype)
     model = getattr(ctx.model, "name", "no model")
     lines = [f"kvconform internal error: {ctx.check_name} on {ctx.subject.name} on {model} ({dtype}, batch "
              f"{ctx.case.batch}), case {ctx.case.id}",

@@ -75,6 +75,22 @@ class Param:
             return f"{text} ≤ {self.max:g}"
         return text
 
+    def value(self, value):
+        """``value`` (valid: ``problem`` is None) as this key's type, once at load (``cases.Params``): a number key
+        (``float``, not ``int``) given as an int is a float, and so is each element of a list or table of numbers;
+        anything else as it is."""
+        def number(v):
+            return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+        if float in self.types and int not in self.types:
+            return number(value)
+        if self.items is not None and float in self.items and int not in self.items:
+            if isinstance(value, list):
+                return [number(v) for v in value]
+            if isinstance(value, dict):
+                return {k: number(v) for k, v in value.items()}
+        return value
+
     def problem(self, value) -> str | None:
         """Why ``value`` is not allowed for this key (names the value and what is allowed), or None."""
         if not self._is(value, self.types):

@@ -125,7 +125,7 @@ def check_beam_search(ctx):
     import torch
 
     case, model = ctx.case, ctx.model
-    beams = int(case.params["beams"])
+    beams = case.params.beams
     if beams < 2:
         raise ValueError(f"case {case.id}: params.beams must be ≥ 2")
     prompt, mask, text = _beam_prompts(ctx)
@@ -216,7 +216,7 @@ def check_beam_search_self_consistent(ctx):
     from kvconform.checks._observe import at_batch
 
     case, model = ctx.case, ctx.model
-    beams, n = int(case.params["beams"]), case.max_new_tokens
+    beams, n = case.params.beams, case.max_new_tokens
     prompt, mask, text = _beam_prompts(ctx)
     ops_text = f"generate(num_beams={beams}, {text}, max_new_tokens={n}, length_penalty=0)"
     cache = ctx.subject.build(model, max_cache_len=ctx.max_cache_len, batch_size=case.batch * beams,
@@ -415,16 +415,16 @@ def check_identity_ops(ctx):
     same tokens without the op, within the exact noise floor."""
 
     params = ctx.case.params
-    unknown = [op for op in params.get("identity", list(IDENTITY_OPS)) if op not in IDENTITY_OPS]
+    unknown = [op for op in params.identity if op not in IDENTITY_OPS]
     if unknown:
         raise ValueError(f"case {ctx.case.id}: params.identity {unknown} not among {list(IDENTITY_OPS)}")
-    ops = [op for op in params.get("identity", list(IDENTITY_OPS)) if IDENTITY_OPS[op][0] in ctx.subject.capabilities]
+    ops = [op for op in params.identity if IDENTITY_OPS[op][0] in ctx.subject.capabilities]
     if not ops:
         raise CheckSkipped(f"{ctx.subject.name} declares none of the capabilities of the identity ops "
                            f"({', '.join(c for c, _ in IDENTITY_OPS.values())})")
     kind = kind_of(ctx.subject)
-    P = max(int(params.get("prefill", 24)), (kind.tokens_max or 0) + 5)
-    steps = int(params.get("decode", 3))
+    P = max(params.prefill, (kind.tokens_max or 0) + 5)
+    steps = params.decode
     gen = case_generator(ctx.case, ctx.model.name)
     program = [_tokens(ctx, gen, P), _tokens(ctx, gen, 1)] + [_tokens(ctx, gen, 1) for _ in range(steps)]
     untouched = _run_identity(ctx, None, program, P, steps)
@@ -509,14 +509,14 @@ def check_padded_row_alone(ctx):
     equal those of the same row run alone (batch 1, no pads, a fresh instance of the class), within the exact
     noise floor of the case dtype — at each prefill length of ``params.prefill`` in turn."""
     params = ctx.case.params
-    pads = [int(p) for p in params["pads"]]
-    prefills = params.get("prefill", list(PADDED_PREFILLS))
+    pads = list(params.pads)
+    prefills = params.prefill
     prefills = [int(prefills)] if isinstance(prefills, int) else [int(p) for p in prefills]
     if len(pads) != ctx.case.batch or not prefills or max(pads) >= min(prefills):
         raise ValueError(f"case {ctx.case.id}: params.pads needs one count per row, each < prefill")
     ctx.metrics.update(prefills=prefills)
     for P in prefills:
-        if _padded_row_run(ctx, pads, P, int(params.get("decode", 3))):
+        if _padded_row_run(ctx, pads, P, params.decode):
             return  # a clear refusal of the padded prefill: noted, nothing more to compare
 
 

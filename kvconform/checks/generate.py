@@ -183,7 +183,7 @@ def check_generate_self_consistent(ctx):
     from kvconform.quant import quality_metrics
 
     case = ctx.case
-    n, user = case.max_new_tokens, int(case.params["user"])
+    n, user = case.max_new_tokens, case.params.user
     cache = ctx.new_cache()
     kwargs = compat.generate_cache_kwargs(cache, ctx.model.model)
     try:

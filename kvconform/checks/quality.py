@@ -93,7 +93,7 @@ def _budget(ctx) -> tuple[float, float, str]:
                          f"with budget=kvconform.Budget(kl_max=..., top1_min=...)")
     overridden = [k for k in ("kl_max", "top1_min") if k in params]
     source = f"case {ctx.case.id} params ({', '.join(overridden)})" if overridden else f"{ctx.subject.name}'s budget"
-    return float(kl_max), float(top1_min), source
+    return float(kl_max), float(top1_min), source  # a budget's own values may be ints
 
 
 def _cache_positions(steps):
@@ -497,7 +497,7 @@ def check_memory_bound(ctx):
     tokens seen: ``tokens_exact + ceil(keep_ratio · (seen − tokens_exact))``) (``B·H_kv·(D_k + D_v)·b`` bytes a token,
     measured on ``ReferenceCache`` fed the same ops) plus each layer's linear-attention states, plus ``slack_bytes``
     (default 256) per layer."""
-    slack = int(ctx.case.params["slack_bytes"])
+    slack = ctx.case.params.slack_bytes
     cache, tokens = _run_subject(ctx, check_memory_bound, lambda m: (
         f"{_mib(m.get('bytes_held', 0))} held ≤ {_mib(m.get('bytes_bound', 0))} ({m.get('tokens_max')} tokens)"))
     budget = ctx.subject.budget
