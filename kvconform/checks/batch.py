@@ -511,7 +511,7 @@ def check_padded_row_alone(ctx):
     params = ctx.case.params
     pads = list(params.pads)
     prefills = params.prefill
-    prefills = [int(prefills)] if isinstance(prefills, int) else [int(p) for p in prefills]
+    prefills = [prefills] if isinstance(prefills, int) else list(prefills)
     if len(pads) != ctx.case.batch or not prefills or max(pads) >= min(prefills):
         raise ValueError(f"case {ctx.case.id}: params.pads needs one count per row, each < prefill")
     ctx.metrics.update(prefills=prefills)
