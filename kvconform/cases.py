@@ -35,6 +35,7 @@ import copy
 import difflib
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,9 +43,10 @@ from kvconform.memo import MEMO
 from kvconform.outcomes import UsageError
 # the op vocabulary is kvconform.ops (one table); cases.Op / cases.OP_NAMES / cases.OPS_WITH_COUNT stay importable
 from kvconform.ops import OP_NAMES, OPS, OPS_WITH_COUNT, Op, tokens_held  # noqa: F401
+from kvconform.oracle import DTYPES as DTYPE_TABLE
 
-
-DTYPES = ("float32", "float64", "bfloat16", "float16")
+DTYPES = tuple(DTYPE_TABLE)
+"""The dtype names a case may give (``oracle.DTYPES``, the one table of dtypes)."""
 POSITION_MODES = ("auto", "explicit", "implicit")
 TIERS = ("default", "full")
 REQUIREMENTS = ("attention", "sliding", "linear_attention", "decoder_only", "encoder_decoder", "no_padding_mask")
@@ -53,6 +55,60 @@ _ID = re.compile(r"^[A-Za-z0-9_.]+$")
 
 class CaseFileError(ValueError, UsageError):
     """A case file is malformed. ``str(err)`` names file, case id, key and the allowed values."""
+
+
+class Params(Mapping):
+    """A case's ``params``, built once when the case file loads, from its check's schema (``{key: Param}``,
+    ``@register(..., params=...)``): the keys the case gives, each as its schema's type (``Param.value``: a number
+    key given as an int is a float), and the schema's default of every key it omits (``Param.default``: each default
+    in one place). A check reads ``case.params.<key>`` (the value, or None for a key of its schema without a
+    default the case omits) with no re-cast; as a read-only mapping it holds the keys given or defaulted (``"key" in
+    params``: given or defaulted; ``dict(params)``: the JSON of a record).
+
+    Raises:
+        AttributeError: ``params.<key>`` for a key outside the schema (a case built without one, e.g. in a test,
+            answers only the keys it gives).
+    """
+
+    __slots__ = ("_values", "_keys")
+
+    def __init__(self, values=None, keys=()):
+        object.__setattr__(self, "_values", dict(values or {}))
+        object.__setattr__(self, "_keys", frozenset(keys) | frozenset(self._values))
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getattr__(self, key):
+        if key.startswith("_"):
+            raise AttributeError(key)
+        if key not in self._keys:
+            raise AttributeError(f"params has no key {key!r}; its check's schema has: "
+                                 f"{', '.join(sorted(self._keys)) or 'none'}")
+        return self._values.get(key)
+
+    def __setattr__(self, key, value):
+        raise AttributeError("a case's params are read-only")
+
+    def __eq__(self, other):
+        return dict(self._values) == (dict(other) if isinstance(other, Mapping) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Params({self._values!r})"
+
+    def __reduce__(self):
+        return (Params, (self._values, tuple(self._keys)))
+
+    def __deepcopy__(self, memo):
+        return Params(copy.deepcopy(self._values, memo), self._keys)
 
 
 @dataclass(frozen=True)
@@ -80,7 +136,11 @@ class Case:
     seed: int = 0
     description: str = ""
     tier: str = "default"
-    params: dict = field(default_factory=dict, compare=False, hash=False)
+    params: Params = field(default_factory=Params, compare=False, hash=False)
+
+    def __post_init__(self):
+        if not isinstance(self.params, Params):  # a case built in code, not loaded: the keys it gives
+            object.__setattr__(self, "params", Params(self.params))
 
     @property
     def total_tokens(self) -> int:
@@ -312,9 +372,9 @@ def _validate_requirements(path, case):
           f"{', '.join(fits) or 'none'} — change 'models' or 'requires'")
 
 
-def _validate_params(path, case_id, check, params, schema) -> dict:
-    """``params`` checked against ``schema`` (unknown key, type, range, choices, required), with the defaults of the
-    omitted keys filled in."""
+def _validate_params(path, case_id, check, params, schema) -> Params:
+    """``params`` checked against ``schema`` (unknown key, type, range, choices, required), as ``Params``: each
+    value as its schema's type (``Param.value``), the defaults of the omitted keys filled in."""
     for key, value in params.items():
         if key not in schema:
             allowed = (f"allowed keys: {', '.join(sorted(schema))}" if schema else f"{check} takes no params")
@@ -322,7 +382,7 @@ def _validate_params(path, case_id, check, params, schema) -> dict:
         problem = schema[key].problem(value)
         if problem:
             _fail(path, case_id, f"params.{key}", problem)
-    out = dict(params)
+    out = {key: schema[key].value(value) for key, value in params.items()}
     for key, spec in schema.items():
         if key in out:
             continue
@@ -331,7 +391,7 @@ def _validate_params(path, case_id, check, params, schema) -> dict:
                   + (f" — {spec.doc}" if spec.doc else ""))
         if spec.default is not None:
             out[key] = copy.deepcopy(spec.default)
-    return out
+    return Params(out, schema)
 
 
 def _validate_scope(path, case_id, merged):

@@ -23,19 +23,56 @@ from kvconform import compat
 DEFAULT_FACTOR = 10.0
 DEFAULT_ABS_MIN = 2e-5
 HALF_FACTOR = 5.0
-DTYPE_TOLERANCE = {
-    "float64": (DEFAULT_FACTOR, DEFAULT_ABS_MIN),
-    "float32": (DEFAULT_FACTOR, DEFAULT_ABS_MIN),
-    "bfloat16": (HALF_FACTOR, 3e-2),
-    "float16": (HALF_FACTOR, 4e-3),
-}
-"""``(k, abs_min)`` per case dtype (README "Low precision: bf16 and fp16" has the measurements). float32 (and float64):
-k = 10, abs_min = 2e-5. bfloat16 / float16 (transformers 5.24, the 14 zoo models, ReferenceCache / DynamicCache /
-StaticCache, left-padded decode and chunk cases): the uncached forward is 1.6e-2…4.4e-2 (bf16) and 1.5e-3…5.0e-3
-(fp16) from the float64 oracle, exact caches sit at ≤ 1.96× that floor (mamba, bf16) and the bundled faults that show
-at these dtypes at ≥ 11.7× (KeysAt2BitsCache, bf16); k = 5 leaves 2.5× above the exact caches and 2.3× below the
-faults. abs_min (≈ 2× the smallest floor measured) bounds a position whose uncached forward rounds onto the
-oracle."""
+
+
+@dataclass(frozen=True)
+class Dtype:
+    """One dtype a case may name (``DTYPES``, the one table of them: case files, tolerances, ids, reports).
+
+    Attributes:
+        name: the case file's and torch's name (``"bfloat16"``; ``torch.<name>``).
+        short: the short name of headlines and failure lines (``"bf16"``).
+        tolerance: ``(k, abs_min)`` of the oracle comparison at this dtype (``dtype_tolerance``).
+        exact_integers: the largest n such that every integer 0..n is exact in the dtype (2 ** significand bits,
+            IEEE 754 / bfloat16): a count kept in this dtype stalls there.
+    """
+
+    name: str
+    short: str
+    tolerance: tuple
+    exact_integers: int
+
+    @property
+    def torch(self):
+        """The ``torch.dtype`` (imports torch)."""
+        import torch
+
+        return getattr(torch, self.name)
+
+
+DTYPES: dict[str, Dtype] = {d.name: d for d in (
+    Dtype("float32", "fp32", (DEFAULT_FACTOR, DEFAULT_ABS_MIN), 2 ** 24),
+    Dtype("float64", "fp64", (DEFAULT_FACTOR, DEFAULT_ABS_MIN), 2 ** 53),
+    Dtype("bfloat16", "bf16", (HALF_FACTOR, 3e-2), 2 ** 8),
+    Dtype("float16", "fp16", (HALF_FACTOR, 4e-3), 2 ** 11),
+)}
+"""Every dtype a case may name, in the order reports list them. Tolerances (README "Low precision: bf16 and fp16" has
+the measurements): float32 (and float64): k = 10, abs_min = 2e-5. bfloat16 / float16 (transformers 5.24, the 14 zoo
+models, ReferenceCache / DynamicCache / StaticCache, left-padded decode and chunk cases): the uncached forward is
+1.6e-2…4.4e-2 (bf16) and 1.5e-3…5.0e-3 (fp16) from the float64 oracle, exact caches sit at ≤ 1.96× that floor
+(mamba, bf16) and the bundled faults that show at these dtypes at ≥ 11.7× (KeysAt2BitsCache, bf16); k = 5 leaves
+2.5× above the exact caches and 2.3× below the faults. abs_min (≈ 2× the smallest floor measured) bounds a position
+whose uncached forward rounds onto the oracle."""
+
+DTYPE_TOLERANCE = {name: d.tolerance for name, d in DTYPES.items()}
+"""``(k, abs_min)`` per case dtype, read from ``DTYPES``."""
+
+
+def short_dtype(name: str) -> str:
+    """The short name of a dtype name (``"bfloat16"`` → ``"bf16"``; ``DTYPES``); an unknown name as it is."""
+    d = DTYPES.get(name)
+    return d.short if d is not None else name
+
 
 DRIFT_MAX = 1e-4
 """The largest oracle drift taken for float32 rounding (``Tolerance.oracle_drift``): the smallest real fault measured
@@ -43,7 +80,7 @@ on the zoo (Jamba's chunked continuation) starts here, so a larger drift is a fa
 
 
 def dtype_tolerance(dtype: str) -> tuple[float, float]:
-    """``(k, abs_min)`` of a case dtype name (``"float32"``, ``"bfloat16"``, ...; ``DTYPE_TOLERANCE``)."""
+    """``(k, abs_min)`` of a case dtype name (``"float32"``, ``"bfloat16"``, ...; ``DTYPES``)."""
     return DTYPE_TOLERANCE.get(dtype, (DEFAULT_FACTOR, DEFAULT_ABS_MIN))
 
 

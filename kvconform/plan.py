@@ -249,9 +249,10 @@ def external(spec: str) -> bool:
 def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> str | None:
     """Why an item that exists (``in_scope``) is skipped, or None: the one place that decides it (see
     ARCHITECTURE.md, "Items"). In order: a model outside what the subject declares it supports (``CacheSpec.supports``,
-    ``subjects.unsupported``); a capability the subject does not declare (with its ``notes``); the check's
+    ``subjects.unsupported``); a capability the subject does not declare (with its ``notes``); a fact the check
+    needs of the subject's kind (``@register(..., facts=...)``: a fake-quant twin, compression, ...); the check's
     own rule (``@register(..., applies=rule)``, ``rule(subject, model, case, device=...) -> reason or None``:
-    lossy-only checks, coverage checks tied to one subject, ...); the subject's kind, where the check does not judge
+    a declared budget, coverage checks tied to one subject, ...); the subject's kind, where the check does not judge
     it (``CheckInfo.judges``; ``Kind.not_judged``: e.g. a lossy subject is not held to the generate family's
     token-for-token comparison with the exact model, an evicting one keeps only the cases that never make it hold
     more than its ``tokens_max`` tokens, ``most_tokens_held``); ``CacheSpec.requires`` and ``CacheSpec.needs_cuda``
@@ -272,12 +273,15 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     if missing:
         note = getattr(subject, "notes", {}).get(missing[0])
         return f"{subject.name} does not declare capability '{missing[0]}'" + (f": {note}" if note else "")
+    kind = kind_of(subject)
+    reason = check.lacks_fact(kind)
+    if reason:
+        return reason
     own_rule = check.applies
     reason = own_rule(subject, model, case, device=device) if own_rule is not None else None
     if reason:
         return reason
-    kind = kind_of(subject)
-    if kind.name not in check.judges:
+    if not check.judges_kind(kind):
         reason = kind.not_judged(check, case, held=lambda: most_tokens_held(case, check))
         if reason:
             return reason

@@ -14,6 +14,8 @@ import tempfile
 from kvconform.outcomes import KVConformError, REPORT_TO
 from kvconform.families import FAMILIES
 from kvconform.digest import write_atomically
+from kvconform.oracle import DTYPES
+from kvconform.subjects.kinds import exact_kind
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error", "internal")
 """``internal``: kvconform's own code failed on the item (``outcomes.KVConformInternalError``, or kvconform's
@@ -176,7 +178,7 @@ def _table(tr, title, header, rows):
         tr.write_line(fmt.format(name, *cells), red=failed, green=not failed)
 
 
-_DTYPE_ORDER = ("float32", "float64", "bfloat16", "float16")
+_DTYPE_ORDER = tuple(DTYPES)  # the order of oracle.DTYPES, the one table of dtypes
 
 
 def dtype_counts(results: dict) -> str:
@@ -235,7 +237,7 @@ def undeclared_kind_hints(results: dict, digest) -> list[str]:
     lines = []
     for facts in getattr(digest, "subjects", ()):
         name = facts.name
-        if facts.kind != "exact" or facts.builtin:
+        if not exact_kind(facts.kind) or facts.builtin:
             continue
         failed = [r for r in results.values() if r["subject"] == name and r["outcome"] in ("failed", "error")]
         families = sorted({r["family"] for r in failed})

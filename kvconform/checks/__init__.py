@@ -15,8 +15,9 @@ from kvconform.families import FAMILIES  # noqa: F401 - the one family list (mat
 from kvconform.memo import MEMO
 from kvconform.outcomes import CheckSkipped, KVConformError  # noqa: F401 - re-exported: the suite catches it here
 from kvconform.outcomes import REPORT_TO, KVConformInternalError, own_fault  # noqa: F401 - re-exported
-from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, LOSSY_FRESH,  # noqa: F401 - for
-                                      LOSSY_TWIN, check_judges)  # @register(judges=...) in the family modules
+from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH_KINDS,  # noqa: F401 - for
+                                      LOSSY_FRESH, LOSSY_KINDS, LOSSY_TWIN,  # @register(judges=...) in the
+                                      check_judges)  # family modules
 from kvconform.checks._registry import (BATCH_OPS, CHECKS, IGNORES_OPS, OP_PARAMS,  # noqa: F401 - the registry,
                                         TOKEN_OPS, CheckInfo, Measured, OpRule, Param, load_checks,  # re-exported
                                         register)
@@ -150,7 +151,9 @@ class CheckContext:
                           encoder_len=self.case.encoder_len)
 
     def headline(self) -> str:
-        dtype = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}[self.case.dtype]
+        from kvconform.oracle import DTYPES
+
+        dtype = DTYPES[self.case.dtype].short
         return (f"{self.check_name} failed: {self.subject.name} on {self.model.name} "
                 f"({dtype}, batch {self.case.batch}), case {self.case.id}")
 
@@ -333,8 +336,9 @@ def internal_error(ctx: CheckContext, fault: dict) -> KVConformInternalError:
     "kvconform internal error: ...", the place (file:line in function) and the exception, that the item is not a
     verdict on the subject, the installed versions, where to report it, and the reproduce line. Metrics:
     ``kvconform_internal`` (the place), ``raised``, ``internal_error`` (the exception's first line)."""
-    dtype = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}.get(ctx.case.dtype,
-                                                                                            ctx.case.dtype)
+    from kvconform.oracle import short_dtype
+
+    dtype = short_dtype(ctx.case.dtype)
     model = getattr(ctx.model, "name", "no model")
     lines = [f"kvconform internal error: {ctx.check_name} on {ctx.subject.name} on {model} ({dtype}, batch "
              f"{ctx.case.batch}), case {ctx.case.id}",

@@ -11,6 +11,7 @@ from kvconform import compat
 from kvconform.checks._drive import SubjectRaised, prefill_refusal
 from kvconform.checks._judge import Verdict, run_and_judge
 from kvconform.ops import op_names
+from kvconform.oracle import DTYPES
 from kvconform.outcomes import CheckSkipped
 
 
@@ -246,10 +247,6 @@ def _press_on_sliding(ctx, cause: str) -> str:
             f"update(layer_idx={m.group(1)}) returned {m.group(2)} keys after {m.group(3)} tokens)")
 
 
-# the largest n such that every integer 0..n is exact in the dtype: 2 ** (significand bits), IEEE 754 / bfloat16
-_EXACT_INTEGERS_UP_TO = {"bfloat16": 2 ** 8, "float16": 2 ** 11}
-
-
 def _count_in_model_dtype(ctx, cause: str) -> str:
     """A cache whose returned keys stop growing exactly where the model's dtype stops holding every integer (256 at
     bfloat16, 2048 at float16) while it should hold more: name the count kept in that dtype (a running sum of
@@ -258,7 +255,7 @@ def _count_in_model_dtype(ctx, cause: str) -> str:
 
     m = re.search(r"update\(layer_idx=(\d+)\) returned keys of length (\d+)[^0-9]*?should hold (\d+)", cause)
     dtype = str(getattr(ctx.model, "dtype", "")).removeprefix("torch.")
-    limit = _EXACT_INTEGERS_UP_TO.get(dtype)
+    limit = DTYPES[dtype].exact_integers if dtype in DTYPES else None  # every integer 0..limit exact in it
     if not m or limit is None or int(m.group(2)) != limit or int(m.group(3)) <= limit:
         return cause
     return (f"{cause} — {limit} is where {dtype} stops holding every integer: a token or fill count kept in the "

@@ -162,7 +162,7 @@ class Runner:
         self.gen = gen or case_generator(ctx.case, ctx.model.name)
         if padding is None:
             padding = ctx.case.params.get("padding")
-        self.padding = None if (ctx.model.is_encoder_decoder or not padding) else [int(p) for p in padding]
+        self.padding = None if (ctx.model.is_encoder_decoder or not padding) else list(padding)
         if self.padding and any(self.padding) and (gap := ctx.oracle.left_padding_gap(PAD_TOKEN)) is not None:
             raise CheckSkipped(f"{ctx.model.name}'s own uncached forward in float64 puts a left-padded row "
                                f"{gap:.1e} (max|Δlogit|) from the same row alone, with the mask (and position_ids = "

@@ -9,7 +9,7 @@ module imports another:
   and only the ops ``LOSSY_OPS``;
 * ``oracle_slices``: the oracle and uncached logits of each recorded step;
 * ``judge_twin`` / ``fail_twin`` / ``twin_line`` / ``twin_spec``: comparing with the fake-quant twin;
-* ``lossy_only``: the applicability rule "only subjects with a fake-quant twin";
+* ``TWIN_ONLY``: the kind fact "only subjects with a fake-quant twin" (``@register(..., facts=TWIN_ONLY)``);
 * ``fail_subject_raised``: the failure message when the subject raises.
 """
 
@@ -20,7 +20,6 @@ from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
 from kvconform.ops import op_names
 from kvconform.oracle import compare_logits
-from kvconform.subjects import kind_of
 from kvconform.outcomes import CheckSkipped
 
 LOSSY_OPS = op_names(copies=False, rows=("keep", "permute"))
@@ -31,11 +30,9 @@ CLEAR_ERRORS = (ValueError, NotImplementedError, RuntimeError, TypeError)
 """Exception types a refused operation may raise (a bare IndexError/AttributeError is an accident, not a refusal)."""
 
 
-def lossy_only(subject, model, case, device="cpu"):
-    """Applicability rule (``@register(..., applies=lossy_only)``): only subjects with a fake-quant twin."""
-    if not kind_of(subject).has_twin:
-        return "applies to lossy subjects only (a CacheSpec with a fake-quant twin)"
-    return None
+TWIN_ONLY = {"has_twin": "applies to lossy subjects only (a CacheSpec with a fake-quant twin)"}
+"""``@register(..., facts=TWIN_ONLY)``: the check judges only subjects whose kind has a fake-quant twin
+(``Kind.has_twin``)."""
 
 
 def beam_index(batch: int):

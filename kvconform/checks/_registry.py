@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvconform.ops import FORWARD_OPS, OPS, OPS_WITH_COUNT
-from kvconform.subjects.kinds import ALL_KINDS, DEFAULT_JUDGES, check_judges
+from kvconform.subjects.kinds import DEFAULT_JUDGES, KINDS, check_facts, check_judges, lacks_fact
 
 _TYPE_NAMES = {bool: "bool", int: "int", float: "number", str: "string", list: "list", dict: "table"}
 
@@ -74,6 +74,22 @@ class Param:
         if self.max is not None:
             return f"{text} ≤ {self.max:g}"
         return text
+
+    def value(self, value):
+        """``value`` (valid: ``problem`` is None) as this key's type, once at load (``cases.Params``): a number key
+        (``float``, not ``int``) given as an int is a float, and so is each element of a list or table of numbers;
+        anything else as it is."""
+        def number(v):
+            return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+        if float in self.types and int not in self.types:
+            return number(value)
+        if self.items is not None and float in self.items and int not in self.items:
+            if isinstance(value, list):
+                return [number(v) for v in value]
+            if isinstance(value, dict):
+                return {k: number(v) for k, v in value.items()}
+        return value
 
     def problem(self, value) -> str | None:
         """Why ``value`` is not allowed for this key (names the value and what is allowed), or None."""
@@ -212,10 +228,15 @@ class CheckInfo:
         validate: ``validate(case) -> (key, problem) | None``: the check's own load-time rule for what ``OpRule`` and
             ``Param`` cannot say (a relation between params, a requirement); the problem names what the check needs
             and the fix. None: no rule of its own.
-        judges: the subject kinds (``kvconform.subjects.kinds.KIND_NAMES``) the check judges as such; on a subject
-            of another kind the item is skipped with the reason its kind gives (``Kind.not_judged``: an evicting
-            subject keeps the cases that never make it hold more than ``tokens_max`` tokens). Default
-            ``DEFAULT_JUDGES``: every kind but ``evicting``.
+        judges: the subject kinds (names of ``kvconform.subjects.kinds.KINDS``, or a ``KindSet`` chosen by a fact of
+            the kind classes and read when asked: ``ALL_KINDS``, ``LOSSY_KINDS``) the check judges as such; on a
+            subject of another kind the item is skipped with the reason its kind gives (``Kind.not_judged``: an
+            evicting subject keeps the cases that never make it hold more than ``tokens_max`` tokens). Default
+            ``DEFAULT_JUDGES``: every kind whose ``judged_by_default`` is set (all but ``evicting``).
+        facts: ``{fact: reason}``: facts of the subject's kind (bool attributes of ``Kind``: ``lossy``,
+            ``compresses``, ``has_twin``, ``quantized``, ...) the check needs; a subject whose kind lacks one is
+            skipped with the reason (``{subject}``: its name; or ``{kind name or "*": reason}``), asked where the
+            ``applies`` rule is (``plan.skip_reason``). Empty: none.
         unjudged: why the check does not judge a kind, in the check's words (``{subject}`` is the subject's name):
             ``{kind name: reason}`` (``"*"``: every other kind), or one reason for every kind it does not judge;
             ``Kind.not_judged`` gives it as the skip reason (else the kind's own). None: the kinds' own reasons.
@@ -240,12 +261,21 @@ class CheckInfo:
     params: dict = field(default_factory=dict)
     ops: OpRule | None = None
     validate: Callable | None = None
-    judges: frozenset = DEFAULT_JUDGES
+    judges: Any = DEFAULT_JUDGES
     unjudged: dict = field(default_factory=dict)
     tokens_held: Callable | None = None
     cost: float = 1.0
     timed: bool = False
     reads_position_ids: bool = False
+    facts: dict = field(default_factory=dict)
+
+    def judges_kind(self, kind) -> bool:
+        """Whether the check judges a subject of ``kind`` (a ``Kind``) as such (``judges`` names its kind)."""
+        return kind.name in self.judges
+
+    def lacks_fact(self, kind) -> str | None:
+        """Why a subject of ``kind`` (a ``Kind``) lacks a fact the check needs (``facts``), or None."""
+        return lacks_fact(kind, self.facts) if self.facts else None
 
     def unjudged_reason(self, kind: str, subject: str) -> str | None:
         """The check's reason for not judging a subject named ``subject`` of kind ``kind`` (``unjudged``), or
@@ -269,26 +299,28 @@ CHECKS: dict[str, CheckInfo] = {}
 def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
              ops: OpRule | None = None, validate: Callable | None = None, judges=DEFAULT_JUDGES,
              unjudged: dict | str | None = None, tokens_held: Callable | None = None, cost: float = 1.0,
-             timed: bool = False, reads_position_ids: bool = False):
+             timed: bool = False, reads_position_ids: bool = False, facts: dict | None = None):
     """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
     it ``needs``, the subject kinds it ``judges`` (``CheckInfo.judges``), its own applicability rule (``applies``,
     see ``CheckInfo``), its ``params`` schema
     (``{key: Param}``; merge ``OP_PARAMS`` in for an op-based check), what it needs of a case's ``ops``
     (``OpRule``; ``IGNORES_OPS`` for a check that does not read them), its own load-time case rule
     (``validate(case) -> (key, problem) | None``), why it skips the kinds it does not judge (``unjudged``) and, for
-    a check that feeds tokens of its own, the most tokens it makes a cache hold (``tokens_held(case)``), its
-    estimated ``cost``, whether it is ``timed`` and whether it ``reads_position_ids`` (see ``CheckInfo``). A case
-    file breaking any of them is a usage error at load.
+    a check that feeds tokens of its own, the most tokens it makes a cache hold (``tokens_held(case)``), the facts
+    it needs of the subject's kind (``facts``, see ``CheckInfo``), its estimated ``cost``, whether it is ``timed``
+    and whether it ``reads_position_ids`` (see ``CheckInfo``). A case file breaking any of them is a usage error at
+    load.
 
     Raises:
         TypeError: a ``params`` value that is not a ``Param``, an ``ops`` that is not an ``OpRule``, a ``judges``
-            name that is not a kind.
+            name that is not a kind, a ``facts`` name that is no fact of a kind.
     """
     judged = check_judges(judges)
+    needed = check_facts(facts)
     reasons = {"*": unjudged} if isinstance(unjudged, str) else dict(unjudged or {})
     for kind in reasons:
-        if kind != "*" and kind not in ALL_KINDS:
-            raise TypeError(f"register(unjudged=...): unknown kind {kind!r}; known: {', '.join(sorted(ALL_KINDS))}")
+        if kind != "*" and kind not in KINDS:
+            raise TypeError(f"register(unjudged=...): unknown kind {kind!r}; known: {', '.join(sorted(KINDS))}")
     schema = dict(params or {})
     for key, value in schema.items():
         if not isinstance(value, Param):
@@ -299,7 +331,7 @@ def register(family: str, needs=(), applies: Callable | None = None, params: dic
     def deco(fn):
         CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
                                         applies, schema, ops, validate, judged, reasons, tokens_held, float(cost),
-                                        bool(timed), bool(reads_position_ids))
+                                        bool(timed), bool(reads_position_ids), needed)
         return fn
 
     return deco

@@ -14,16 +14,16 @@ from __future__ import annotations
 import copy
 
 from kvconform import compat
-from kvconform.checks import (ALL_KINDS, EXACT, IGNORES_OPS, LOSSY_FRESH, OP_PARAMS, CheckSkipped, OpRule, Param,
-                              register)
+from kvconform.checks import (EXACT, FRESH_KINDS, IGNORES_OPS, LOSSY_FRESH, LOSSY_KINDS, OP_PARAMS, CheckSkipped,
+                              OpRule, Param, register)
 from kvconform.checks._drive import (SubjectRaised, case_generator, forward, generate, image_prompt,
                                      prefill_refusal, random_tokens, seq_length)
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
-from kvconform.checks._lossy import LOSSY_OPS, drive, fail_subject_raised, fail_twin, judge_twin, lossy_only
+from kvconform.checks._lossy import LOSSY_OPS, TWIN_ONLY, drive, fail_subject_raised, fail_twin, judge_twin
 from kvconform.ops import op_names
-from kvconform.subjects import FRESH, PRESS, kind_of
+from kvconform.subjects import FRESH, kind_of
 
 
 def _run_batch_case(ctx, names):
@@ -125,7 +125,7 @@ def check_beam_search(ctx):
     import torch
 
     case, model = ctx.case, ctx.model
-    beams = int(case.params["beams"])
+    beams = case.params.beams
     if beams < 2:
         raise ValueError(f"case {case.id}: params.beams must be ≥ 2")
     prompt, mask, text = _beam_prompts(ctx)
@@ -169,7 +169,7 @@ def check_beam_search(ctx):
 FRESH_ONLY = ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'), whose beam search is "
               "compared with a fresh instance of their class; an exact subject's is compared with uncached beam "
               "search (check_beam_search)")
-"""The skip reason of ``check_beam_search_self_consistent`` (``judges=(LOSSY_FRESH, PRESS)``) on the other kinds."""
+"""The skip reason of ``check_beam_search_self_consistent`` (``judges=FRESH_KINDS``) on the other kinds."""
 
 
 def cache_before_any_token(cache) -> bool:
@@ -199,7 +199,7 @@ def _beam_prompts(ctx):
     return prompt, mask, text
 
 
-@register("batch", needs=("generate", "reorder"), judges=(LOSSY_FRESH, PRESS), unjudged=FRESH_ONLY,
+@register("batch", needs=("generate", "reorder"), judges=FRESH_KINDS, unjudged=FRESH_ONLY,
           params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
           ops=IGNORES_OPS)
 def check_beam_search_self_consistent(ctx):
@@ -216,7 +216,7 @@ def check_beam_search_self_consistent(ctx):
     from kvconform.checks._observe import at_batch
 
     case, model = ctx.case, ctx.model
-    beams, n = int(case.params["beams"]), case.max_new_tokens
+    beams, n = case.params.beams, case.max_new_tokens
     prompt, mask, text = _beam_prompts(ctx)
     ops_text = f"generate(num_beams={beams}, {text}, max_new_tokens={n}, length_penalty=0)"
     cache = ctx.subject.build(model, max_cache_len=ctx.max_cache_len, batch_size=case.batch * beams,
@@ -272,7 +272,7 @@ def _wrong_without_reorder(ctx, prompt, mask, n) -> str | None:
     prompts (no beams, so no reorder) with a fresh subject cache against uncached greedy. Returns the cause when the
     cache is already wrong there (raises, other tokens, or logits beyond the case tolerance), else None. Exact
     subjects only (a lossy cache differs from uncached greedy by design)."""
-    if ctx.kind.declared != "exact":
+    if ctx.kind.budgeted:
         return None
     model = ctx.model
     try:
@@ -298,14 +298,12 @@ def _wrong_without_reorder(ctx, prompt, mask, n) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ reorder after a flush
-def _lossy_subject(subject, model, case, device="cpu"):
-    """Applicability: lossy subjects, with a fake-quant twin or judged by self-consistency (``kind="lossy"``)."""
-    if kind_of(subject).declared_lossy:
-        return None
-    return lossy_only(subject, model, case, device=device)
+QUANTIZED_ONLY = {"quantized": TWIN_ONLY["has_twin"]}
+"""``facts=`` of ``check_reorder_after_flush``: quantized subjects, with a fake-quant twin or judged by
+self-consistency (``kind="lossy"``; ``Kind.quantized``)."""
 
 
-@register("batch", needs=("reorder",), applies=_lossy_subject,
+@register("batch", needs=("reorder",), facts=QUANTIZED_ONLY,
           ops=OpRule(allowed=LOSSY_OPS, required=("reorder",), min_batch=2, why="the rows are reversed around a flush"))
 def check_reorder_after_flush(ctx):
     """Beam ``reorder_cache`` (rows reversed) around a residual flush, then decode: every step equals the twin,
@@ -387,7 +385,7 @@ CAUSES = {
 }
 
 
-NON_EXACT = ALL_KINDS - {EXACT}
+NON_EXACT = LOSSY_KINDS
 """The kinds the exactness checks judge: every kind but ``exact`` (lossy with or without a twin, evicting, press)."""
 NOT_FOR_EXACT = ("applies to lossy, evicting and press subjects: an exact subject is held to the float64 oracle by "
                  "every family already")
@@ -417,16 +415,16 @@ def check_identity_ops(ctx):
     same tokens without the op, within the exact noise floor."""
 
     params = ctx.case.params
-    unknown = [op for op in params.get("identity", list(IDENTITY_OPS)) if op not in IDENTITY_OPS]
+    unknown = [op for op in params.identity if op not in IDENTITY_OPS]
     if unknown:
         raise ValueError(f"case {ctx.case.id}: params.identity {unknown} not among {list(IDENTITY_OPS)}")
-    ops = [op for op in params.get("identity", list(IDENTITY_OPS)) if IDENTITY_OPS[op][0] in ctx.subject.capabilities]
+    ops = [op for op in params.identity if IDENTITY_OPS[op][0] in ctx.subject.capabilities]
     if not ops:
         raise CheckSkipped(f"{ctx.subject.name} declares none of the capabilities of the identity ops "
                            f"({', '.join(c for c, _ in IDENTITY_OPS.values())})")
     kind = kind_of(ctx.subject)
-    P = max(int(params.get("prefill", 24)), (kind.tokens_max or 0) + 5)
-    steps = int(params.get("decode", 3))
+    P = max(params.prefill, (kind.tokens_max or 0) + 5)
+    steps = params.decode
     gen = case_generator(ctx.case, ctx.model.name)
     program = [_tokens(ctx, gen, P), _tokens(ctx, gen, 1)] + [_tokens(ctx, gen, 1) for _ in range(steps)]
     untouched = _run_identity(ctx, None, program, P, steps)
@@ -511,14 +509,14 @@ def check_padded_row_alone(ctx):
     equal those of the same row run alone (batch 1, no pads, a fresh instance of the class), within the exact
     noise floor of the case dtype — at each prefill length of ``params.prefill`` in turn."""
     params = ctx.case.params
-    pads = [int(p) for p in params["pads"]]
-    prefills = params.get("prefill", list(PADDED_PREFILLS))
-    prefills = [int(prefills)] if isinstance(prefills, int) else [int(p) for p in prefills]
+    pads = list(params.pads)
+    prefills = params.prefill
+    prefills = [prefills] if isinstance(prefills, int) else list(prefills)
     if len(pads) != ctx.case.batch or not prefills or max(pads) >= min(prefills):
         raise ValueError(f"case {ctx.case.id}: params.pads needs one count per row, each < prefill")
     ctx.metrics.update(prefills=prefills)
     for P in prefills:
-        if _padded_row_run(ctx, pads, P, int(params.get("decode", 3))):
+        if _padded_row_run(ctx, pads, P, params.decode):
             return  # a clear refusal of the padded prefill: noted, nothing more to compare
 
 

@@ -223,12 +223,12 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
     except Exception as exc:  # noqa: BLE001 - the subject's failure, reported on the item
         raise SubjectRaised("eager decode", exc) from exc
 
-    mode = params.get("mode")
+    mode = params.mode
     cudagraphs = mode in ("reduce-overhead", "max-autotune")
     torch.compiler.reset()
     counters.clear()
-    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=bool(params["dynamic"]),
-                             backend=params["backend"], mode=mode)
+    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=params.dynamic,
+                             backend=params.backend, mode=mode)
     state = {"warm": False, "dead": False}
 
     def compiled_step(name, s, kwargs):
@@ -363,8 +363,8 @@ def check_compile_static_decode(ctx):
     ctx.metrics.update(compile_s=round(run.compile_seconds, 2), recompiles=len(run.recompiles),
                        compiled_calls=run.compiled_calls, max_abs=worst, tolerance=tol, noise_floor=floor,
                        graph_breaks=int(run.graph_break is not None), guard=run.recompiles[0].guard
-                       if run.recompiles else None, mode=ctx.case.params.get("mode"))
-    mode = ctx.case.params.get("mode")
+                       if run.recompiles else None, mode=ctx.case.params.mode)
+    mode = ctx.case.params.mode
     compile_line = (f"torch.compile(model.forward, fullgraph=True, dynamic=False"
                     f"{', mode=' + repr(mode) if mode else ''})")
     if run.graph_break or run.error:

@@ -86,7 +86,7 @@ def run_crop_case(ctx, cache, records=None):
 
     def crop(runner, op):
         """The crop under test: refusals judged, positive arguments, lengths after."""
-        positive = bool(params["positive"])
+        positive = params.positive
         label = f"crop({op.n})" if positive or op.n == 0 else op.label
         rec = CropRecord(label, op.n, runner.length, _flag(runner.cache), positive)
         rec.reported_before = seq_length(runner.cache)

@@ -218,7 +218,7 @@ def _hypothesis_storage_outside_the_folder():
 def _longest_program(case) -> int:
     """The most tokens per row a program of ``case`` makes a cache hold: a prefill of ≤ 10, ``max_ops`` chunks of
     ≤ 5, a final decode (``@register(tokens_held=...)``)."""
-    return 10 + 5 * int(case.params["max_ops"]) + 1
+    return 10 + 5 * case.params.max_ops + 1
 
 
 @register("fuzz", cost=2.0, needs=("forward",), applies=_applies, tokens_held=_longest_program, params={
@@ -236,9 +236,9 @@ def check_op_sequences(ctx):
 
     params = ctx.case.params
     ops, left_out = _available_ops(ctx)
-    max_ops = int(params["max_ops"])
+    max_ops = params.max_ops
     long_profile = ctx.case.tier == "full"  # full-tier cases run only under --kvconform-full (ctx.full)
-    examples = int(params["full_examples"]) if long_profile else int(params["max_examples"])
+    examples = params.full_examples if long_profile else params.max_examples
     reference = ctx.reference
     stats = {"programs": 0, "model_faults": 0}
 

@@ -10,11 +10,10 @@ kvconform's own greedy loop on a fresh instance of the subject's class, fed the 
 from __future__ import annotations
 
 from kvconform import compat
-from kvconform.checks import EXACT, IGNORES_OPS, LOSSY_FRESH, LOSSY_TWIN, Param, register
-from kvconform.subjects.kinds import PRESS
+from kvconform.checks import EXACT, FRESH_KINDS, IGNORES_OPS, LOSSY_FRESH, LOSSY_TWIN, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, generate_prompt, seq_length
 from kvconform.checks._diagnosis import describe_raise, token_mismatch
-from kvconform.checks._lossy import fail_subject_raised, lossy_only, twin_line, twin_spec
+from kvconform.checks._lossy import TWIN_ONLY, fail_subject_raised, twin_line, twin_spec
 from kvconform.oracle import compare_logits
 
 
@@ -88,7 +87,7 @@ def _generate_with(ctx, cache):
     return _generate(ctx, compat.generate_cache_kwargs(cache, ctx.model.model), ctx.case.prompt)
 
 
-@register("generate", cost=1.5, needs=("generate",), applies=lossy_only, ops=IGNORES_OPS, unjudged=UNJUDGED)
+@register("generate", cost=1.5, needs=("generate",), facts=TWIN_ONLY, ops=IGNORES_OPS, unjudged=UNJUDGED)
 def check_generate_vs_twin(ctx):
     """Greedy ``generate(cache=subject)`` produces the tokens of ``generate(cache=twin)`` and, at every step,
     logits within the tolerance of the twin's (same model, same dtype); noise floor: the oracle's on the generated
@@ -137,7 +136,7 @@ def check_generate_vs_twin(ctx):
 # ------------------------------------------------------------------------------------------ generate vs own loop
 SELF_CONSISTENT_ONLY = ("applies to lossy subjects without a fake-quant twin (kind='lossy' or 'press'); exact subjects "
                         "are judged by check_generate_greedy, subjects with a twin by check_generate_vs_twin")
-"""The skip reason of ``check_generate_self_consistent`` (``judges=(LOSSY_FRESH, PRESS)``) on the other kinds."""
+"""The skip reason of ``check_generate_self_consistent`` (``judges=FRESH_KINDS``) on the other kinds."""
 
 
 def replay_greedy(ctx, turns):
@@ -167,7 +166,7 @@ def replay_greedy(ctx, turns):
     return torch.cat(out, dim=1)
 
 
-@register("generate", cost=1.5, needs=("generate",), judges=(LOSSY_FRESH, PRESS), ops=IGNORES_OPS,
+@register("generate", cost=1.5, needs=("generate",), judges=FRESH_KINDS, ops=IGNORES_OPS,
           unjudged=SELF_CONSISTENT_ONLY,
           params={"user": Param(int, default=4, min=1, doc="tokens of the second turn's user message")})
 def check_generate_self_consistent(ctx):
@@ -184,7 +183,7 @@ def check_generate_self_consistent(ctx):
     from kvconform.quant import quality_metrics
 
     case = ctx.case
-    n, user = case.max_new_tokens, int(case.params["user"])
+    n, user = case.max_new_tokens, case.params.user
     cache = ctx.new_cache()
     kwargs = compat.generate_cache_kwargs(cache, ctx.model.model)
     try:

@@ -160,7 +160,7 @@ def run_capacity_case(ctx, cache=None, info=None):
     forward that would hold more than that many tokens, snapshot the cache and record what happens
     (``info["overflow"] = (label, held, exception or None, changed tensor names)``). A refusal ends the run. Returns
     the steps."""
-    cap = int(ctx.case.params["max_cache_len"])
+    cap = ctx.case.params.max_cache_len
     cache = ctx.subject.build(ctx.model, max_cache_len=cap, batch_size=ctx.case.batch,
                               encoder_len=ctx.case.encoder_len)
     probe = Overflow(cap, info)
@@ -176,7 +176,7 @@ def run_capacity_case(ctx, cache=None, info=None):
 
 def _capacity_case(case):
     """Load-time rule of ``check_capacity`` (``register(validate=...)``): the ops feed more than ``max_cache_len``."""
-    cap = case.params["max_cache_len"]
+    cap = case.params.max_cache_len
     total = sum(op.new_tokens for op in case.ops)
     if total <= cap:
         return "ops", (f"check_capacity needs ops feeding more tokens than params.max_cache_len ({cap}); they feed "
@@ -191,7 +191,7 @@ def _capacity_case(case):
 def check_capacity(ctx):
     """Past the ``max_cache_len`` it was built with, a cache either keeps working exactly or raises a clear error
     before any write — never a raw ``IndexError`` from a tensor op, never a partial write, never wrong logits."""
-    cap = int(ctx.case.params["max_cache_len"])
+    cap = ctx.case.params.max_cache_len
     total = sum(op.new_tokens for op in ctx.case.ops)
     if total <= cap:
         raise ValueError(f"case {ctx.case.id}: the ops feed {total} tokens, not more than max_cache_len {cap}")
@@ -253,7 +253,7 @@ def _judge_capacity_refusal(ctx, text: str, label: str, refusal) -> None:
         if by is None:
             ctx.fail([text, f"but it declares no maximum (get_max_length() = {declared}) and {allowed.reference} "
                             f"holds those tokens: a refusal is clear only where the cache declares its capacity",
-                      f"ops: {ctx.case.ops_label()}   (max_cache_len={int(ctx.case.params['max_cache_len'])})",
+                      f"ops: {ctx.case.ops_label()}   (max_cache_len={ctx.case.params.max_cache_len})",
                       "likely cause: a capacity check the cache does not declare: get_max_length() must return the "
                       "capacity it enforces (or the cache must grow past max_cache_len)"],
                      {"raised": type(refusal).__name__, "failed_at": label, "reference_accepts": True})
@@ -265,7 +265,7 @@ def _max_length(ctx):
     try:
         from kvconform.compat import max_length
 
-        cap = int(ctx.case.params["max_cache_len"])
+        cap = ctx.case.params.max_cache_len
         return max_length(ctx.subject.build(ctx.model, max_cache_len=cap, batch_size=ctx.case.batch,
                                             encoder_len=ctx.case.encoder_len))
     except Exception:  # noqa: BLE001 - informational only

@@ -126,9 +126,7 @@ def _judge_half_store(ctx, cache, verdict) -> None:
     rounding (measured 2.7× the fp16 noise floor on llama) is too close to the dtype's own noise for the logits to
     resolve, yet every read returns rounded keys. float32 and float64 cases judge it by the logits alone (there the
     same fault is 1e4× the noise floor)."""
-    import torch
-
-    if ctx.kind.name != "exact" or ctx.model.dtype not in (torch.bfloat16, torch.float16):
+    if ctx.kind.lossy or ctx.model.dtype.itemsize != 2:  # a 16-bit dtype of oracle.DTYPES (bfloat16, float16)
         return
     cause = _narrow_cause(ctx, cache)
     if cause is None:

@@ -230,7 +230,7 @@ def check_memory_bytes(ctx):
     (``_observe.measured_at_batch_one``): its bytes get a verdict where it runs. A paged subject may hold one page
     per row and layer above the formula (see the module docstring: its ``page_size``, declared or inferred); the
     metrics ``granularity`` and ``page_tokens`` say which was used."""
-    slack = int(ctx.case.params["slack_bytes"])
+    slack = ctx.case.params.slack_bytes
     undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
                   and op.name not in ctx.subject.capabilities]
     if undeclared:  # measured on a view of the context whose case stops there (the context itself is not changed)
@@ -535,7 +535,7 @@ def check_memory_cuda_allocated(ctx):
     import torch
 
     device = next(ctx.model.model.parameters()).device
-    slack = int(ctx.case.params["cuda_slack_bytes"])
+    slack = ctx.case.params.cuda_slack_bytes
     warm = ctx.new_cache()
     try:
         run_memory_ops(ctx, warm, lambda *_: None)
@@ -643,8 +643,8 @@ def check_memory_released(ctx):
 
     import gc
 
-    requests = int(ctx.case.params.get("requests", 3))
-    slack = int(ctx.case.params.get("slack_bytes", 16384))
+    requests = ctx.case.params.requests
+    slack = ctx.case.params.slack_bytes
     request()
     # Every object the collector tracks after the warm-up is frozen (gc.freeze: moved out of its generations until
     # gc.unfreeze), so that live_tensor_bytes walks only what the later requests created instead of the whole heap
@@ -695,7 +695,7 @@ def check_offloaded_matches(ctx):
         raise ValueError(f"{ctx.subject.name}: same_as names no built-in subject ({ctx.subject.same_as!r})")
     if not torch.cuda.is_available():  # the session's rule skips this item; a direct call must not pass
         raise RuntimeError("offloading needs CUDA")
-    model = _deeper(ctx.model, int(ctx.case.params["layers"]))
+    model = _deeper(ctx.model, ctx.case.params.layers)
     dctx = ctx.replace(model=dataclasses.replace(ctx.model, model=model, config=model.config))
     prefill = next(op.n for op in ctx.case.ops if op.name == "prefill")
     runs = {}

@@ -56,7 +56,7 @@ def run_fork_case(ctx, cache, info=None):
     original with another suffix. Returns the steps; ``info["changed"]`` lists the original's tensors that the copies
     changed (names) and ``info["held"]`` its length at the fork."""
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
-    forks = int(ctx.case.params["forks"])
+    forks = ctx.case.params.forks
     runner = Runner(ctx, cache)
     runner.run(prefix_ops, parked=False)
     before = snapshot(runner.cache)
@@ -80,7 +80,7 @@ def run_fork_case(ctx, cache, info=None):
 
 def _fork_ops_text(ctx):
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
-    forks = int(ctx.case.params["forks"])
+    forks = ctx.case.params.forks
     suffix = " → ".join(op.label for op in suffix_ops)
     return (f"{' → '.join(op.label for op in prefix_ops)} → deepcopy ×{forks}, each: {suffix} → "
             f"original: {suffix}")
@@ -98,7 +98,7 @@ def check_prefix_fork(ctx):
     except SubjectRaised as exc:
         fail_raised(ctx, exc, "copy.deepcopy of the cache, or a copy's update, fails (see the exception)",
                     _fork_ops_text(ctx))
-    ctx.metrics.update(forks=int(ctx.case.params["forks"]))
+    ctx.metrics.update(forks=ctx.case.params.forks)
     if info["changed"]:
         names = info["changed"]
         ctx.fail([f"the original cache changed while its deep copies were extended: {', '.join(names[:4])}"
@@ -195,7 +195,7 @@ def _prefix_tokens(ctx):
     case, model = ctx.case, ctx.model
     gen = case_generator(case, model.name)
     prefix = image_prompt(model, random_tokens(gen, case.batch, case.ops[0].n, model.vocab_size))
-    suffix = random_tokens(gen, case.batch, int(case.params["suffix"]), model.vocab_size)
+    suffix = random_tokens(gen, case.batch, case.params.suffix, model.vocab_size)
     return prefix, suffix, torch.cat([prefix, suffix], dim=1)
 
 
@@ -273,7 +273,7 @@ def check_prefix_generate(ctx):
 def _turn_tokens(ctx):
     gen = case_generator(ctx.case, ctx.model.name)
     prompt = image_prompt(ctx.model, random_tokens(gen, ctx.case.batch, ctx.case.prompt, ctx.model.vocab_size))
-    user = random_tokens(gen, ctx.case.batch, int(ctx.case.params["user"]), ctx.model.vocab_size)
+    user = random_tokens(gen, ctx.case.batch, ctx.case.params.user, ctx.model.vocab_size)
     return prompt, user
 
 

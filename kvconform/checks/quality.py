@@ -42,41 +42,39 @@ LONG_CONTEXT_RULE = OpRule(allowed=LOSSY_OPS, min_forwards=2, why="it judges eve
 
 
 # ------------------------------------------------------------------------------------------ applicability
-def _declares_no_budget(subject, case) -> str | None:
+def _declares_no_budget(subject, model, case, device="cpu") -> str | None:
+    """Applicability rule of ``check_quality_budget`` on a lossy kind (``BUDGETED``): a subject that declares no
+    budget (an exact declaration with a fake-quant twin) is judged only on a case that gives ``kl_max`` and
+    ``top1_min``."""
     if getattr(subject, "budget", None) is None and not {"kl_max", "top1_min"} <= set(case.params or {}):
         return (f"{subject.name} declares no quality budget: declare kind='lossy' (or 'evicting') with "
                 f"budget=kvconform.Budget(kl_max=..., top1_min=...)")
     return None
 
 
-def budgeted(subject, model, case, device="cpu"):
-    """Applicability rule of ``check_quality_budget``: lossy and evicting subjects (``CacheSpec.kind``), and
-    subjects with a fake-quant twin. A twin subject of kind ``exact`` without a budget (and no ``kl_max`` /
-    ``top1_min`` in the case) is skipped with the declaration it lacks."""
-    kind = kind_of(subject)
-    if kind.budgeted:
-        return None
-    if kind.has_twin:
-        return _declares_no_budget(subject, case)
-    return "applies to lossy and evicting subjects only (CacheSpec kind='lossy' or 'evicting', with a Budget)"
+BUDGETED = {"lossy": "applies to lossy and evicting subjects only (CacheSpec kind='lossy' or 'evicting', with a "
+                     "Budget)"}
+"""``facts=`` of ``check_quality_budget``: the lossy kinds (``Kind.lossy``: lossy, evicting, press, a fake-quant
+twin); of those, ``_declares_no_budget`` skips a subject with no budget and a case that gives none."""
+
+COMPRESSING = {"compresses": {EVICTING: "{subject} is evicting: its bytes are bounded by check_memory_bound "
+                                        "(budget.tokens_max)",
+                              "*": "applies to lossy subjects only (CacheSpec kind='lossy')"}}
+"""``facts=`` of ``check_compression_real``: the kinds that must hold fewer bytes than an exact cache
+(``Kind.compresses``: lossy, press, a fake-quant twin)."""
 
 
-def compressing(subject, model, case, device="cpu"):
-    """Applicability rule of ``check_compression_real``: lossy and press subjects (kind ``lossy`` / ``press``, or a
-    fake-quant twin), on models with attention layers (a Mamba-style model holds only fixed-size states: nothing for
-    a key/value compressor to compress)."""
-    kind = kind_of(subject)
-    if not kind.saves_memory:
+def _compression_judged(subject, model, case, device="cpu"):
+    """Applicability rule of ``check_compression_real`` on a kind that compresses (``COMPRESSING``): its budget
+    promises a memory saving (``Budget.saves_memory``), on a model with attention layers (a Mamba-style model holds
+    only fixed-size states: nothing for a key/value compressor to compress)."""
+    if not kind_of(subject).saves_memory:
         return (f"{subject.name} promises no memory saving (saves_memory=False in its budget): its held bytes are not "
                 f"judged against an exact cache's; its quality (check_quality_budget) and self-consistency are")
-    if kind.compresses:
-        if "attention" not in model.features:
-            return (f"{model.name} has no attention layers: no keys or values to compress (its linear-attention "
-                    f"states are fixed-size), so compression is not judged on it")
-        return None
-    if kind.evicts:
-        return f"{subject.name} is evicting: its bytes are bounded by check_memory_bound (budget.tokens_max)"
-    return "applies to lossy subjects only (CacheSpec kind='lossy')"
+    if "attention" not in model.features:
+        return (f"{model.name} has no attention layers: no keys or values to compress (its linear-attention "
+                f"states are fixed-size), so compression is not judged on it")
+    return None
 
 
 EVICTING_ONLY = "applies to evicting subjects only (CacheSpec kind='evicting' with budget.tokens_max)"
@@ -95,7 +93,7 @@ def _budget(ctx) -> tuple[float, float, str]:
                          f"with budget=kvconform.Budget(kl_max=..., top1_min=...)")
     overridden = [k for k in ("kl_max", "top1_min") if k in params]
     source = f"case {ctx.case.id} params ({', '.join(overridden)})" if overridden else f"{ctx.subject.name}'s budget"
-    return float(kl_max), float(top1_min), source
+    return float(kl_max), float(top1_min), source  # a budget's own values may be ints
 
 
 def _cache_positions(steps):
@@ -122,7 +120,8 @@ def _per_op(ctx, steps, oracle_by_step) -> str:
     return ", ".join(parts)
 
 
-@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, applies=budgeted, params={
+@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, facts=BUDGETED, applies=_declares_no_budget,
+          params={
     "kl_max": Param(float, min=0, doc="replaces the subject's budget.kl_max (mean KL(oracle ‖ subject), nats)"),
     "top1_min": Param(float, min=0, max=1, doc="replaces the subject's budget.top1_min (top-1 agreement)"),
 }, ops=LONG_CONTEXT_RULE)
@@ -317,7 +316,8 @@ def _holdings(cache) -> str:
     return "; ".join(f"{path or 'cache'} {desc} {_mib(size)}" for path, size, desc in largest_holdings(cache, 3))
 
 
-@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, applies=compressing, params={
+@register("quality", cost=4.0, needs=("forward",), judges=ALL_KINDS, facts=COMPRESSING,
+          applies=_compression_judged, params={
     "bytes_ratio_max": Param(float, min=0, doc="replaces the subject's budget.bytes_ratio_max (held / exact bytes)"),
 }, ops=LONG_CONTEXT_RULE)
 def check_compression_real(ctx):
@@ -497,7 +497,7 @@ def check_memory_bound(ctx):
     tokens seen: ``tokens_exact + ceil(keep_ratio · (seen − tokens_exact))``) (``B·H_kv·(D_k + D_v)·b`` bytes a token,
     measured on ``ReferenceCache`` fed the same ops) plus each layer's linear-attention states, plus ``slack_bytes``
     (default 256) per layer."""
-    slack = int(ctx.case.params["slack_bytes"])
+    slack = ctx.case.params.slack_bytes
     cache, tokens = _run_subject(ctx, check_memory_bound, lambda m: (
         f"{_mib(m.get('bytes_held', 0))} held ≤ {_mib(m.get('bytes_bound', 0))} ({m.get('tokens_max')} tokens)"))
     budget = ctx.subject.budget

@@ -100,7 +100,7 @@ def check_speculative_greedy(ctx):
     as the target's cache gives the tokens of ``generate(use_cache=False)``, and the run rolled the cache back at
     least once."""
     case = ctx.case
-    mode, k = case.params["mode"], int(case.params["candidates"])
+    mode, k = case.params.mode, case.params.candidates
     prompt = _prompt(ctx)
     extra = ({"prompt_lookup_num_tokens": k} if mode == "prompt_lookup"
              else {"assistant_model": _draft(ctx), "num_assistant_tokens": k,

@@ -81,7 +81,7 @@ CUDA_DEVICE = Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off 
 
 def _min_context_case(case):
     """Load-time rule of ``check_speed_vs_uncached`` (``register(validate=...)``): ``params.context`` ≥ 512."""
-    context = case.params["context"]
+    context = case.params.context
     if context < 512:
         return "params.context", (f"check_speed_vs_uncached needs context ≥ 512 (below, the uncached forward is too "
                                   f"cheap to tell a cache apart); got {context}")
@@ -90,8 +90,7 @@ def _min_context_case(case):
 
 def _growth_case(case):
     """Load-time rule of ``check_speed_flat_decode``: ``params.long`` ≥ 4 × ``params.short``."""
-    short = case.params["short"]
-    long = case.params["long"]
+    short, long = case.params.short, case.params.long
     if long < 4 * short:
         return "params.long", (f"check_speed_flat_decode needs long ≥ 4 × short to see growth; got short = {short}, "
                                f"long = {long}: raise long to ≥ {4 * short} or lower short")
@@ -162,24 +161,17 @@ def _cuda_rule(subject, model, case, device="cpu"):
 def _held_context_steps(case) -> int:
     """``@register(tokens_held=...)`` of the decode timings: ``context + steps`` tokens (the plan's position rule,
     ``plan.positions_problem``, reads it: a model with fewer positions skips the item instead of raising)."""
-    return int(case.params["context"]) + int(case.params["steps"])
+    return case.params.context + case.params.steps
 
 
 def _held_long_steps(case) -> int:
     """``tokens_held`` of ``check_speed_flat_decode``: ``long + steps``."""
-    return int(case.params["long"]) + int(case.params["steps"])
+    return case.params.long + case.params.steps
 
 
 def _held_prefill(case) -> int:
     """``tokens_held`` of ``check_speed_prefill``: ``context`` (one prefill)."""
-    return int(case.params["context"])
-
-
-def _param(ctx, name):
-    value = ctx.case.params.get(name)  # defaults filled at case load
-    if value is None:
-        raise ValueError(f"case {ctx.case.id}: {ctx.check_name} needs params.{name}")
-    return value
+    return case.params.context
 
 
 def _tokens(ctx, length):
@@ -253,11 +245,11 @@ def _measure(ctx, targets, extra, confirm=False):
     (twice the rounds, a plain loop: pytest-benchmark's fixture times one call per item). Returns
     ``(timings, timer_text)``."""
     device = next(ctx.model.model.parameters()).device
-    threads = int(_param(ctx, "threads")) if device.type == "cpu" else None
-    repeats = int(_param(ctx, "repeats")) * (2 if confirm else 1)
+    threads = ctx.case.params.threads if device.type == "cpu" else None
+    repeats = ctx.case.params.repeats * (2 if confirm else 1)
     try:
         timings = measure_interleaved(targets, repeats=repeats,
-                                      warmup=int(_param(ctx, "warmup")), device=device,
+                                      warmup=ctx.case.params.warmup, device=device,
                                       benchmark=None if confirm else ctx.benchmark,
                                       threads=threads, extra_info={"subject": ctx.subject.name,
                                                                    "model": ctx.model.name, "case": ctx.case.id,
@@ -267,7 +259,7 @@ def _measure(ctx, targets, extra, confirm=False):
         fail_raised(ctx, exc, "the cache fails on the long contexts the speed family measures (the other "
                               "families' cases are short)",
                     ops_text=f"prefill({extra['prefill']}) timed" if "prefill" in extra else
-                    f"prefill(context {contexts}, untimed) → decode×{int(_param(ctx, 'steps'))} timed")
+                    f"prefill(context {contexts}, untimed) → decode×{ctx.case.params.steps} timed")
     ctx.measured.record(timed_steps=min((len(t.seconds) for t in timings.values()), default=0))
     clock = clock_for(device, threads).name
     timer = (f"timer: {clock}{' + cuda.synchronize' if device.type == 'cuda' else ''} on {device.type}"
@@ -329,13 +321,13 @@ def _ms(t, stat=None) -> str:
 }, ops=IGNORES_OPS, validate=_min_context_case, tokens_held=_held_context_steps)
 def check_speed_vs_uncached(ctx):
     """At context ≥ 512, cached decode beats the uncached forward per token by ``params.min_speedup``."""
-    context, steps = int(_param(ctx, "context")), int(_param(ctx, "steps"))
-    floor, quantized = float(_param(ctx, "min_speedup")), _quantized(ctx)
+    context, steps = ctx.case.params.context, ctx.case.params.steps
+    floor, quantized = ctx.case.params.min_speedup, _quantized(ctx)
     if quantized:
-        floor = float(ctx.case.params.get("min_speedup_quantized", floor))
+        floor = floor if ctx.case.params.min_speedup_quantized is None else ctx.case.params.min_speedup_quantized
     if context < 512:
         raise ValueError(f"case {ctx.case.id}: check_speed_vs_uncached needs context ≥ 512, got {context}")
-    usteps = int(_param(ctx, "uncached_steps"))
+    usteps = ctx.case.params.uncached_steps
     tokens = _tokens(ctx, context + steps)
     subject = ctx.subject.name
     targets = [cached_target(ctx, subject, ctx.subject, tokens, context, steps),
@@ -379,9 +371,9 @@ def check_speed_flat_decode(ctx):
     forward, in the same rounds, grows ~linearly. A quantized subject (``_quantized``) dequantizes its history at
     every step, so it is held to ``max_growth_quantized_share`` × the uncached growth instead when that is larger:
     it must not grow faster than recomputing the context."""
-    short, long, steps = int(_param(ctx, "short")), int(_param(ctx, "long")), int(_param(ctx, "steps"))
-    ceiling = float(_param(ctx, "max_growth"))
-    usteps = int(_param(ctx, "uncached_steps"))
+    short, long, steps = ctx.case.params.short, ctx.case.params.long, ctx.case.params.steps
+    ceiling = ctx.case.params.max_growth
+    usteps = ctx.case.params.uncached_steps
     if long < 4 * short:
         raise ValueError(f"case {ctx.case.id}: long ({long}) should be ≥ 4 × short ({short}) to see growth")
     tokens = _tokens(ctx, long + steps)
@@ -390,7 +382,7 @@ def check_speed_flat_decode(ctx):
                cached_target(ctx, f"{subject}@{long}", ctx.subject, tokens, long, steps),
                uncached_target(ctx, f"uncached@{short}", tokens, short, usteps),
                uncached_target(ctx, f"uncached@{long}", tokens, long, usteps)]
-    quantized, share = _quantized(ctx), float(_param(ctx, "max_growth_quantized_share"))
+    quantized, share = _quantized(ctx), ctx.case.params.max_growth_quantized_share
 
     def budget(ugrowth):
         # A quantized cache dequantizes its whole history at every decode step (transformers' QuantizedCache does,
@@ -478,10 +470,10 @@ def prefill_target(ctx, name, spec, tokens, context) -> Target:
 def check_speed_prefill(ctx):
     """A cached prefill of ``params.context`` tokens into a fresh cache takes ≤ ``params.max_ratio`` × the uncached
     forward of the same tokens, timed side by side (medians, confirmed; ``params.steps`` is not used)."""
-    context = int(_param(ctx, "context"))
-    ceiling, quantized = float(_param(ctx, "max_ratio")), _quantized(ctx)
+    context = ctx.case.params.context
+    ceiling, quantized = ctx.case.params.max_ratio, _quantized(ctx)
     if quantized:
-        ceiling = float(ctx.case.params.get("max_ratio_quantized") or ceiling)
+        ceiling = ctx.case.params.max_ratio_quantized or ceiling
     tokens = _tokens(ctx, context)
     subject = ctx.subject.name
     targets = [prefill_target(ctx, subject, ctx.subject, tokens, context),
@@ -561,8 +553,8 @@ def check_speed_compiled_static(ctx):
 
     from kvconform.subjects import CacheSpec, _dynamic
 
-    context, steps = int(_param(ctx, "context")), int(_param(ctx, "steps"))
-    floor = float(_param(ctx, "min_speedup"))
+    context, steps = ctx.case.params.context, ctx.case.params.steps
+    floor = ctx.case.params.min_speedup
     mode = ctx.case.params.get("mode")
     tokens = _tokens(ctx, context + steps)
     m = ctx.model.model
@@ -585,7 +577,7 @@ def check_speed_compiled_static(ctx):
         base_setup = warm.setup
 
         def setup():
-            if state["rounds"] == int(_param(ctx, "warmup")):
+            if state["rounds"] == ctx.case.params.warmup:
                 torch.compiler.set_stance("eager_on_recompile")
             state["rounds"] += 1
             return base_setup()

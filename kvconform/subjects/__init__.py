@@ -50,7 +50,7 @@ public name is importable from ``kvconform.subjects``.
 from __future__ import annotations
 
 from kvconform.subjects.kinds import (ALL_KINDS, DEFAULT_JUDGES, EVICTING, EXACT, FRESH, KIND_NAMES, LOSSY_FRESH,
-                                      LOSSY_TWIN, ORACLE, PRESS, TWIN, Kind, kind_of)
+                                      LOSSY_KINDS, LOSSY_TWIN, ORACLE, PRESS, TWIN, Kind, kind_of)
 from kvconform.subjects.construction import (CONSTRUCTION_KWARGS, MODEL_KWARG, FactoryResultError, SubjectBuildError,
                                              accepted_kwargs, accepted_names, meta_model, names_model,
                                              required_unknown_arguments, unpack_factory_result)
@@ -66,7 +66,8 @@ from kvconform.subjects.declare import (NAME_PATTERN, check_supports, declared_a
 from kvconform.subjects.resolve import as_cache_spec, check_factory_builds_cache, resolve_cache_spec
 
 __all__ = [
-    "ALL_KINDS", "DEFAULT_JUDGES", "EVICTING", "EXACT", "FRESH", "KIND_NAMES", "LOSSY_FRESH", "LOSSY_TWIN", "ORACLE",
+    "ALL_KINDS", "DEFAULT_JUDGES", "EVICTING", "EXACT", "FRESH", "KIND_NAMES", "LOSSY_FRESH", "LOSSY_KINDS",
+    "LOSSY_TWIN", "ORACLE",
     "PRESS", "TWIN", "Kind", "kind_of",
     "CONSTRUCTION_KWARGS", "MODEL_KWARG", "FactoryResultError", "SubjectBuildError", "accepted_kwargs",
     "accepted_names", "meta_model", "names_model", "required_unknown_arguments", "unpack_factory_result",

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvconform.subjects.spec import (ALLOCATIONS, CAPABILITIES, KINDS, REFUSALS, SUPPORTS, Budget, CacheSpec,
-                                     SpecError, _check_names)
+from kvconform.subjects.kinds import declaration_of, declared_kinds
+from kvconform.subjects.spec import (ALLOCATIONS, CAPABILITIES, REFUSALS, SUPPORTS, Budget, CacheSpec, SpecError,
+                                     _check_names)
 
 
 def declared_capabilities(obj, where: str) -> frozenset:
@@ -30,41 +31,45 @@ def declared_capabilities(obj, where: str) -> frozenset:
 
 
 def validate_kind(kind, budget, where: str) -> None:
-    """Check a subject's ``kind`` and ``budget`` (see ``KINDS`` and ``Budget``).
+    """Check a subject's ``kind`` and ``budget`` by the facts of the declared kind's class
+    (``kinds.declaration_of``: ``needs_budget``, ``token_bound``, ``budget_keys``, ``compresses``).
 
     Raises:
         SpecError: an unknown kind (closest known named), a lossy/evicting subject without a budget, an exact one
             with a budget, a budget that is not valid (``Budget.from_mapping``), ``tokens_max`` missing for an
             evicting subject or given for a lossy one.
     """
+    known = declared_kinds()
     if not isinstance(kind, str):
-        raise SpecError(f"{where}: kind must be one of {', '.join(KINDS)}; got {kind!r}")
-    _check_names(where, "kind", {kind}, KINDS)
-    if kind == "exact":
+        raise SpecError(f"{where}: kind must be one of {', '.join(known)}; got {kind!r}")
+    _check_names(where, "kind", {kind}, known)
+    declared = declaration_of(kind)
+    bound = declared.token_bound
+    if not declared.needs_budget:
         if budget is not None:
             raise SpecError(f"{where}: a budget is only for a lossy or evicting subject; declare kind='lossy' or "
                             f"kind='evicting', or drop the budget")
         return
     if budget is None:
         raise SpecError(f"{where}: a {kind} subject needs a budget, e.g. budget={{'kl_max': 0.05, 'top1_min': 0.8"
-                        f"{', ' + repr('tokens_max') + ': 68' if kind == 'evicting' else ''}}} (mean KL(oracle ‖ "
-                        f"subject) in nats, top-1 agreement{', most tokens held' if kind == 'evicting' else ''})")
-    budget = Budget.from_mapping(budget, where, kind)
-    if kind == "evicting" and budget.tokens_max is None and budget.keep_ratio is None:
+                        f"{', ' + repr('tokens_max') + ': 68' if bound else ''}}} (mean KL(oracle ‖ "
+                        f"subject) in nats, top-1 agreement{', most tokens held' if bound else ''})")
+    budget = Budget.from_mapping(budget, where, declared.budget_keys)
+    if bound and budget.tokens_max is None and budget.keep_ratio is None:
         raise SpecError(f"{where}: an evicting subject's budget needs tokens_max (the most tokens it holds per row "
                         f"and attention layer, e.g. sinks + window) or keep_ratio (the share of the tokens past "
                         f"tokens_exact it keeps, for a cache that evicts a share at every step)")
-    if kind == "evicting" and budget.tokens_exact is not None and budget.keep_ratio is None:
+    if bound and budget.tokens_exact is not None and budget.keep_ratio is None:
         raise SpecError(f"{where}: tokens_exact goes with keep_ratio (a cache evicting a share of its tokens); a "
                         f"cache with a fixed bound is exact up to tokens_max")
-    if kind == "evicting" and not budget.saves_memory:
+    if bound and not budget.saves_memory:
         raise SpecError(f"{where}: saves_memory is for lossy and press subjects; an evicting subject's memory is "
                         f"bounded by its token bound")
     extra = [k for k in ("tokens_max", "keep_ratio", "tokens_exact") if getattr(budget, k) is not None]
-    if kind in ("lossy", "press") and extra:
+    if not bound and extra:
         raise SpecError(f"{where}: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} for evicting subjects; a "
                         f"{kind} subject has no token bound (declare kind='evicting' if it evicts tokens)")
-    if kind in ("lossy", "press") and not budget.saves_memory and budget.bytes_ratio_max is not None:
+    if declared.compresses and not budget.saves_memory and budget.bytes_ratio_max is not None:
         raise SpecError(f"{where}: saves_memory=False promises no memory saving, so bytes_ratio_max has nothing to "
                         f"bound; drop one of them")
 
@@ -78,7 +83,7 @@ def declared_kind(obj, where: str) -> tuple:
     Raises:
         SpecError: more than one ``kvconform_<kind>`` attribute.
     """
-    declared = [(kind, value) for kind in KINDS if kind != "exact"
+    declared = [(kind, value) for kind in declared_kinds() if declaration_of(kind).needs_budget
                 if (value := getattr(obj, f"kvconform_{kind}", None)) is not None]
     if len(declared) > 1:
         raise SpecError(f"{where}: declares both {' and '.join(f'kvconform_{k}' for k, _ in declared)}; a subject "

@@ -25,10 +25,14 @@ for that kind (``@register(..., unjudged=...)``) or else the kind's own (``Kind.
 more than ``tokens_max`` tokens.
 
 Each kind is a ``Kind`` subclass that owns its facts as class attributes (``name``, ``target``, ``declares``,
-``precedence``, ``judged_by_default``) and registers itself when it is defined (``__init_subclass__``, as
-transformers' cache layers do): ``KINDS``, ``KIND_NAMES``, ``DECLARED_KINDS``, ``DEFAULT_JUDGES`` and ``kind_of`` are
-derived from the registered classes. Adding a kind: one subclass here (plus, for a declared budget, its rules in
-``declare.validate_kind``) and ``judges=`` on the checks that judge it.
+``precedence``, ``judged_by_default``, and what it promises: ``lossy``, ``needs_budget``, ``token_bound``,
+``budget_keys``, ``compresses``, ``quantizes``, ``evicts``, ``presses``) and registers itself when it is defined
+(``__init_subclass__``, as transformers' cache layers do): ``KINDS``, ``KIND_NAMES``, ``declared_kinds()``,
+``DEFAULT_JUDGES``, ``ALL_KINDS``, ``LOSSY_KINDS`` and ``kind_of`` are derived from the registered classes when they
+are asked, so a kind defined later is in them. The base class reads the facts (``Kind.budgeted`` asks the class the
+subject declares, ``declaration_of``); no module compares kind names. Checks select kinds by these facts
+(``@register(..., judges=LOSSY_KINDS)``, ``facts={"compresses": ...}``), so adding a kind is one subclass here: the
+declaration's budget rules (``declare.validate_kind``) and every check that selects by a fact follow its attributes.
 """
 
 from __future__ import annotations
@@ -65,6 +69,27 @@ class Kind:
     declares: str | None = None
     precedence = 0
     judged_by_default = True
+    lossy = False
+    """Its logits differ from the exact model's by design (every kind but ``exact``): judged by quality, and by the
+    exactness checks of ``checks/batch.py`` (``LOSSY_KINDS``)."""
+    needs_budget = False
+    """A subject declaring this kind (``declares``) declares a quality ``Budget`` in place of exactness (a subject of
+    a kind without it may not have one); ``Kind.budgeted`` asks the declared kind's class."""
+    token_bound = False
+    """Its budget bounds the tokens it holds (``tokens_max``, or ``keep_ratio`` past ``tokens_exact``): one of them is
+    required, and its memory is bounded by them (``saves_memory`` is not its to give)."""
+    budget_keys: tuple = ()
+    """The ``Budget`` keys a subject declaring this kind may give (``Budget.from_mapping`` lists them)."""
+    compresses = False
+    """Its held bytes must be fewer than an exact cache's (``check_compression_real``), unless its budget says
+    ``saves_memory=False``."""
+    quantizes = False
+    """A declaration of this kind says the cache quantizes what it holds (``kind="lossy"``): judged as a quantized
+    cache (``Kind.quantized``; the speed family's quantized budget)."""
+    evicts = False
+    """It drops tokens past its token bound (``token_bound``; judged by the evicting contract)."""
+    presses = False
+    """It keeps a subset of each prefill's tokens exactly (a KV press; judged by the press contract)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -95,22 +120,28 @@ class Kind:
         return getattr(self.subject, "twin", None) is not None
 
     @property
+    def declaration(self) -> type[Kind]:
+        """The kind class the subject declares (``declaration_of(self.declared)``): a subject with a twin is of kind
+        ``lossy_twin`` whatever it declares, and its declaration's facts (``needs_budget``, ``quantizes``) still
+        apply."""
+        return declaration_of(self.declared)
+
+    @property
     def declared_lossy(self) -> bool:
-        """Whether it declares ``kind="lossy"`` (``kvconform_lossy``)."""
-        return self.declared == "lossy"
+        """Whether its declaration says it quantizes (``kind="lossy"``, ``kvconform_lossy``: the declared class's
+        ``quantizes``)."""
+        return self.declaration.quantizes
+
+    @property
+    def quantized(self) -> bool:
+        """Whether it is judged as a quantized cache: it declares so (``declared_lossy``) or has a fake-quant twin."""
+        return self.declared_lossy or self.has_twin
 
     @property
     def budgeted(self) -> bool:
-        """Whether it declares a quality budget in place of exactness (lossy, evicting or press)."""
-        return self.declared in ("lossy", "evicting", "press")
-
-    @property
-    def compresses(self) -> bool:
-        """Whether its held bytes must be fewer than an exact cache's (declared lossy or press, or exact with a
-        twin), unless its budget says it promises no memory saving (``Budget.saves_memory`` False)."""
-        if not self.saves_memory:
-            return False
-        return self.declared in ("lossy", "press") or (self.declared == "exact" and self.has_twin)
+        """Whether it declares a quality budget in place of exactness (its declared class's ``needs_budget``: lossy,
+        evicting or press)."""
+        return self.declaration.needs_budget
 
     @property
     def saves_memory(self) -> bool:
@@ -118,20 +149,9 @@ class Kind:
         return bool(getattr(getattr(self.subject, "budget", None), "saves_memory", True))
 
     @property
-    def evicts(self) -> bool:
-        """Whether it declares ``kind="evicting"``."""
-        return self.declared == "evicting"
-
-    @property
-    def presses(self) -> bool:
-        """Whether it declares ``kind="press"`` (it keeps a subset of each prefill's tokens exactly)."""
-        return self.declared == "press"
-
-    @property
     def exact(self) -> bool:
-        """Whether it promises the exact logits (kind ``exact`` without a twin): the identity-op and padded-row
-        exactness checks (the exactness section of ``checks/batch.py``) are for every other kind."""
-        return self.declared == "exact" and not self.has_twin
+        """Whether it promises the exact logits (not ``lossy``: kind ``exact``, without a twin)."""
+        return not self.lossy
 
     @property
     def tokens_max(self) -> int | None:
@@ -184,8 +204,10 @@ class Kind:
         """Why an item of ``check`` (a ``CheckInfo``) on ``case`` does not apply to this kind, or None. Consulted
         only for checks whose ``judges`` do not name this kind. ``held()``: the most tokens per row the case makes
         a cache hold (``plan.most_tokens_held``), asked only where the kind needs it. By default the reason the
-        check gives for this kind (``CheckInfo.unjudged_reason``)."""
-        return self.check_reason(check)
+        check gives for this kind (``CheckInfo.unjudged_reason``), else that the check does not judge the kind (a
+        kind defined after the check, which the check's ``judges`` do not name)."""
+        return self.check_reason(check) or (f"{self.subject.name} is of kind {self.name!r}, which this check does not "
+                                            f"judge (its @register(judges=...) does not name it)")
 
     def check_reason(self, check, kind: str | None = None) -> str | None:
         """The reason ``check`` gives for not judging this kind (``@register(..., unjudged=...)``; ``kind``: look it
@@ -219,6 +241,8 @@ class LossyWithTwin(Kind):
     name = LOSSY_TWIN
     target = TWIN
     precedence = 1
+    lossy = True
+    compresses = True
 
     @classmethod
     def claims(cls, subject) -> bool:
@@ -237,6 +261,11 @@ class SelfConsistent(Kind):
     target = FRESH
     declares = "lossy"
     precedence = 2
+    lossy = True
+    needs_budget = True
+    budget_keys = ("kl_max", "top1_min", "bytes_ratio_max", "saves_memory")
+    compresses = True
+    quantizes = True
 
     def not_judged(self, check, case, held) -> str | None:
         return self.check_reason(check, LOSSY_FRESH) or _generate_tokens_reason(self.subject.name, twin=False)
@@ -249,6 +278,11 @@ class Evicting(Kind):
     name = EVICTING
     declares = "evicting"
     judged_by_default = False
+    lossy = True
+    needs_budget = True
+    token_bound = True
+    budget_keys = ("kl_max", "top1_min", "bytes_ratio_max", "tokens_max", "keep_ratio", "tokens_exact")
+    evicts = True
 
     @property
     def target(self) -> str:  # type: ignore[override]
@@ -268,7 +302,7 @@ class Evicting(Kind):
             if most > limit:
                 return (f"{self.subject.name} evicts past {limit} tokens and case {case.id} makes it hold up to "
                         f"{most}: judged by quality and the memory bound, not against the exact oracle")
-        if self.has_twin and LOSSY_TWIN not in check.judges:
+        if self.has_twin and not check.judges_kind(LossyWithTwin(self.subject)):
             return LossyWithTwin(self.subject).not_judged(check, case, held)
         return None
 
@@ -282,6 +316,8 @@ class Press(SelfConsistent):
     name = PRESS
     declares = "press"
     precedence = 0
+    quantizes = False
+    presses = True
 
     def not_judged(self, check, case, held) -> str | None:
         reason = super().not_judged(check, case, held)
@@ -289,21 +325,86 @@ class Press(SelfConsistent):
 
 
 KIND_NAMES = tuple(KINDS)
-"""The names a check may give in ``@register(..., judges=...)``, in the order the kinds are defined."""
+"""The package's kinds' names, in the order the kinds are defined (a kind defined later is in ``KINDS``; the checks
+validate ``judges=`` names against ``KINDS``)."""
 
-ALL_KINDS = frozenset(KIND_NAMES)
+
+class KindSet:
+    """The names of the registered kinds whose class has a fact (``pick(cls) -> bool``), read when asked: a kind
+    defined after a check was registered is in the set when its class has the fact. Iterates like a set of names
+    (definition order) and compares equal to a set with the same names.
+
+    Attributes:
+        doc: what the set is, in words (for messages).
+        pick: ``pick(kind class) -> bool``.
+    """
+
+    def __init__(self, doc: str, pick: Callable[[type[Kind]], bool]):
+        self.doc = doc
+        self.pick = pick
+
+    def __contains__(self, name) -> bool:
+        cls = KINDS.get(name) if isinstance(name, str) else None
+        return cls is not None and bool(self.pick(cls))
+
+    def __iter__(self):
+        return iter([name for name, cls in KINDS.items() if self.pick(cls)])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (KindSet, set, frozenset)):
+            return frozenset(self) == frozenset(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __sub__(self, other) -> frozenset:
+        return frozenset(self) - frozenset(other)
+
+    def __repr__(self) -> str:
+        return f"KindSet({self.doc}: {', '.join(self)})"
+
+
+ALL_KINDS = KindSet("every kind", lambda cls: True)
 """``judges=ALL_KINDS``: the check judges every kind as such, at any length (quality, speed)."""
 
-DEFAULT_JUDGES = frozenset(name for name, cls in KINDS.items() if cls.judged_by_default)
-"""What a check judges unless it declares ``judges``: every kind but ``evicting`` (an evicting subject then gets the
-check's cases that never make it hold more than ``tokens_max`` tokens, where it must be exact)."""
+DEFAULT_JUDGES = KindSet("every kind judged by default", lambda cls: cls.judged_by_default)
+"""What a check judges unless it declares ``judges``: every kind whose ``judged_by_default`` is set — every kind but
+``evicting`` (an evicting subject then gets the check's cases that never make it hold more than ``tokens_max``
+tokens, where it must be exact)."""
+
+LOSSY_KINDS = KindSet("every lossy kind", lambda cls: cls.lossy)
+"""``judges=LOSSY_KINDS``: the kinds whose ``lossy`` is set (every kind but ``exact``)."""
+
+FRESH_KINDS = KindSet("every kind compared with a fresh instance", lambda cls: cls.target == FRESH)
+"""``judges=FRESH_KINDS``: the kinds a check compares with a fresh instance of the subject's class (``target``
+``FRESH``: lossy without a twin, press)."""
 
 DECLARED_KINDS = tuple(cls.declares for cls in KINDS.values() if cls.declares is not None)
-"""What a subject may declare as its ``CacheSpec.kind`` (``kind="..."``, or a ``kvconform_<kind> = {budget}``
-attribute on a Cache subclass or factory for every kind but exact), the registered kinds' ``declares``;
-``kind_of`` maps a declaration (with its twin, if any) to a ``Kind``."""
+"""The package's declarable kinds (``declared_kinds()`` when the session is built: a kind defined later included)."""
 
-_BY_PRECEDENCE = sorted(KINDS.values(), key=lambda cls: cls.precedence)
+
+def declared_kinds() -> tuple:
+    """What a subject may declare as its ``CacheSpec.kind`` (``kind="..."``, or a ``kvconform_<kind> = {budget}``
+    attribute on a Cache subclass or factory for every kind whose ``needs_budget`` is set): the registered kinds'
+    ``declares``, in definition order. ``kind_of`` maps a declaration (with its twin, if any) to a ``Kind``."""
+    return tuple(cls.declares for cls in KINDS.values() if cls.declares is not None)
+
+
+def declaration_of(declared) -> type[Kind]:
+    """The kind class whose ``declares`` is ``declared`` (a ``CacheSpec.kind``); ``Exact`` for anything else (an
+    undeclared or not yet validated value)."""
+    return next((cls for cls in KINDS.values() if cls.declares is not None and cls.declares == declared), Exact)
+
+
+def exact_kind(name: str) -> bool:
+    """Whether ``name`` (a ``Kind.name``, e.g. read back from a report) is a registered kind that is not ``lossy``;
+    False for an unknown name."""
+    cls = KINDS.get(name)
+    return cls is not None and not cls.lossy
 
 
 def kind_of(subject) -> Kind:
@@ -311,20 +412,52 @@ def kind_of(subject) -> Kind:
     fields; missing ones mean exact, no twin, no budget): the first registered kind, in ``precedence`` order, that
     ``claims`` it — ``Evicting`` when it declares ``kind="evicting"``, ``Press`` when it declares ``kind="press"``,
     ``LossyWithTwin`` when it has a twin, ``SelfConsistent`` when it declares ``kind="lossy"``, else ``Exact``."""
-    return next(cls for cls in _BY_PRECEDENCE if cls.claims(subject))(subject)
+    ordered = sorted(KINDS.values(), key=lambda cls: cls.precedence)  # stable: definition order within a precedence
+    return next(cls for cls in ordered if cls.claims(subject))(subject)
 
 
-def check_judges(judges) -> frozenset:
-    """``judges`` of ``@register`` as a frozenset of ``KIND_NAMES``.
+def check_judges(judges):
+    """``judges`` of ``@register``: a ``KindSet`` as it is (read when asked), else a frozenset of ``KINDS`` names.
 
     Raises:
         TypeError: a name that is not a kind (naming the known ones), or a bare string.
     """
+    if isinstance(judges, KindSet):
+        return judges
     if isinstance(judges, str):
         raise TypeError(f"register(judges=...): give a collection of kind names, e.g. ({judges!r},)")
     out = frozenset(judges)
-    unknown = sorted(out - ALL_KINDS)
+    unknown = sorted(n for n in out if n not in KINDS)
     if unknown:
         raise TypeError(f"register(judges=...): unknown kind(s) {', '.join(map(repr, unknown))}; known: "
-                        f"{', '.join(KIND_NAMES)}")
+                        f"{', '.join(KINDS)}")
     return out
+
+
+def check_facts(facts) -> dict:
+    """``facts`` of ``@register`` (``{fact: reason}``) as a dict, each fact a bool attribute of ``Kind`` and each
+    reason a string (``{subject}``: the subject's name) or ``{kind name or "*": string}``.
+
+    Raises:
+        TypeError: a fact that is no attribute of ``Kind``, or a reason of another type.
+    """
+    out = dict(facts or {})
+    for fact, reason in out.items():
+        if not isinstance(fact, str) or not hasattr(Kind, fact):
+            raise TypeError(f"register(facts=...): {fact!r} is not a fact of a kind (an attribute of "
+                            f"kvconform.subjects.kinds.Kind, e.g. 'lossy', 'compresses', 'has_twin')")
+        if not isinstance(reason, (str, dict)):
+            raise TypeError(f"register(facts=...): the reason for {fact!r} must be a string or a dict of kind "
+                            f"names to strings, got {reason!r}")
+    return out
+
+
+def lacks_fact(kind: Kind, facts: dict) -> str | None:
+    """The reason (``facts``' of the check) why ``kind`` does not have a fact the check needs of the subject's kind
+    (``@register(..., facts=...)``), the subject's name filled in; None when it has them all."""
+    for fact, reason in facts.items():
+        if not getattr(kind, fact):
+            text = reason if isinstance(reason, str) else reason.get(kind.name, reason.get("*"))
+            text = text or f"{{subject}}'s kind ({kind.name}) is not {fact.replace('_', ' ')}"
+            return text.replace("{subject}", kind.subject.name)
+    return None

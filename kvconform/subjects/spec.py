@@ -119,9 +119,10 @@ class Budget:
         return text + (f", at most {self.tokens_max} (tokens_max)" if self.tokens_max is not None else "")
 
     @classmethod
-    def from_mapping(cls, value, where: str, subject_kind: str | None = None) -> "Budget":
-        """A ``Budget`` from a ``Budget`` or a dict of its fields. ``subject_kind`` (``"lossy"``, ``"evicting"``,
-        ``"press"``) only narrows the keys a message lists: ``tokens_max`` belongs to evicting subjects.
+    def from_mapping(cls, value, where: str, keys: tuple | None = None) -> "Budget":
+        """A ``Budget`` from a ``Budget`` or a dict of its fields. ``keys``: the keys the subject's declared kind
+        takes (``Kind.budget_keys``; None: every key) only narrows the keys a message lists (``tokens_max`` belongs
+        to a kind with a token bound).
 
         Raises:
             SpecError: not a dict/Budget, unknown keys (with the closest known), missing ``kl_max``/``top1_min``, or
@@ -131,15 +132,14 @@ class Budget:
 
         if isinstance(value, Budget):
             value = dataclasses.asdict(value)
-        keys = [k for k in BUDGET_KEYS if k not in EVICTING_KEYS or subject_kind in (None, "evicting")]
-        keys = [k for k in keys if k != "saves_memory" or subject_kind != "evicting"]
+        listed = [k for k in BUDGET_KEYS if keys is None or k in keys]
         if not isinstance(value, Mapping):
-            example = ("{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if subject_kind == "evicting" else "")
-                       + "}")
-            only = " (tokens_max: evicting subjects only)" if subject_kind is None else ""
-            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(keys)}{only}, e.g. {example}; "
+            bound = keys is not None and "tokens_max" in keys
+            example = "{'kl_max': 0.05, 'top1_min': 0.8" + (", 'tokens_max': 68" if bound else "") + "}"
+            only = " (tokens_max: evicting subjects only)" if keys is None else ""
+            raise SpecError(f"{where}: the budget must be a dict with keys {', '.join(listed)}{only}, e.g. {example}; "
                             f"got {value!r}")
-        _check_names(where, "budget keys", set(value), BUDGET_KEYS, listed=keys)
+        _check_names(where, "budget keys", set(value), BUDGET_KEYS, listed=listed)
         missing = [k for k in ("kl_max", "top1_min") if k not in value]
         if missing:
             raise SpecError(f"{where}: the budget needs {' and '.join(missing)} (e.g. {{'kl_max': 0.05, "

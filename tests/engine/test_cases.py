@@ -112,12 +112,49 @@ def test_every_builtin_case_satisfies_its_checks_schema_and_rules_live_in_the_re
     registry = load_checks()
     cases = load_cases(known_checks=registry)  # raises CaseFileError on any violation
     assert {c.check for c in cases} <= set(registry)
-    lossy = {name for name, info in registry.items() if info.applies is not None
-             and getattr(info.applies, "__name__", "") == "lossy_only"}
-    assert lossy == {"check_generate_vs_twin"}
-    assert registry["check_reorder_after_flush"].applies.__name__ == "_lossy_subject"  # twin or kind="lossy"
-    budgeted = {name: getattr(info.applies, "__name__", None) for name, info in registry.items()
-                if info.family == "quality"}
-    assert budgeted == {"check_quality_budget": "budgeted", "check_compression_real": "compressing",
-                        "check_memory_bound": None}  # evicting subjects only: judges=(EVICTING,)
+    # no applies= rule selects a kind: the checks that need a fact of the subject's kind name it (facts=)
+    facts = {name: tuple(info.facts) for name, info in registry.items() if info.facts}
+    assert facts == {"check_generate_vs_twin": ("has_twin",), "check_reorder_after_flush": ("quantized",),
+                     "check_quality_budget": ("lossy",), "check_compression_real": ("compresses",)}
+    quality = {name: getattr(info.applies, "__name__", None) for name, info in registry.items()
+               if info.family == "quality"}
+    assert quality == {"check_quality_budget": "_declares_no_budget", "check_compression_real": "_compression_judged",
+                       "check_memory_bound": None}  # evicting subjects only: judges=(EVICTING,)
     assert not [name for name, info in registry.items() if hasattr(info.fn, "kvconform_applies")]
+
+
+def test_params_are_built_once_at_load_typed_with_every_default_from_the_schema():
+    """``case.params`` is a ``cases.Params`` built from the check's schema: each key of its type (a number key
+    given as an int is a float), each omitted key's default filled in from the schema (the one place it is
+    written), read as attributes with no re-cast; a key outside the schema is an AttributeError."""
+    from kvconform.cases import Params, load_cases
+    from kvconform.checks import load_checks
+
+    registry = load_checks()
+    cases = load_cases(known_checks=registry)
+    for case in cases:
+        schema = registry[case.check].params
+        assert isinstance(case.params, Params)
+        for key, param in schema.items():
+            value = getattr(case.params, key)
+            if key not in case.params:
+                assert value is None and param.default is None, (case.id, key)
+            elif float in param.types and int not in param.types:
+                assert isinstance(value, float), (case.id, key, value)
+    speed = next(c for c in cases if c.check == "check_speed_vs_uncached")
+    assert isinstance(speed.params.min_speedup, float) and isinstance(speed.params.context, int)
+    identity = next(c for c in cases if c.check == "check_identity_ops")
+    assert identity.params.decode == registry["check_identity_ops"].params["decode"].default
+    with pytest.raises(AttributeError, match="no key 'decoed'"):
+        identity.params.decoed  # noqa: B018 - the read is the test
+    assert dict(Params({"a": 1})) == {"a": 1} and Params({"a": 1}).a == 1
+
+
+def test_one_dtype_table_is_read_by_cases_oracle_and_reports():
+    from kvconform import cases, oracle, report
+
+    assert cases.DTYPES == tuple(oracle.DTYPES) == report._DTYPE_ORDER
+    assert {n: d.short for n, d in oracle.DTYPES.items()} == {"float32": "fp32", "float64": "fp64",
+                                                               "bfloat16": "bf16", "float16": "fp16"}
+    assert oracle.dtype_tolerance("bfloat16") == oracle.DTYPES["bfloat16"].tolerance
+    assert (oracle.DTYPES["bfloat16"].exact_integers, oracle.DTYPES["float16"].exact_integers) == (256, 2048)

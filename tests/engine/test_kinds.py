@@ -139,3 +139,58 @@ def test_no_module_outside_the_subjects_package_reads_a_subjects_kind_or_twin():
                         else getattr(owner, "id", None)) in ("subject", "spec"):
                     found.append(f"{rel}:{node.lineno} .{node.attr}")
     assert not found, found
+
+
+def test_a_new_kind_defined_by_a_class_alone_is_judged_by_every_family_that_judges_its_facts():
+    """A kind added as the Recipes say — one ``Kind`` subclass, nothing else edited — is declared, validated and
+    judged by every check that selects kinds by a fact (quality included: a budgeted kind that compresses gets
+    ``check_quality_budget`` and ``check_compression_real``), exactly where a subject declaring ``kind="lossy"``
+    (the built-in kind with the same facts but ``quantizes``) is."""
+    import dataclasses
+
+    from kvconform.cases import load_cases
+    from kvconform.checks import load_checks
+    from kvconform.session import model_info, skip_reason
+    from kvconform.subjects import CAPABILITIES, kinds
+    from kvconform.subjects.declare import declared_kind, validate_spec
+
+    class Sketched(kinds.Kind):  # a low-rank sketch of the keys/values: budgeted, compressing, checked by a fresh copy
+        name = "sketched"
+        declares = "sketched"
+        target = FRESH
+        lossy = True
+        needs_budget = True
+        budget_keys = ("kl_max", "top1_min", "bytes_ratio_max", "saves_memory")
+        compresses = True
+
+    try:
+        every = frozenset(CAPABILITIES)
+        new = CacheSpec("Sk", _factory, capabilities=every, kind="sketched", budget=LOSSY)
+        validate_spec(new, "test")  # the declaration is known and its budget checked by the class's facts
+        with pytest.raises(Exception, match="needs a budget"):
+            validate_spec(dataclasses.replace(new, budget=None), "test")
+
+        class Declared:
+            kvconform_sketched = {"kl_max": 0.1, "top1_min": 0.5}
+
+        assert declared_kind(Declared, "Declared") == ("sketched", {"kl_max": 0.1, "top1_min": 0.5})
+        kind = kind_of(new)
+        assert kind.name == "sketched" and kind.budgeted and kind.compresses and not kind.exact
+        same = CacheSpec("Sk", _factory, capabilities=every, kind="lossy", budget=LOSSY)
+
+        registry, info = load_checks(), model_info("llama")
+        first = {}
+        for case in load_cases(known_checks=registry):
+            first.setdefault(case.check, case)
+        judged_new = {name for name, check in registry.items() if name in first
+                      and skip_reason(new, info, check, first[name]) is None}
+        judged_lossy = {name for name, check in registry.items() if name in first
+                        and skip_reason(same, info, check, first[name]) is None}
+        # the one difference is a fact: a sketch does not quantize (``quantizes`` unset), so the residual flush of
+        # a quantized cache is not its check
+        assert judged_lossy - judged_new == {"check_reorder_after_flush"} and judged_new <= judged_lossy
+        assert {"check_quality_budget", "check_compression_real"} <= judged_new  # the quality family judges it
+        families = {registry[name].family for name in judged_new}
+        assert {"quality", "batch", "generate", "logits", "speed"} <= families, families
+    finally:
+        kinds.KINDS.pop("sketched", None)

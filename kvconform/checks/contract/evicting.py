@@ -144,7 +144,7 @@ def _max_abs(a, b) -> float:
 def check_evicting_bounds(ctx):
     """Past ``tokens_max``: the forward that brings the cache past it is exact, ``get_seq_length()`` counts the
     tokens seen, and each attention layer holds at most ``tokens_max`` tokens per row after every forward."""
-    T, over = _tokens_max(ctx), int(ctx.case.params["over"])
+    T, over = _tokens_max(ctx), ctx.case.params.over
     gen = case_generator(ctx.case, ctx.model.name)
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
@@ -255,7 +255,7 @@ def check_evicting_crop(ctx):
     """After eviction, ``crop(-k)`` leaves the cache exactly as a fresh instance fed all but the last ``k`` tokens
     (judged on the next step's logits), or is refused with a clear error that changes nothing."""
 
-    T, over, k = _tokens_max(ctx), int(ctx.case.params["over"]), int(ctx.case.params["crop"])
+    T, over, k = _tokens_max(ctx), ctx.case.params.over, ctx.case.params.crop
     gen = case_generator(ctx.case, ctx.model.name)
     enc = encoder_ids_for(ctx, gen)
     B = ctx.case.batch
@@ -332,10 +332,10 @@ def check_evicting_ops(ctx):
     same forwards on the permuted / selected / repeated rows; a new sequence; the same sequence)."""
     import torch
 
-    op = ctx.case.params["op"]
+    op = ctx.case.params.op
     if _NEEDS[op] not in ctx.subject.capabilities:
         raise CheckSkipped(f"{ctx.subject.name} does not declare capability '{_NEEDS[op]}'")
-    T, over = _tokens_max(ctx), int(ctx.case.params["over"])
+    T, over = _tokens_max(ctx), ctx.case.params.over
     gen = case_generator(ctx.case, ctx.model.name)
     B = ctx.case.batch
     enc = encoder_ids_for(ctx, gen)
@@ -580,7 +580,7 @@ def check_evicting_held_exact(ctx):
     if ctx.model.image is not None:
         raise CheckSkipped("the held-token oracle moves text tokens only; a vision-language prompt starts with an "
                            "image")
-    T, over, decode = _tokens_max(ctx), int(ctx.case.params["over"]), int(ctx.case.params["decode"])
+    T, over, decode = _tokens_max(ctx), ctx.case.params.over, ctx.case.params.decode
     gen = case_generator(ctx.case, ctx.model.name)
     B = ctx.case.batch
     program = [("prefill", T + over), ("decode", decode), ("chunk", 3), ("decode", 2)]

@@ -80,8 +80,8 @@ def check_press_contract(ctx):
     from kvconform.reference import ReferenceCache
 
     params = ctx.case.params
-    prompts = [int(p) for p in params.get("prompts", [1, 2, 3, 12])]
-    steps, chunk = int(params.get("decode", 3)), int(params.get("chunk", 4))
+    prompts = list(params.prompts)
+    steps, chunk = params.decode, params.chunk
     gen = case_generator(ctx.case, ctx.model.name)
     enc = encoder_ids_for(ctx, gen)
     B, tol = ctx.case.batch, ctx.tolerance()
