@@ -96,12 +96,18 @@ class CropCounter:
           params={"mode": Param(str, required=True, choices=("prompt_lookup", "assisted"),
                                 doc="which candidate generator: prompt lookup, or a draft model"),
                   "candidates": Param(int, default=3, min=1, max=16,
-                                      doc="prompt_lookup_num_tokens (prompt lookup) / num_assistant_tokens")})
+                                      doc="prompt_lookup_num_tokens (prompt lookup) / num_assistant_tokens"),
+                  "subject_is": Param(str, default="target_cache", choices=("target_cache", "draft_cache"),
+                                      doc="whose cache the subject is: the target model's, or (mode assisted) the "
+                                          "draft model's")})
 def check_speculative_greedy(ctx):
     """Greedy ``generate`` with transformers' candidate generator (prompt lookup or a draft model) and the subject
     as the target's cache gives the tokens of ``generate(use_cache=False)``, and the run rolled the cache back at
-    least once."""
+    least once. With ``subject_is = "draft_cache"`` the subject is the draft model's cache instead
+    (``_check_draft_cache``)."""
     case = ctx.case
+    if case.params.get("subject_is", "target_cache") == "draft_cache":
+        return _check_draft_cache(ctx)
     mode, k = case.params["mode"], int(case.params["candidates"])
     prompt = _prompt(ctx)
     extra = ({"prompt_lookup_num_tokens": k} if mode == "prompt_lookup"
@@ -128,6 +134,110 @@ def check_speculative_greedy(ctx):
                                             "(see the exception)"],
                  {"raised": type(exc).__name__, "crops": counter.crops, "rollbacks": counter.rollbacks})
     _judge(ctx, seq, prompt, counter, ops, mode)
+
+
+def _check_draft_cache(ctx):
+    """The subject as the draft model's cache in ``generate(assistant_model=draft)`` (the target's cache a
+    ``DynamicCache``). The target verifies every candidate, so the tokens cannot show a wrong draft cache: the
+    drafts themselves are judged — the target's input ids at each verification forward (the last token and the
+    draft's candidates) must be those of the same run with kvconform's ``ReferenceCache`` as the draft's cache —, and
+    the tokens against ``generate(use_cache=False)`` as in the target role. The draft's cache is handed to the
+    draft's own ``generate`` (transformers threads it through the assistant's kwargs, starting from none: kvconform's
+    draft model is given it on its first call); the draft's crops are counted."""
+    from kvconform.reference import ReferenceCache
+
+    case = ctx.case
+    if case.params["mode"] != "assisted":
+        raise CheckSkipped("prompt lookup has no draft model, so there is no draft's cache to judge")
+    if ctx.model.name not in _zoo_names():
+        raise CheckSkipped(f"the draft of {ctx.model.name} is the zoo's llama, whose cache the subject would be "
+                           f"built for a model it was not built for; the draft-cache role runs on zoo models")
+    cache = ctx.new_cache()  # the draft is the same zoo family: the same config shapes
+    if getattr(cache, "is_croppable", True) is False:
+        raise CheckSkipped(f"{ctx.subject.name} reports is_croppable = False on {ctx.model.name}: assisted "
+                           f"decoding crops the draft's cache after every step, which it cannot")
+    counter = CropCounter(cache)
+    prompt = _prompt(ctx)
+    k = int(case.params["candidates"])
+    ops = (f"generate(prompt {prompt.shape[1]}, greedy, max_new_tokens={case.max_new_tokens}, assistant_model=draft, "
+           f"{k} candidates a step), the subject as the draft's cache")
+    try:
+        seq, fed = _run_assisted(ctx, prompt, k, cache)
+    except Exception as exc:  # noqa: BLE001 - the subject's failure, named with the op that raised
+        err = SubjectRaised("generate", exc)
+        ctx.fail([f"assisted generate with the subject as the draft's cache raised {describe_raise(err)}",
+                  f"ops: {ops}", f"likely cause: the draft's crop() after {counter.crops} crop(s) left the cache in a "
+                                 f"state the draft's next step cannot use" if counter.rollbacks else
+                  "likely cause: the cache lacks something the draft's generate calls (see the exception)"],
+                 {"raised": type(exc).__name__, "crops": counter.crops, "rollbacks": counter.rollbacks})
+    _, expected = _run_assisted(ctx, prompt, k, ReferenceCache(config=ctx.model.model.config))
+    ctx.measured.record(rollbacks=counter.rollbacks, tokens_rolled_back=counter.removed)
+    ctx.metrics.update(role="draft_cache", draft_steps=len(fed))
+    if fed != expected:
+        step = next(i for i, (a, b) in enumerate(zip(fed + [None] * len(expected), expected + [None] * len(fed)))
+                    if a != b)
+        ctx.fail([f"the draft proposed other tokens with the subject as its cache than with kvconform's "
+                  f"ReferenceCache: at verification step {step} the target was fed "
+                  f"{fed[step] if step < len(fed) else 'nothing'} (last token + candidates), with the reference "
+                  f"{expected[step] if step < len(expected) else 'nothing'}",
+                  f"ops: {ops}; {counter.rollbacks} rollback(s) of the subject",
+                  "likely cause: the draft's crop() after a step whose candidates the target rejected keeps a "
+                  "rejected candidate or drops an accepted token"],
+                 {"crops": counter.crops, "rollbacks": counter.rollbacks})
+    _judge(ctx, seq, prompt, counter, ops, "assisted")
+
+
+def _zoo_names():
+    from kvconform import zoo
+
+    return zoo.ALL_NAMES
+
+
+def _fed_recorder(model, fed: list):
+    """A forward pre-hook on ``model`` appending row 0 of each forward's input ids to ``fed`` (observes, changes
+    nothing); returns its handle."""
+
+    def record(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            fed.append(ids[0].tolist())
+
+    return model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def _run_assisted(ctx, prompt, k, draft_cache):
+    """``generate(assistant_model=draft)`` of the item's prompt with a ``DynamicCache`` as the target's cache and
+    ``draft_cache`` as the draft's (handed to the draft's ``generate`` on its first call, when transformers passes it
+    none). Returns the sequences and the target's input ids at each verification forward after the prefill."""
+    from transformers import DynamicCache
+
+    draft = _draft(ctx)
+    key = compat.cache_kwarg(draft)
+    original = draft.generate
+
+    def generate_with_cache(*args, **kwargs):
+        if kwargs.get(key) is None:
+            kwargs[key] = draft_cache
+        return original(*args, **kwargs)
+
+    fed: list = []
+    draft.generate = generate_with_cache  # this instance only, kvconform's own draft model
+    # the draft drafts all k candidates: by default it stops at a candidate it is less than 0.4 sure of, which a
+    # tiny random draft always is after its first, and one candidate a step leaves nothing to roll back in its cache
+    threshold = getattr(draft.generation_config, "assistant_confidence_threshold", None)
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    hook = _fed_recorder(ctx.model.model, fed)
+    try:
+        seq, _, _ = generate(ctx.model, prompt, ctx.case.max_new_tokens,
+                             compat.generate_cache_kwargs(DynamicCache(config=ctx.model.model.config),
+                                                          ctx.model.model),
+                             assistant_model=draft, num_assistant_tokens=k,
+                             num_assistant_tokens_schedule="constant")
+    finally:
+        hook.remove()
+        del draft.generate
+        draft.generation_config.assistant_confidence_threshold = threshold
+    return seq, fed[1:]
 
 
 def _judge(ctx, seq, prompt, counter, ops, mode):
@@ -323,13 +433,7 @@ def _run_mtp(ctx, prompt, mtp_cache, target):
 
     target = target if target is not None else DynamicCache(config=ctx.model.model.config)
     fed: list = []
-
-    def record(_module, args, kwargs):  # observes the model's inputs; changes nothing
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None:
-            fed.append(ids[0].tolist())
-
-    hook = ctx.model.model.register_forward_pre_hook(record, with_kwargs=True)
+    hook = _fed_recorder(ctx.model.model, fed)
     try:
         with _MtpSetup(ctx.model, mtp_cache):
             seq, _, _ = generate(ctx.model, prompt, ctx.case.max_new_tokens,
