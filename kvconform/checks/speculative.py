@@ -8,13 +8,21 @@ runs the real thing, with the subject as the target model's cache:
 * ``check_speculative_greedy``, ``params.mode = "prompt_lookup"``: ``generate(prompt_lookup_num_tokens=k)``
   (candidates copied from an earlier occurrence of the last n-gram; the prompt repeats one on purpose);
   ``"assisted"``: ``generate(assistant_model=draft)`` with a tiny draft of the same vocabulary: the zoo family built
-  from another seed, or the zoo's llama for a model outside the zoo (it disagrees often, so most steps roll back).
+  from another seed, or the zoo's llama for a model outside the zoo (it disagrees often, so most steps roll back);
+  with ``params.subject_is = "draft_cache"`` the subject is the draft's cache instead;
+* ``check_speculative_mtp``: ``generate(use_mtp=True)`` on a model with MTP layers (the zoo's ``glm4_mtp``), the
+  subject the model's cache or, for an ``MtpCache``, the MTP layers' cache.
+
+A draft's cache cannot change the tokens (the target verifies every candidate), so where the subject is a draft's
+cache the candidates themselves are judged: the target's input ids at each verification forward against the same
+run with a reference draft cache.
 
 Greedy speculative decoding must produce exactly the tokens of greedy decoding without a cache
 (``generate(use_cache=False)`` at the case dtype; the float64 oracle's greedy is named when they differ). Every
 ``crop`` the generator makes is counted (``metrics["crops"]``), and those that remove tokens are rollbacks
-(``metrics["rollbacks"]``, with ``tokens_rolled_back``): an item whose run never rolled back measured nothing and
-fails saying so, rather than passing. Batch 1: transformers' candidate generators decode one row.
+(``metrics["rollbacks"]``, with ``tokens_rolled_back``, also in the item's ``Measured``): an item whose run never
+rolled back measured nothing and fails as blind (``Measured.blind``), rather than passing. Batch 1: transformers'
+candidate generators decode one row.
 """
 
 from __future__ import annotations
@@ -344,14 +352,15 @@ class _MtpSetup:
         model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n_layers + k}\..*"
                                                     for k in range(mtp_layers(config))]
         if self.mtp_cache is not None:
-            cache_utils.MtpCache = lambda *args, **kwargs: self.mtp_cache
+            setattr(cache_utils, "MtpCache", lambda *args, **kwargs: self.mtp_cache)  # noqa: B010 - a class slot
         return self
 
     def __exit__(self, *exc):
         from transformers import cache_utils
 
         model = self.zm.model
-        model.config.name_or_path, model.config.dtype, ignore, cache_utils.MtpCache = self.saved
+        model.config.name_or_path, model.config.dtype, ignore, mtp_class = self.saved
+        setattr(cache_utils, "MtpCache", mtp_class)  # noqa: B010 - a class slot
         if ignore is None:
             model.__dict__.pop("_keys_to_ignore_on_load_unexpected", None)
         else:

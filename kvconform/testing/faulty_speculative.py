@@ -97,7 +97,7 @@ def _mtp_cache_class():
 
         def crop(self, max_length: int):
             # BUG: one MTP layer assumed; the deeper layers keep their rejected drafts
-            self.layers[0].crop(max_length)
+            self.layers[0].crop(max_length)  # type: ignore[union-attr]
 
     return FirstLayerCropMtpCache
 
