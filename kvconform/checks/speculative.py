@@ -226,6 +226,10 @@ def _run_assisted(ctx, prompt, k, draft_cache):
     def generate_with_cache(*args, **kwargs):
         if kwargs.get(key) is None:
             kwargs[key] = draft_cache
+            # what generate does to an assistant's cache it builds itself (5.25: only to those), so that a sliding
+            # layer keeps the past it must restore on crop
+            if hasattr(draft_cache, "activate_past_recording"):
+                draft_cache.activate_past_recording(recurrent_states_to_keep=k)
         return original(*args, **kwargs)
 
     fed: list = []
