@@ -340,7 +340,9 @@ def main(argv=None) -> int:
     complete, 1 when any item failed or a report is not complete (interrupted or killed: its ``complete`` is false;
     the merged report says so too), 3 when kvconform's own code failed on an item (outcome ``internal``, listed as
     kvconform's own gaps), 2 when the reports cannot be merged (the message names the file and the cause). One
-    report alone is merged as it is (a single run's JUnit XML)."""
+    report alone is merged as it is (a single run's JUnit XML). A ``transformers:*`` run also gets its
+    per-architecture summary (``report.architecture_summary``: known upstream faults and unexplained failures per
+    architecture), printed and in the step summary; an unexplained failure is a failed item, so exit 1."""
     from kvconform.report import (OUTCOMES, json_path_problem, markdown, own_gaps, reference_gaps,
                                   write_terminal_matrix)
 
@@ -401,6 +403,15 @@ def main(argv=None) -> int:
                          f"finished ({merged['incomplete']}).\n")
     for line in own_gaps(results, order):
         print(f"kvconform-merge: {line}")
+    from kvconform.report import architecture_summary
+
+    arch = architecture_summary(results)
+    for line, _ in arch:
+        print(f"kvconform-merge: {line}")
+    if summary and arch:
+        with open(summary, "a", encoding="utf-8") as fh:
+            fh.write("\n**Per architecture** (known faults: xfailed by known_faults.toml; unexplained: failed)\n\n```\n"
+                     + "\n".join(line for line, _ in arch) + "\n```\n")
     if counts["internal"]:
         return 3
     return 1 if counts["failed"] or counts["error"] or not merged["complete"] else 0

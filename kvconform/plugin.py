@@ -591,6 +591,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     else:
         write_known_fault_summary(terminalreporter, results, digest)
     write_own_gaps_summary(terminalreporter, results, digest)
+    from kvconform.report import write_architecture_summary
+
+    write_architecture_summary(terminalreporter, results)
     write_markdown_summary(results, os.environ.get("GITHUB_STEP_SUMMARY"), digest)
     progress = _progress(config, results, True, exitstatus)
     if not progress["complete"] and progress["planned"] is not None:

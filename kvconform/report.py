@@ -720,3 +720,69 @@ def write_own_gaps_summary(tr, results: dict, digest=None) -> None:
     tr.section("kvconform's own gaps")
     for line in lines:
         tr.write_line(line, yellow=True)
+
+
+# ------------------------------------------------------------------------------------------------ per architecture
+ARCHITECTURE_PREFIX = "tf_"
+"""The prefix of an architecture's model name in records (``architectures.model_name``: ``tf_<model type>``)."""
+UNEXPLAINED = ("failed", "error", "internal")
+"""The outcomes that no known fault explains: a failure (kvconform's verdict on the cache, or on the model where no
+known-faults entry names it), an error, an error of kvconform's own code. A known upstream fault is ``xfailed``."""
+
+
+def architecture_rows(results: dict) -> list[tuple[str, dict]]:
+    """Per architecture of a ``transformers:*`` run (records whose model is ``tf_<type>``), in name order:
+    ``(model type, {"items", "passed", "known", "unexplained", "xpassed", "skipped"})`` — ``known`` the items a
+    known upstream fault explains (xfailed), ``unexplained`` those of ``UNEXPLAINED``. Empty when no record is of an
+    architecture."""
+    rows: dict = {}
+    for r in results.values():
+        if not r["model"].startswith(ARCHITECTURE_PREFIX):
+            continue
+        row = rows.setdefault(r["model"].removeprefix(ARCHITECTURE_PREFIX),
+                              dict.fromkeys(("items", "passed", "known", "unexplained", "xpassed", "skipped"), 0))
+        row["items"] += 1
+        outcome = r["outcome"]
+        key = ("known" if outcome == "xfailed" else "unexplained" if outcome in UNEXPLAINED
+               else outcome if outcome in row else None)
+        if key:
+            row[key] += 1
+    return sorted(rows.items())
+
+
+def architecture_summary(results: dict) -> list[tuple[str, bool]]:
+    """The lines of the per-architecture summary of a ``transformers:*`` run, each with whether it is bad (an
+    unexplained failure): a table (architecture, items, passed, known upstream faults, unexplained, XPASS,
+    skipped), then the architectures with unexplained failures, or that there are none. Empty when the run has no
+    architecture."""
+    rows = architecture_rows(results)
+    if not rows:
+        return []
+    header = ("architecture", "items", "passed", "known faults", "unexplained", "XPASS", "skipped")
+    cells = [(name, *(str(row[k]) for k in ("items", "passed", "known", "unexplained", "xpassed", "skipped")))
+             for name, row in rows]
+    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [(fmt.format(*header), False)]
+    lines += [(fmt.format(*c), row["unexplained"] > 0) for c, (_, row) in zip(cells, rows)]
+    bad = [(name, row["unexplained"]) for name, row in rows if row["unexplained"]]
+    known = sum(row["known"] for _, row in rows)
+    if bad:
+        lines.append((f"{len(bad)} of {len(rows)} architecture(s) with unexplained failures (no known fault names "
+                      f"them: a fault of the cache, of kvconform, or of transformers not yet listed in "
+                      f"known_faults.toml): " + ", ".join(f"{name} ({n})" for name, n in bad), True))
+    else:
+        lines.append((f"{len(rows)} architecture(s): no unexplained failure ({known} item(s) of known upstream "
+                      f"faults)", False))
+    return lines
+
+
+def write_architecture_summary(tr, results: dict) -> None:
+    """Print the "kvconform architectures" section (``architecture_summary``); nothing when the run has no
+    architecture."""
+    lines = architecture_summary(results)
+    if not lines:
+        return
+    tr.section("kvconform architectures")
+    for line, bad in lines:
+        tr.write_line(line, red=bad)

@@ -31,7 +31,14 @@ VLM_NAMES = ("llava", "idefics3", "gemma3_vlm")
 """The tiny vision-language models (``vision.py``: an image prefix in every prompt). They are not in the default
 run: ``--kvconform-full`` adds them, and ``--kvconform-model <name>`` runs one."""
 
-ALL_NAMES = ZOO_NAMES + VLM_NAMES
+MTP_NAMES = ("glm4_mtp",)
+"""The tiny models with multi-token-prediction (MTP) layers: glm4_moe with ``num_mtp_layers = 2`` (its MTP layers
+are not part of the model's weights: ``transformers.modeling_layers.MtpModel`` loads them from the model's folder
+when ``generate(use_mtp=True)`` starts, so the speculative family writes a seeded one, ``checks/speculative.py``).
+Like the VLMs they are not in the default run: ``--kvconform-full`` adds them, ``--kvconform-model glm4_mtp`` runs
+one. Built only where the installed transformers has MTP (``MtpCache``, 5.25)."""
+
+ALL_NAMES = ZOO_NAMES + VLM_NAMES + MTP_NAMES
 """Every name ``--kvconform-model`` and case files accept as a zoo model."""
 
 SLIDING_WINDOW = 8
@@ -71,6 +78,10 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
     "bart": ("bart", dict(vocab_size=VOCAB_SIZE, d_model=64, encoder_layers=2, decoder_layers=3,
                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                           decoder_ffn_dim=128, max_position_embeddings=512, init_std=0.1)),
+    # MoE (4 routed experts, 2 a token, one shared; the first layer dense) with two MTP layers (MTP_NAMES)
+    "glm4_mtp": ("glm4_moe", dict(_COMMON, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
+                                  n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                  num_mtp_layers=2)),
 }
 # The VLMs: a text model of the zoo's size (vocabulary 128 text ids + 4 reserved ids above them: the image token
 # 128 and, for gemma3, its begin/end-of-image ids) behind a one-layer vision tower of width 32 whose projector

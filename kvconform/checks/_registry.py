@@ -371,6 +371,10 @@ class Measured:
         timed_steps: timed samples of the target measured least (the speed family), or None.
         refusal: the refusal an item accepted as the contract's (``"ValueError: ..."``), or None.
         refused_by: who refused it and why that is allowed: ``"subject, declared"``, ``"subject and reference"``.
+        rollbacks: the ``crop`` calls that removed tokens from the subject's cache in a run that exists to roll it
+            back (the speculative family: transformers' candidate generators), or None where the item has no such
+            run; 0 is blind.
+        tokens_rolled_back: the tokens those rollbacks removed, or None.
     """
 
     bytes_held: int | None = None
@@ -381,6 +385,8 @@ class Measured:
     timed_steps: int | None = None
     refusal: str | None = None
     refused_by: str | None = None
+    rollbacks: int | None = None
+    tokens_rolled_back: int | None = None
 
     def record(self, **values) -> None:
         """Set fields by name.
@@ -402,7 +408,8 @@ class Measured:
 
         * 0 bytes counted while the cache holds tokens (its keys/values are somewhere kvconform cannot see);
         * a batch op of the case never applied to the cache nor refused by it;
-        * a timed target with no timed sample.
+        * a timed target with no timed sample;
+        * a run that exists to roll the cache back (``rollbacks`` recorded) that never did.
         """
         if self.tokens_held and self.bytes_held == 0:
             return (f"0 bytes counted while the cache holds {self.tokens_held} tokens per row: its keys/values are "
@@ -415,12 +422,16 @@ class Measured:
                     f"nothing about {'them' if len(missing) > 1 else 'it'}")
         if self.timed_steps == 0:
             return "no timed sample: the timed step never ran, so no time was measured"
+        if self.rollbacks == 0:
+            return ("no rollback: the candidate generator never cropped a token from the cache (every candidate "
+                    "accepted, or no crop() call), so the item measured nothing about rollbacks")
         return None
 
     def as_metrics(self) -> dict:
         """The fields that were measured (JSON-serialisable; empty when nothing was recorded)."""
         out = {}
-        for name in ("bytes_held", "tokens_held", "timed_steps", "refusal", "refused_by"):
+        for name in ("bytes_held", "tokens_held", "timed_steps", "refusal", "refused_by", "rollbacks",
+                     "tokens_rolled_back"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

@@ -1,5 +1,6 @@
 """The built-in subjects with their budgets: ReferenceCache, DynamicCache, StaticCache, the QuantizedCache
-subjects (each with its fake-quant twin) and the offloaded caches (``builtin_subjects``)."""
+subjects (each with its fake-quant twin), the offloaded caches and the speculative drafters' caches (MtpCache,
+DFlashCache) (``builtin_subjects``)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,66 @@ def static_crop_note() -> dict:
     if compat.static_layers_crop():
         return {}
     return {"crop": f"StaticLayer has no crop() on transformers {compat.transformers_version()} (added in 5.24)"}
+
+
+# ---------------------------------------------------------------------------------------------------- speculative
+def _mtp(config):
+    from transformers.cache_utils import MtpCache
+
+    return MtpCache(config=config)
+
+
+def _dflash(config):
+    from transformers.cache_utils import DFlashCache
+
+    return DFlashCache(config=config)
+
+
+MTP_NOTE = ("MtpCache is the cache of a model's multi-token-prediction layers (its query offsets and mask sizes are "
+            "shifted by layer_idx + 1, the depth of each MTP layer), not a model's own cache: it is checked on the "
+            "MTP path only (check_speculative_mtp)")
+
+
+def has_mtp_layers(model) -> str | None:
+    """``CacheSpec.applies_to`` of the MtpCache subject: None for a model with MTP layers (``num_mtp_layers`` ≥ 1:
+    a zoo model of ``zoo.MTP_NAMES``, or a checkpoint or architecture whose config sets it), else the reason."""
+    from kvconform import zoo
+
+    if model.spec in zoo.MTP_NAMES:
+        return None
+    if model.spec not in zoo.ALL_NAMES:
+        try:
+            config = zoo.model_config(model.spec, trust_remote_code=model.trust_remote_code)
+            if int(getattr(config.get_text_config(decoder=True), "num_mtp_layers", 0) or 0) > 0:
+                return None
+        except Exception:  # noqa: BLE001 - no config to read: no MTP layers known
+            pass
+    return f"MtpCache serves a model's MTP layers; {model.name} has none (num_mtp_layers unset)"
+
+
+def speculative_subjects() -> list:
+    """transformers' caches of speculative drafters (5.25): ``MtpCache`` (``MTPCandidateGenerator``: the MTP layers'
+    cache) and ``DFlashCache`` (``DFlashTokenCandidateGenerator``: the DFlash drafter's cache). Both are
+    ``DynamicCache`` subclasses that shift ``get_query_offset`` / ``get_mask_sizes``.
+
+    * MtpCache declares only ``crop``: it is no model's own cache (``MTP_NOTE``), so every family that runs it as
+      one skips, and ``check_speculative_mtp`` runs it as the MTP layers' cache, on models with MTP layers
+      (``has_mtp_layers``).
+    * DFlashCache shifts by the tokens the last step accepted (``set_previous_accepted_tokens``), 0 until the
+      DFlash generator sets it: as a model's own cache it is a ``DynamicCache`` and is checked as one by every
+      family (full tier: the default run has DynamicCache).
+
+    Both skip, naming what is missing, on a transformers without them."""
+    mtp_caps = frozenset({"crop"})
+    return [
+        CacheSpec("MtpCache", _mtp, capabilities=mtp_caps, applies_to=has_mtp_layers,
+                  notes={name: MTP_NOTE for name in CAPABILITIES if name not in mtp_caps},
+                  requires={"transformers.cache_utils:MtpCache": "MtpCache is not in the installed transformers "
+                                                                 "(added in 5.25)"}),
+        CacheSpec("DFlashCache", _dflash, tier="full",
+                  requires={"transformers.cache_utils:DFlashCache": "DFlashCache is not in the installed "
+                                                                    "transformers (added in 5.25)"}),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- lossy, offloaded
@@ -175,7 +236,8 @@ def offloaded_subjects() -> list:
 
 def builtin_subjects() -> list[CacheSpec]:
     """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…), the QuantizedCache
-    subjects and the offloaded caches (``quantized_subjects``, ``offloaded_subjects``)."""
+    subjects, the offloaded caches and MtpCache / DFlashCache (``quantized_subjects``, ``offloaded_subjects``,
+    ``speculative_subjects``)."""
     notes = static_crop_note()
     return [
         CacheSpec("ReferenceCache", _reference),
@@ -186,4 +248,5 @@ def builtin_subjects() -> list[CacheSpec]:
         CacheSpec("StaticCache", _static, capabilities=frozenset(CAPABILITIES) - set(notes), notes=notes),
         *quantized_subjects(),
         *offloaded_subjects(),
+        *speculative_subjects(),
     ]

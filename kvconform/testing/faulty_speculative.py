@@ -3,7 +3,11 @@ continuation and every crop that follows a single-token step, wrong only when a 
 into a warm cache — which is what every step of speculative decoding does (one verification forward of the current
 token and its candidates, then a crop of the rejected ones). Caught by ``check_speculative_greedy`` (family
 ``speculative``); the crop family's cases crop after decode steps, and pass. ``ReferenceCache`` and transformers'
-``DynamicCache`` pass the same case."""
+``DynamicCache`` pass the same case.
+
+``FirstLayerCropMtpCache``: an ``MtpCache`` (the MTP layers' cache of ``generate(use_mtp=True)``) whose ``crop``
+rolls back only its first layer. Caught by ``check_speculative_mtp``; it is no model's own cache, so no other family
+runs it, and transformers' ``MtpCache`` and kvconform's reference MtpCache pass the same case."""
 
 from __future__ import annotations
 
@@ -72,4 +76,32 @@ FAULTY = [
         message=("check_speculative_greedy failed: StagedChunkCache on llama",),
         cause=r"crop\(\) after a verification chunk keeps a rejected candidate or drops an accepted token",
     ),
+    FaultyCache(
+        name="mtp_first_layer_crop", attr="FirstLayerCropMtpCache", module=__name__, family="speculative",
+        check="check_speculative_mtp", model="glm4_mtp", case="mtp",
+        message=("check_speculative_mtp failed: FirstLayerCropMtpCache on glm4_mtp",
+                 "the MTP layers drafted other tokens with the subject as their cache"),
+        cause=r"crop\(-num_mtp_layers\) after a step that accepted no candidate",
+    ),
 ]
+
+
+
+def _mtp_cache_class():
+    from transformers.cache_utils import MtpCache
+
+    class FirstLayerCropMtpCache(MtpCache):
+        """An MtpCache written for a model with one MTP layer: ``crop`` rolls back the first MTP layer only. Exact
+        wherever a single layer is cropped; with two MTP layers, the second keeps the drafts of a step that
+        accepted no candidate, and its next drafts attend to them."""
+
+        def crop(self, max_length: int):
+            # BUG: one MTP layer assumed; the deeper layers keep their rejected drafts
+            self.layers[0].crop(max_length)  # type: ignore[union-attr]
+
+    return FirstLayerCropMtpCache
+
+
+def FirstLayerCropMtpCache(config=None, **kwargs):  # noqa: N802 - a cache class's name (5.25's MtpCache)
+    """A fresh ``FirstLayerCropMtpCache`` (``_mtp_cache_class``); transformers is imported when it is built."""
+    return _mtp_cache_class()(config=config)

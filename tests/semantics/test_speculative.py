@@ -24,10 +24,44 @@ def test_correct_caches_of_other_designs_pass_with_rollbacks_measured(run_kvconf
                            "-n", "0")
     records = json.loads((pytester.path / "r.json").read_text())["results"]
     ran = [r for r in records if r["outcome"] != "skipped"]
-    assert {r["subject"] for r in ran} == {"PagedCache", "StaticCache"} and len(ran) == 8, ran
+    # 3 cases (prompt lookup, assisted, assisted with the subject as the draft's cache) x 2 models x 2 subjects
+    assert {r["subject"] for r in ran} == {"PagedCache", "StaticCache"} and len(ran) == 12, ran
+    assert sum(r["metrics"].get("role") == "draft_cache" for r in ran) == 4
     assert all(r["outcome"] == "passed" for r in ran), [(r["nodeid"], r["message"]) for r in ran]
     for r in ran:  # each item says what it exercised: crops, rollbacks and the tokens they removed
         m = r["metrics"]
         assert m["tokens_equal"] is True and m["rollbacks"] >= 1 and m["tokens_rolled_back"] >= m["rollbacks"], m
         assert m["crops"] >= m["rollbacks"]
+    assert result.ret == 0
+
+
+def test_an_item_that_never_rolled_back_is_blind():
+    from kvconform.checks import Measured
+
+    assert "no rollback" in Measured(rollbacks=0, tokens_rolled_back=0).blind()
+    assert Measured(rollbacks=2, tokens_rolled_back=5).blind() is None
+    assert Measured().blind() is None  # an item of another family records no rollbacks at all
+    assert Measured(rollbacks=2, tokens_rolled_back=5).as_metrics() == {"rollbacks": 2, "tokens_rolled_back": 5}
+
+
+def test_mtp_path_with_the_subject_as_the_models_cache_or_the_mtp_layers_cache(run_kvconform, pytester):
+    # generate(use_mtp=True) on the zoo's glm4_moe with 2 MTP layers: a paged cache of kvconform's and DynamicCache
+    # as the model's cache, transformers' MtpCache as the MTP layers' cache (judged by its drafts)
+    from transformers import cache_utils
+
+    if not hasattr(cache_utils, "MtpCache"):
+        import pytest
+
+        pytest.skip("MTP needs transformers 5.25")
+    result = run_kvconform("--kvconform-cache", "kvconform.testing.paged:PagedCache", "--kvconform-subject",
+                           "PagedCache", "--kvconform-subject", "DynamicCache", "--kvconform-subject", "MtpCache",
+                           "--kvconform-model", "glm4_mtp", "-k", "speculative_mtp", "--kvconform-json", "r.json",
+                           "-n", "0", "--kvconform-power", "off")
+    records = json.loads((pytester.path / "r.json").read_text())["results"]
+    ran = {r["subject"]: r for r in records if r["outcome"] != "skipped"}
+    assert set(ran) == {"PagedCache", "DynamicCache", "MtpCache"}, records
+    assert all(r["outcome"] == "passed" for r in ran.values()), [(r["nodeid"], r["message"]) for r in ran.values()]
+    assert ran["MtpCache"]["metrics"]["role"] == "mtp_cache" and ran["PagedCache"]["metrics"]["role"] == "target_cache"
+    for r in ran.values():
+        assert r["metrics"]["measured"]["rollbacks"] >= 1, r["metrics"]
     assert result.ret == 0
