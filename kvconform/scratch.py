@@ -204,14 +204,55 @@ def takes_mask(adapter) -> bool:
     return getattr(adapter, "takes_mask", True) is not False
 
 
-def capabilities(adapter) -> frozenset:
-    """The capabilities the adapter's optional methods give (module docstring)."""
+def capabilities(adapter, cache_name: str | None = None) -> frozenset:
+    """The capabilities the adapter's optional methods give (module docstring); ``compile`` for the cache
+    ``cache_name`` where the adapter declares a compiled decode step for it (``compiled_decode``)."""
     caps = {"forward", "deepcopy", "reset", "generate"}
     if callable(getattr(adapter, "crop", None)):
         caps.add("crop")
     if callable(getattr(adapter, "select", None)):
         caps |= {"reorder", "batch_select", "batch_repeat"}
+    if cache_name is not None and compiled_decode(adapter, cache_name) is not None:
+        caps.add("compile")
     return frozenset(caps)
+
+
+def compiled_decode(adapter, cache_name: str) -> dict | None:
+    """The compiled decode step the adapter declares for its cache ``cache_name``, or None (it declares none).
+
+    The declaration is the adapter attribute ``compiled_decode = {"fullgraph": bool, "step": "decode_step" |
+    "forward", "caches": [names]}`` (every key optional: ``fullgraph`` True; ``step`` ``"decode_step"`` where the
+    adapter defines it, else ``"forward"``; ``caches`` every cache). Returned with every key filled in.
+
+    Raises:
+        AdapterUsageError: a malformed declaration (not a dict, an unknown key, a step the adapter does not
+            define, a cache name it does not list).
+    """
+    declared = getattr(adapter, "compiled_decode", None)
+    if declared is None or declared is False:
+        return None
+    what = type(adapter).__name__
+    if declared is True:
+        declared = {}
+    if not isinstance(declared, dict) or set(declared) - {"fullgraph", "step", "caches"}:
+        raise AdapterUsageError(f"{what}.compiled_decode must be a dict with the keys fullgraph (bool), step "
+                                f"('decode_step' or 'forward') and caches (subject names), any of them optional; "
+                                f"got {declared!r}")
+    step = declared.get("step") or ("decode_step" if callable(getattr(adapter, "decode_step", None)) else "forward")
+    if step not in ("decode_step", "forward") or not callable(getattr(adapter, step, None)):
+        raise AdapterUsageError(f"{what}.compiled_decode names step {step!r}, but the adapter defines no such "
+                                f"method: decode_step(self, model, ids, cache, pos) -> (logits, cache), pos a 0-dim "
+                                f"int64 tensor (the start offset), or 'forward'")
+    names = list(getattr(adapter, "caches", None) or {f"{what}Cache": {}})
+    caches = declared.get("caches")
+    caches = list(names) if caches is None else [caches] if isinstance(caches, str) else list(caches)
+    unknown = [c for c in caches if c not in names]
+    if unknown:
+        raise AdapterUsageError(f"{what}.compiled_decode names caches {unknown} that the adapter does not list "
+                                f"(its caches: {names})")
+    if cache_name not in caches:
+        return None
+    return {"fullgraph": bool(declared.get("fullgraph", True)), "step": step, "caches": caches}
 
 
 _NOTES = {
@@ -219,7 +260,9 @@ _NOTES = {
     "reorder": "the adapter defines no select(cache, rows) (batch rows kept, in order)",
     "batch_select": "the adapter defines no select(cache, rows) (batch rows kept, in order)",
     "batch_repeat": "the adapter defines no select(cache, rows) (batch rows kept, in order)",
-    "compile": "a model adapter declares no compiled decode step",
+    "compile": "the adapter declares no compiled decode step for this cache (compiled_decode = {'fullgraph': "
+               "True, 'caches': [...]} and, for a static cache, a decode_step(model, ids, cache, pos) taking the "
+               "start offset as a tensor, as gpt-fast's input_pos)",
 }
 
 
@@ -290,6 +333,46 @@ def _module_class():
                 raise AdapterError(f"{type(adapter).__name__}.{where} changed the input ids in place (they must be "
                                    f"read only: kvconform keeps them as the sequence the cache holds)")
             return ScratchOutput(logits, cache)
+
+        def compiled_forward(self, compile_fn, cache_name: str | None = None):
+            """The decode step the adapter declares compiled (``compiled_decode``), compiled with ``compile_fn``
+            (``torch.compile`` with the check's options), behind this module's forward keywords: ``call(input_ids,
+            cache, use_cache=True, attention_mask=None, position_ids=None)`` → ``ScratchOutput``. Only the adapter's
+            step (``decode_step(net, ids, state, pos)``, ``pos`` a 0-dim int64 tensor holding the start offset, or
+            ``forward(net, ids, state, start)``) is compiled; kvconform's bookkeeping (the tokens held, the logits'
+            shape and dtype) runs eagerly around it, after the compiled call returned (so a call that raises, e.g.
+            a recompile refused by ``fail_on_recompile``, leaves the cache as it was).
+
+            Raises:
+                AdapterError: the step returned no ``(logits, cache)`` pair or wrong logits; the cache is no
+                    ``ScratchCache``.
+            """
+            adapter = self.adapter
+            names = list(getattr(adapter, "caches", None) or {f"{type(adapter).__name__}Cache": {}})
+            declared = compiled_decode(adapter, cache_name or names[0]) or {"step": "forward"}
+            step = getattr(adapter, declared["step"])
+            compiled = compile_fn(step)
+            tensor_pos = declared["step"] == "decode_step"
+            what = f"{type(adapter).__name__}.{declared['step']}"
+
+            def call(input_ids, cache=None, use_cache=True, attention_mask=None, position_ids=None):
+                if not isinstance(cache, ScratchCache):
+                    raise AdapterError(f"a from-scratch model takes its own caches only, not {type(cache).__name__}")
+                if tensor_pos:
+                    pos = torch.tensor(cache.held, dtype=torch.long, device=input_ids.device)
+                    out = compiled(self.net, input_ids, cache.state, pos)
+                else:
+                    out = compiled(self.net, input_ids, cache.state, cache.held, attention_mask)
+                if not isinstance(out, (tuple, list)) or len(out) != 2 or out[1] is None:
+                    raise AdapterError(f"{what} returned {type(out).__name__}, but should return (logits [B, T, V], "
+                                       f"cache)")
+                logits, cache.state = out
+                cache.held += int(input_ids.shape[1])
+                cache.batch = int(input_ids.shape[0])
+                _check_logits(logits, input_ids, vocab_size(adapter), declared["step"], self.net)
+                return ScratchOutput(logits, cache)
+
+            return call
 
         def kv_token_dims(self):
             """``(layers × kv_heads, head_dim)`` of the K/V the cache must hold per token and row, from the adapter's
@@ -543,6 +626,7 @@ def adapter_cache_spec_class():
         @dataclass(frozen=True)
         class AdapterCacheSpec(CacheSpec):
             adapter_spec: str = ""
+            compileable: bool | None = None  # the compiled decode step it declares: fullgraph, or None (none)
 
         _SPEC_CLASS = AdapterCacheSpec
     return _SPEC_CLASS
@@ -556,14 +640,19 @@ def subjects(spec: str) -> list:
     cls = scratch_cache_class()
     caches = getattr(adapter, "caches", None) or {f"{type(adapter).__name__}Cache": {}}
     name = model_name(adapter)
-    caps = capabilities(adapter)
     out = []
     for subject, options in caches.items():
-        def factory(model, batch_size, max_cache_len, _options=dict(options)):
-            return cls(model.adapter, model.net, batch_size, max_cache_len, _options)
+        caps = capabilities(adapter, subject)
+        declared = compiled_decode(adapter, subject)
+        compileable = None if declared is None else declared["fullgraph"]
+
+        def factory(model, batch_size, max_cache_len, _options=dict(options), _compileable=compileable):
+            cache = cls(model.adapter, model.net, batch_size, max_cache_len, _options)
+            cache.is_compileable = bool(_compileable)
+            return cache
 
         out.append(spec_class(subject, factory, capabilities=caps, source=f"model adapter {spec}",
-                              adapter_spec=spec,
+                              adapter_spec=spec, compileable=compileable,
                               applies_to=lambda info, _name=name: None if info.name == _name else "another model",
                               notes={k: v for k, v in _NOTES.items() if k not in caps}))
     return out
