@@ -410,9 +410,9 @@ def check_compile_static_decode(ctx):
             f"at {run.graph_break_where}" if run.graph_break_where else "",
             f"compiled as: {compile_line}; {_ops(ctx)}",
             "likely cause: " + (
-                (f"{step} calls something dynamo cannot trace (a Python branch on a tensor's value, .item(), "
-                 f".tolist(), slicing by a tensor's value) although the adapter declares it compiled with "
-                 f"fullgraph=True" if step else
+                (f"{step} calls something dynamo cannot trace (see the line named: a builtin such as print or "
+                 f"time.perf_counter, a C extension, logging) although the adapter declares it compiled with "
+                 f"fullgraph=True: move it out of the decode step" if step else
                  "the cache calls something dynamo cannot trace (data-dependent Python control flow on "
                  "a tensor, .tolist(), .numpy()) although it declares is_compileable")
                 if run.graph_break else "the cache or model is not traceable (see the exception)"),
