@@ -571,7 +571,18 @@ def build_model(spec: str, dtype=None, device: str = "cpu"):
     module.requires_grad_(False)
     window = getattr(adapter, "window", None)
     return ZooModel(name=model_name(adapter), model=module, config=module.config, dtype=dtype,
-                    is_encoder_decoder=False, layer_types=layer_types(adapter), sliding_window=window, source=spec)
+                    is_encoder_decoder=False, layer_types=layer_types(adapter), sliding_window=window, source=spec,
+                    oracle_build=lambda: oracle_module(adapter))
+
+
+def oracle_module(adapter):
+    """The oracle's model: ``adapter.build(dtype=torch.float64, device="cpu")`` (never a cast copy of the case
+    dtype's model: a model that needs its own tables or patched modules in float64 builds them), wrapped in
+    ``ScratchModule``, in eval mode without gradients."""
+    torch = _torch()
+    module = scratch_module(adapter, adapter.build(dtype=torch.float64, device="cpu")).eval()
+    module.requires_grad_(False)
+    return module
 
 
 def float64_problem(spec: str) -> str | None:
@@ -593,6 +604,15 @@ def float64_problem(spec: str) -> str | None:
                 f"the bfloat16 / float16 cases build it in those)")
     module = scratch_module(adapter, net)
     ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
+    try:
+        narrow = narrow_computation(net, lambda: module(ids, attention_mask=None))
+    except Exception:  # noqa: BLE001 - the forward's own failure is reported below, naming it
+        narrow = None
+    if narrow:
+        return (f"its uncached forward at float64 computes in a narrower dtype inside: {narrow} (kvconform's oracle "
+                f"is this forward in float64: a module that casts to float32 — x.float() in a norm, a rotary table "
+                f"built or kept in float32 — caps the oracle at float32's precision; compute in the input's dtype, "
+                f"e.g. x.to(torch.promote_types(x.dtype, torch.float32)))")
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     masks = (("", None), (" with an attention mask (a left-padded row)", mask))
@@ -609,6 +629,61 @@ def float64_problem(spec: str) -> str | None:
                     f"another dtype than the scores (e.g. a float32 mask multiplied by torch.finfo(float64).min, "
                     f"which overflows to -inf, and 0 × -inf = NaN) — build the mask in the scores' dtype")
     return None
+
+
+def narrow_computation(net, run) -> str | None:
+    """Where ``run()`` (a forward of the float64 model ``net``) computes in a narrower floating dtype: the first op
+    inside one of ``net``'s modules that returns a float32 / float16 / bfloat16 tensor, as ``"module 'blocks.0.norm'
+    (RMSNorm): Tensor.float returned float32"``, or None. Seen with a ``TorchFunctionMode`` (every torch function
+    and tensor method) and forward hooks naming the innermost module running.
+
+    Raises:
+        Exception: whatever ``run`` raises.
+    """
+    torch = _torch()
+    from torch.overrides import TorchFunctionMode
+
+    narrow = (torch.float32, torch.float16, torch.bfloat16)
+    names = {id(m): name or "(the model)" for name, m in net.named_modules()}
+    stack: list = []
+    found: list = []
+
+    def tensors(out):
+        if isinstance(out, torch.Tensor):
+            yield out
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                yield from tensors(item)
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not found and stack:
+                bad = next((t for t in tensors(out) if t.dtype in narrow), None)
+                if bad is not None:
+                    mod = stack[-1]
+                    what = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+                    found.append(f"module {names[id(mod)]!r} ({type(mod).__name__}): {what} returned "
+                                 f"{str(bad.dtype).removeprefix('torch.')}")
+            return out
+
+    def enter(mod, args):
+        stack.append(mod)
+
+    def leave(mod, args, out):
+        if stack:
+            stack.pop()
+
+    handles = []
+    for m in net.modules():
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    try:
+        with torch.no_grad(), Watch():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
 
 
 _SPEC_CLASS = None
