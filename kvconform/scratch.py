@@ -367,6 +367,7 @@ def _module_class():
                     raise AdapterError(f"{what} returned {type(out).__name__}, but should return (logits [B, T, V], "
                                        f"cache)")
                 logits, cache.state = out
+                cache.renewed = False
                 cache.held += int(input_ids.shape[1])
                 cache.batch = int(input_ids.shape[0])
                 _check_logits(logits, input_ids, vocab_size(adapter), declared["step"], self.net)
@@ -474,9 +475,16 @@ def scratch_cache_class():
             self.adapter, self.options = adapter, dict(options or {})
             self._net = weakref.ref(net)
             self.batch, self.max_len, self.held = int(batch_size), int(max_len), 0
+            self.renewed = False  # emptied by the default reset (new_cache) and not fed since
             self.state = adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
 
         def feed(self, net, ids, mask):
+            if self.renewed and int(ids.shape[0]) != self.batch:
+                # the default reset built the empty cache for the old batch; the next forward brings another: the
+                # cache is built for the batch it is fed (docs/from-scratch.md: reset, any batch size)
+                self.batch = int(ids.shape[0])
+                self.state = self.adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
+            self.renewed = False
             out = self.adapter.forward(net, ids, self.state, self.held, mask)
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 what = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
@@ -534,9 +542,10 @@ def scratch_cache_class():
             own = getattr(self.adapter, "reset", None)
             if callable(own):
                 self.state = own(self.state)
-            else:
+            else:  # new_cache for this batch now; the next forward rebuilds it if it brings another (feed)
                 net = self._net()
                 self.state = self.adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
+                self.renewed = True
             self.held = 0
 
         def __deepcopy__(self, memo):
