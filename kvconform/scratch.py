@@ -35,6 +35,13 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
   ``max_positions``: the most tokens its model takes in one sequence (a learned position table), or None: items
   that would make it see more are skipped with that reason (``plan.position_limit``), never run into its limit.
 
+* ``compiled_decode = {"fullgraph", "step", "caches"}`` and ``decode_step(model, ids, cache, pos)`` (``pos`` a 0-dim
+  int64 tensor): a decode step compiled with ``torch.compile`` for those caches — capability ``compile``
+  (``compiled_decode``; ``ScratchModule.compiled_forward`` compiles that step only; full tier, ``FULL_TIER``).
+
+The oracle's model is ``build(float64, "cpu")`` (``oracle_module``), refused before any item runs where its forward
+computes in a narrower dtype inside (``narrow_computation``, in ``float64_problem``).
+
 kvconform wraps the adapter's model in ``ScratchModule`` (an ``nn.Module`` whose forward takes the keyword
 arguments kvconform's drivers pass a transformers model) and each cache in ``ScratchCache`` (a
 ``transformers.Cache`` whose ``crop`` / ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` /
