@@ -79,8 +79,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.attn = nn.ModuleList(Attention(dim, heads, kv_heads) for _ in range(layers))
-        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(dim, 64, bias=False), nn.SiLU(), nn.Linear(64, dim, bias=False))
-                                 for _ in range(layers))
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 64, bias=False), nn.SiLU(), nn.Linear(64, dim, bias=False))
+            for _ in range(layers))
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2 * layers))
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
