@@ -309,6 +309,13 @@ class AdapterError(Exception):
     a cache not returned): raised inside the call on the subject, so it fails the item as the subject's fault."""
 
 
+class ModelForwardError(AdapterError):
+    """The adapter's uncached forward (``forward_uncached``: kvconform's oracle and noise floor) raised: the model's
+    failure, judged as such (``model_at_fault``), never blamed on the cache."""
+
+    model_at_fault = True
+
+
 def _module_class():
     torch = _torch()
 
@@ -328,7 +335,12 @@ def _module_class():
             adapter = self.adapter
             before = input_ids.clone()
             if cache is None or not use_cache:
-                logits = adapter.forward_uncached(self.net, input_ids, attention_mask)
+                try:
+                    logits = adapter.forward_uncached(self.net, input_ids, attention_mask)
+                except Exception as exc:  # noqa: BLE001 - the model's failure, never the cache's (checks.escaped)
+                    raise ModelForwardError(f"{type(adapter).__name__}.forward_uncached on ids of shape "
+                                            f"{list(input_ids.shape)} ({next(self.net.parameters()).dtype}) raised "
+                                            f"{type(exc).__name__}: {exc}") from exc
                 where = "forward_uncached"
             else:
                 if not isinstance(cache, ScratchCache):
@@ -637,6 +649,7 @@ def float64_problem(spec: str) -> str | None:
             with torch.no_grad():
                 logits = module(ids, attention_mask=m).logits
         except Exception as exc:  # noqa: BLE001
+            exc = exc.__cause__ if isinstance(exc, ModelForwardError) and exc.__cause__ is not None else exc
             return (f"its uncached forward fails at float64{label}: {what}.forward_uncached raised "
                     f"{type(exc).__name__}: {exc} (kvconform's oracle is this forward in float64: every dtype the "
                     f"model computes in must follow the weights')")
@@ -779,10 +792,12 @@ def not_applicable(check, case, spec: str | None = None) -> str | None:
     if reason:
         return f"not for a model outside transformers: {reason}"
     if case.params.get("padding") and spec is not None and not takes_mask(load_adapter(spec)):
-        return "the model adapter declares takes_mask = False: its forward takes no padding mask"
+        return ("the model adapter declares takes_mask = False: its forward takes no padding mask (the case's "
+                "unpadded twin runs instead; a forward taking mask [B, start + T], 1 real / 0 left pad, runs this "
+                "one too)")
     if case.position_ids == "explicit":
         return ("not for a model outside transformers: its positions come from the start offset the adapter is "
-                "given, not from position_ids")
+                "given, not from position_ids (nothing for the adapter to add: the implicit-positions twin runs)")
     return None
 
 

@@ -352,6 +352,14 @@ def escaped(ctx: CheckContext, exc: Exception) -> NoReturn:
     """Judge an exception that escaped a check (no kvconform code turned it into a verdict): kvconform's own gap
     (``KVConformInternalError``) unless the subject's own code raised it (``outcomes.own_fault``), which fails the
     item in the usual short form, naming kvconform's function that called into the subject."""
+    if getattr(exc, "model_at_fault", False) and ctx.model is not None:
+        # a model adapter's uncached forward (the oracle's model) raised: the model's failure, not the cache's
+        ctx.fail([f"kvconform's oracle failed, not the cache: {exc}",
+                  f"ops: {ctx.case.ops_label()}",
+                  "likely cause: the model, not the cache: kvconform's oracle (forward_uncached, no cache) fails on "
+                  "this sequence, so no cache can be judged on it — fix the model (a table or limit shorter than "
+                  "the case's tokens: declare max_positions), or scope the cases"],
+                 {"raised": type(getattr(exc, "__cause__", None) or exc).__name__, "model_at_fault": True})
     fault = own_fault(exc)
     if fault is not None and ctx.model is None:  # a check called with no model (a direct unit call): its own error
         raise exc

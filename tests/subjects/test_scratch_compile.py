@@ -180,3 +180,24 @@ def test_the_default_reset_builds_the_cache_for_the_next_forwards_batch():
     ran = {r.case: r for r in results if r.outcome != "skipped"}
     assert "reset_smaller_batch" in ran, [(r.case, r.message) for r in results]
     assert all(r.outcome == "passed" for r in ran.values()), [(c, r.message[:400]) for c, r in ran.items()]
+
+
+class ShortOracle(TinyDecoder):
+    """A model whose uncached forward fails past 16 tokens (its cached forward does not): the oracle's failure."""
+
+    name = "short_oracle"
+
+    def forward_uncached(self, model, ids, mask=None):
+        if ids.shape[1] > 16:
+            raise RuntimeError("rotary table holds 16 positions")
+        return super().forward_uncached(model, ids, mask)
+
+
+def test_a_failure_of_the_oracles_own_forward_is_the_models_not_the_caches():
+    (item,) = check_cache([], models=[ShortOracle()], checks=["check_prefill_then_decode"],
+                          cases=["decode_implicit_positions"])
+    assert item.outcome == "failed"
+    assert "kvconform's oracle failed, not the cache" in item.message
+    assert "rotary table holds 16 positions" in item.message
+    assert "likely cause: the model, not the cache" in item.message
+    assert "the cache's own code" not in item.message
