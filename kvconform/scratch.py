@@ -736,6 +736,33 @@ def adapter_cache_spec_class():
     return _SPEC_CLASS
 
 
+def allocation_of(adapter) -> dict:
+    """The ``CacheSpec`` allocation fields an adapter declares: ``grows_by`` (its buffers grow in steps of that many
+    tokens: the memory family allows one step of slack per row, ``page_size``) and ``allocation``
+    (``"preallocated"``: a bounded cache holds its whole ``capacity`` from the first token; ``"doubling"``). Each
+    judged against what the cache then holds.
+
+    Raises:
+        AdapterUsageError: ``grows_by`` not a positive int, or ``allocation`` not one of those names.
+    """
+    from kvconform.subjects.spec import ALLOCATIONS
+
+    out: dict = {}
+    grows_by = getattr(adapter, "grows_by", None)
+    if grows_by is not None:
+        if isinstance(grows_by, bool) or not isinstance(grows_by, int) or grows_by < 1:
+            raise AdapterUsageError(f"{type(adapter).__name__}.grows_by must be a positive int (tokens per growth "
+                                    f"step of its buffers), got {grows_by!r}")
+        out["page_size"] = grows_by
+    allocation = getattr(adapter, "allocation", None)
+    if allocation is not None:
+        if allocation not in ALLOCATIONS:
+            raise AdapterUsageError(f"{type(adapter).__name__}.allocation must be one of {', '.join(ALLOCATIONS)}, "
+                                    f"got {allocation!r}")
+        out["allocation"] = allocation
+    return out
+
+
 def subjects(spec: str) -> list:
     """The adapter's caches as ``CacheSpec`` s (``caches``; default one named ``<Class>Cache``), each applying to
     this model only."""
@@ -756,7 +783,7 @@ def subjects(spec: str) -> list:
             return cache
 
         out.append(spec_class(subject, factory, capabilities=caps, source=f"model adapter {spec}",
-                              adapter_spec=spec, compileable=compileable,
+                              adapter_spec=spec, compileable=compileable, **allocation_of(adapter),
                               applies_to=lambda info, _name=name: None if info.name == _name else "another model",
                               notes={k: v for k, v in _NOTES.items() if k not in caps}))
     return out

@@ -201,3 +201,26 @@ def test_a_failure_of_the_oracles_own_forward_is_the_models_not_the_caches():
     assert "rotary table holds 16 positions" in item.message
     assert "likely cause: the model, not the cache" in item.message
     assert "the cache's own code" not in item.message
+
+
+class GrowsBy16(scratch_grown.GrownDecoder):
+    name = "grown_declared"
+    caches = {"DeclaredGrownCache": {}}
+    grows_by = 16  # what it does: steps of 16 tokens
+
+
+class Understated(scratch_grown.GrownDecoder):
+    name = "grown_understated"
+    caches = {"UnderstatedGrownCache": {}}
+    step = 64
+    grows_by = 4  # declares steps of 4 tokens, grows by 64
+
+
+def test_a_declared_growth_step_is_what_the_memory_family_judges():
+    results = {r.model: r for r in check_cache([], models=[GrowsBy16(), Understated()], checks=["check_memory_bytes"],
+                                               cases=["memory_decode"])}
+    assert results["grown_declared"].outcome == "passed", results["grown_declared"].message
+    bad = results["grown_understated"]
+    assert bad.outcome == "failed" and "pages of 4 tokens, declared" in bad.message, bad.message
+    with pytest.raises(scratch.AdapterUsageError, match="grows_by must be a positive int"):
+        scratch.allocation_of(type("Bad", (), {"grows_by": 0})())
