@@ -224,3 +224,29 @@ def test_a_declared_growth_step_is_what_the_memory_family_judges():
     assert bad.outcome == "failed" and "pages of 4 tokens, declared" in bad.message, bad.message
     with pytest.raises(scratch.AdapterUsageError, match="grows_by must be a positive int"):
         scratch.allocation_of(type("Bad", (), {"grows_by": 0})())
+
+
+class _BareAssertModel(scratch_grown.GrownModel):
+    def store(self, layer, k, v, start):
+        assert start + k.shape[2] <= layer["capacity"]  # torchtune's refusal: a bare assert, before any write
+        return super().store(layer, k, v, start)
+
+
+class BareAssertRefusal(scratch_grown.GrownDecoder):
+    """A fixed-capacity cache refusing a write past it with a bare ``AssertionError`` before writing anything."""
+
+    name = "bare_assert_refusal"
+    caches = {"BareAssertCache": {}}
+    model_class = _BareAssertModel
+
+    def new_cache(self, model, batch_size, max_len):
+        return [{"step": max_len, "capacity": max_len} for _ in model.blocks]
+
+    def capacity(self, cache):
+        return int(cache[0]["capacity"])
+
+
+def test_a_refusal_that_writes_nothing_is_judged_by_the_state_left_not_its_words():
+    results = check_cache([], models=[BareAssertRefusal()], checks=["check_capacity"])
+    ran = [r for r in results if r.outcome != "skipped"]
+    assert ran and all(r.outcome == "passed" for r in ran), [(r.case, r.message[:500]) for r in results]
