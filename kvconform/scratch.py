@@ -56,6 +56,7 @@ import copy
 import os
 import re
 import weakref
+from typing import Any
 
 REQUIRED = {
     "build": "build(self, dtype, device) -> nn.Module with seeded weights",
@@ -374,8 +375,8 @@ def _module_class():
             tensor_pos = declared["step"] == "decode_step"
             what = f"{type(adapter).__name__}.{declared['step']}"
 
-            def call(input_ids, cache=None, use_cache=True, attention_mask=None, position_ids=None):
-                if not isinstance(cache, ScratchCache):
+            def call(input_ids, cache: Any = None, use_cache=True, attention_mask=None, position_ids=None):
+                if not isinstance(cache, scratch_cache_class()):
                     raise AdapterError(f"a from-scratch model takes its own caches only, not {type(cache).__name__}")
                 if tensor_pos:
                     pos = torch.tensor(cache.held, dtype=torch.long, device=input_ids.device)
@@ -649,9 +650,9 @@ def float64_problem(spec: str) -> str | None:
             with torch.no_grad():
                 logits = module(ids, attention_mask=m).logits
         except Exception as exc:  # noqa: BLE001
-            exc = exc.__cause__ if isinstance(exc, ModelForwardError) and exc.__cause__ is not None else exc
+            shown = exc.__cause__ if isinstance(exc, ModelForwardError) and exc.__cause__ is not None else exc
             return (f"its uncached forward fails at float64{label}: {what}.forward_uncached raised "
-                    f"{type(exc).__name__}: {exc} (kvconform's oracle is this forward in float64: every dtype the "
+                    f"{type(shown).__name__}: {shown} (kvconform's oracle is this forward in float64: every dtype the "
                     f"model computes in must follow the weights')")
         if not torch.isfinite(logits[m.bool()] if m is not None else logits).all():
             return (f"its uncached forward at float64{label} returns NaN/inf logits: a mask or constant built in "

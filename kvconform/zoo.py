@@ -17,6 +17,7 @@ Nothing is downloaded: configs come from ``AutoConfig.for_model`` and weights fr
 from __future__ import annotations
 
 import copy
+from typing import Any
 import functools
 import os
 from dataclasses import dataclass, field
@@ -127,7 +128,7 @@ class ZooModel:
     source: str = "zoo"
     _oracle_model: object = field(default=None, repr=False)
     image: object = None
-    oracle_build: object = field(default=None, repr=False)  # () -> the float64 model, where not a cast copy
+    oracle_build: Any = field(default=None, repr=False)  # () -> the float64 model, where not a cast copy
     """A VLM's ``vision.ImagePrefix`` (its prompts start with an image), or None for a text-only model."""
 
     @functools.cached_property

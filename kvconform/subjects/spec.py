@@ -338,10 +338,10 @@ def unsupported(subject, model) -> str | None:
         return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} has "
                 f"{', '.join(other)} layers, not judged")
     positions = set(supports) & set(SUPPORT_POSITIONS)
-    kind = model_positions(model) if positions else None
-    if kind and kind not in positions:
+    encoding = model_positions(model) if positions else None
+    if encoding and encoding not in positions:
         return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} has "
-                f"{kind.replace('_', ' ')}, not judged")
+                f"{encoding.replace('_', ' ')}, not judged")
     return None
 
 
