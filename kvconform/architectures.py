@@ -424,3 +424,40 @@ def build_model(model_type: str, dtype=None, seed: int = 0, extra: dict | None =
 
 class TooLarge(RuntimeError, KVConformError):
     """An architecture whose defaults resist the generic shrink (``MAX_PARAMETERS``)."""
+
+
+POSITION_KINDS = ("rotary_positions", "learned_positions", "alibi_positions", "relative_positions", "no_positions")
+"""How a model encodes positions, as a cache may scope itself to it (``kvconform_supports``): rotary embeddings
+(RoPE), a learned absolute table, ALiBi biases, T5's bucketed relative bias, or none (state-space models, Jamba)."""
+
+_RELATIVE_TYPES = frozenset({"t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"})
+_NO_POSITION_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "jamba", "rwkv"})
+_ALIBI_TYPES = frozenset({"bloom", "mpt"})
+
+
+def position_kind(config) -> str | None:
+    """Which of ``POSITION_KINDS`` a model of ``config`` uses (its decoder's text config), or None when it cannot
+    be told (a config of no known kind). A config may say it itself with a ``kvconform_positions`` attribute (a model
+    adapter's ``positions``)."""
+    if config is None:
+        return None
+    own = getattr(config, "kvconform_positions", None)
+    if own:
+        return own if own in POSITION_KINDS else f"{own}_positions"
+    try:
+        text = config.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001 - a config without sub-configs is its own text config
+        text = config
+    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+    if model_type in _NO_POSITION_TYPES:
+        return "no_positions"
+    if model_type in _RELATIVE_TYPES or getattr(config, "is_encoder_decoder", False) and model_type.startswith("t5"):
+        return "relative_positions"
+    if getattr(text, "alibi", False) or model_type in _ALIBI_TYPES:
+        return "alibi_positions"
+    if (getattr(text, "rope_parameters", None) is not None or getattr(text, "rope_theta", None) is not None
+            or getattr(text, "rotary_dim", None)):
+        return "rotary_positions"
+    if getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None):
+        return "learned_positions"
+    return None

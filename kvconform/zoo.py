@@ -17,6 +17,7 @@ Nothing is downloaded: configs come from ``AutoConfig.for_model`` and weights fr
 from __future__ import annotations
 
 import copy
+from typing import Any
 import functools
 import os
 from dataclasses import dataclass, field
@@ -138,6 +139,7 @@ class ZooModel:
     source: str = "zoo"
     _oracle_model: object = field(default=None, repr=False)
     image: object = None
+    oracle_build: Any = field(default=None, repr=False)  # () -> the float64 model, where not a cast copy
     """A VLM's ``vision.ImagePrefix`` (its prompts start with an image), or None for a text-only model."""
 
     @functools.cached_property
@@ -185,9 +187,13 @@ class ZooModel:
         return frozenset(feats)
 
     def oracle_model(self):
-        """The same weights in float64 on CPU (built once, lazily): the oracle's model."""
+        """The same weights in float64 on CPU (built once, lazily): the oracle's model — a float64 copy of
+        ``model``, or what ``oracle_build`` returns where it is set (a model adapter's ``build(float64, "cpu")``,
+        as docs/from-scratch.md says)."""
         import torch
 
+        if self._oracle_model is None and self.oracle_build is not None:  # a model adapter: its build(float64)
+            self._oracle_model = self.oracle_build()
         if self._oracle_model is None:
             from kvconform.compat import prepare_float64
 

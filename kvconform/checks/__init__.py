@@ -356,6 +356,14 @@ def escaped(ctx: CheckContext, exc: Exception) -> NoReturn:
     """Judge an exception that escaped a check (no kvconform code turned it into a verdict): kvconform's own gap
     (``KVConformInternalError``) unless the subject's own code raised it (``outcomes.own_fault``), which fails the
     item in the usual short form, naming kvconform's function that called into the subject."""
+    if getattr(exc, "model_at_fault", False) and ctx.model is not None:
+        # a model adapter's uncached forward (the oracle's model) raised: the model's failure, not the cache's
+        ctx.fail([f"kvconform's oracle failed, not the cache: {exc}",
+                  f"ops: {ctx.case.ops_label()}",
+                  "likely cause: the model, not the cache: kvconform's oracle (forward_uncached, no cache) fails on "
+                  "this sequence, so no cache can be judged on it — fix the model (a table or limit shorter than "
+                  "the case's tokens: declare max_positions), or scope the cases"],
+                 {"raised": type(getattr(exc, "__cause__", None) or exc).__name__, "model_at_fault": True})
     fault = own_fault(exc)
     if fault is not None and ctx.model is None:  # a check called with no model (a direct unit call): its own error
         raise exc
@@ -388,9 +396,24 @@ def _not_supported(ctx, exc) -> str:
     if not named and model_type and model_type.lower() in text:
         what = f"{model.name} ({model_type})"
     supported = sorted({"full_attention", "sliding_attention"} - set(shown)) or ["full_attention"]
+    from kvconform.subjects.spec import SUPPORT_POSITIONS, model_positions
+
+    positions = model_positions(model)
+    words = {"rotary_positions": ("rotary", "rope"), "alibi_positions": ("alibi",),
+             "learned_positions": ("learned", "position embedding", "wpe", "absolute"),
+             "relative_positions": ("relative",)}
+    # a message naming how positions are encoded (a cache for rotary models only), or no layer type named on a
+    # model whose position encoding is known: the position declaration fits, not a layer type
+    named_kinds = [k for k, ws in words.items() if any(w in text for w in ws)]
+    if named_kinds or (not named and positions and "position" in text):
+        served = [k for k in named_kinds if k != positions] or [k for k in SUPPORT_POSITIONS if k != positions]
+        supported = served[:1] if named_kinds else served
+        what = f"{model.name} ({(positions or 'its position encoding').replace('_', ' ')})"
+    supported = sorted(set(getattr(ctx.subject, "supports", None) or ()) | set(supported))  # keep what it declares
     return (f"{ctx.subject.name} does not support {what} (its construction raised NotImplementedError, which is "
             f"how a cache says so; no keyword argument would change it): scope the cache to what it supports — "
-            f"kvconform_supports = {{{', '.join(repr(n) for n in supported)}}} (layer types and model kinds; "
+            f"kvconform_supports = {{{', '.join(repr(n) for n in supported)}}} (layer types, model kinds and "
+            f"position encodings; "
             f"CacheSpec(supports=...)) — and these items are skipped with that reason")
 
 

@@ -17,6 +17,8 @@ def declared_compileable(subject, model_info) -> bool | None:
     """``is_compileable`` of ``subject``'s cache built for ``model_info``'s config (no tensors allocated;
     ``CacheSpec.plan_build``), memoised; None when it cannot be built here (then the item runs and reports the
     failure)."""
+    if getattr(subject, "adapter_spec", ""):  # a model adapter's cache: the compiled decode step it declares
+        return getattr(subject, "compileable", None) is True
     key = (subject.name, subject.source, model_info.spec)
     if key not in _CLAIMS:
         try:

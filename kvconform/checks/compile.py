@@ -227,8 +227,13 @@ def run_protocol(ctx, fullgraph: bool = True) -> ProtocolRun:
     cudagraphs = mode in ("reduce-overhead", "max-autotune")
     torch.compiler.reset()
     counters.clear()
-    compiled = torch.compile(ctx.model.model.forward, fullgraph=fullgraph, dynamic=params.dynamic,
-                             backend=params.backend, mode=mode)
+
+    def compile_fn(fn):
+        return torch.compile(fn, fullgraph=fullgraph, dynamic=params.dynamic, backend=params.backend, mode=mode)
+
+    # a model written from scratch compiles the decode step its adapter declares (kvconform's bookkeeping stays eager)
+    own = getattr(ctx.model.model, "compiled_forward", None)
+    compiled = own(compile_fn, ctx.subject.name) if callable(own) else compile_fn(ctx.model.model.forward)
     state = {"warm": False, "dead": False}
 
     def compiled_step(name, s, kwargs):
@@ -328,6 +333,35 @@ def _recompile_cause(rec: Recompile) -> str:
     return "state read by the compiled forward changes between steps (see the guard)"
 
 
+def _adapter_step(ctx) -> str | None:
+    """``Adapter.decode_step`` (or ``.forward``): the step a model written from scratch declares compiled
+    (``kvconform.scratch.compiled_decode``), or None for a transformers model."""
+    adapter = getattr(ctx.model.model, "adapter", None)
+    if adapter is None:
+        return None
+    declared = getattr(adapter, "compiled_decode", None)
+    step = declared.get("step") if isinstance(declared, dict) else None
+    step = step or ("decode_step" if callable(getattr(adapter, "decode_step", None)) else "forward")
+    return f"{type(adapter).__name__}.{step}"
+
+
+def _adapter_recompile_cause(step: str, rec: Recompile) -> str:
+    """The likely cause of a recompile of a from-scratch model's compiled ``step``, in its author's terms."""
+    guard = rec.guard
+    value = re.search(r"^(?:L\[['\"])?(\w+)(?:['\"]\])?(\S*)\s*==\s*-?\d+\b", guard)
+    if value and "size" not in guard and "stride" not in guard:
+        name = value.group(1) + value.group(2)
+        return (f"{step} reads a Python int ({name}) that changes every step: torch.compile specialises on it, so "
+                f"every step misses the graph and recompiles (dynamic=False: until the recompile limit, then it runs "
+                f"eagerly). Keep the write position in a tensor: the pos tensor kvconform passes decode_step (as "
+                f"gpt-fast's input_pos), or an int64 tensor in the cache updated in place (cache_pos.add_(T))")
+    if "size" in guard or "stride" in guard or "tensor" in guard.lower():
+        return (f"a tensor {step} reads changes shape between steps (a buffer grown with torch.cat or sliced to the "
+                f"tokens held): a compiled decode step keeps static shapes — preallocate [B, H, max_len, D] buffers, "
+                f"write with index_copy_ at pos, and mask the slots not written yet")
+    return f"state {step} reads changes between steps (see the guard)"
+
+
 def _recompile_lines(run: ProtocolRun, total: int) -> list[str]:
     rec = run.recompiles[0]
     wheres = sorted({r.where.split(" ")[0] for r in run.recompiles})
@@ -365,7 +399,8 @@ def check_compile_static_decode(ctx):
                        graph_breaks=int(run.graph_break is not None), guard=run.recompiles[0].guard
                        if run.recompiles else None, mode=ctx.case.params.mode)
     mode = ctx.case.params.mode
-    compile_line = (f"torch.compile(model.forward, fullgraph=True, dynamic=False"
+    step = _adapter_step(ctx)
+    compile_line = (f"torch.compile({step or 'model.forward'}, fullgraph=True, dynamic=False"
                     f"{', mode=' + repr(mode) if mode else ''})")
     if run.graph_break or run.error:
         ctx.fail([
@@ -373,16 +408,21 @@ def check_compile_static_decode(ctx):
              f"torch.compile raised {run.error}"),
             f"at {run.graph_break_where}" if run.graph_break_where else "",
             f"compiled as: {compile_line}; {_ops(ctx)}",
-            "likely cause: " + ("the cache calls something dynamo cannot trace (data-dependent Python control flow on "
-                                "a tensor, .tolist(), .numpy()) although it declares is_compileable"
-                                if run.graph_break else "the cache or model is not traceable (see the exception)"),
+            "likely cause: " + (
+                (f"{step} calls something dynamo cannot trace (see the line named: a builtin such as print or "
+                 f"time.perf_counter, a C extension, logging) although the adapter declares it compiled with "
+                 f"fullgraph=True: move it out of the decode step" if step else
+                 "the cache calls something dynamo cannot trace (data-dependent Python control flow on "
+                 "a tensor, .tolist(), .numpy()) although it declares is_compileable")
+                if run.graph_break else "the cache or model is not traceable (see the exception)"),
         ], {"graph_break": run.graph_break, "error": run.error})
     if run.recompiles:
         ctx.fail([
             *_recompile_lines(run, total),
             f"compiled as: {compile_line}, then set_stance('fail_on_recompile'); misses ran eagerly",
             _ops(ctx),
-            "likely cause: " + _recompile_cause(run.recompiles[0]),
+            "likely cause: " + (_adapter_recompile_cause(step, run.recompiles[0]) if step else
+                                _recompile_cause(run.recompiles[0])),
         ], {"recompiles": len(run.recompiles), "guard": run.recompiles[0].guard})
     if worst > tol:
         ctx.fail([
@@ -422,7 +462,7 @@ def check_compile_claim(ctx):
                        noise_floor=floor, claim="confirmed" if confirmed else "conservative", reason=reason)
     if run.error:
         ctx.fail([
-            f"torch.compile(model.forward, fullgraph=False) raised {run.error}",
+            f"torch.compile({_adapter_step(ctx) or 'model.forward'}, fullgraph=False) raised {run.error}",
             "(is_compileable=False: graph breaks and recompiles are expected, a crash is not)",
             _ops(ctx),
             "likely cause: the cache does something dynamo mis-traces instead of graph-breaking on it (a user "

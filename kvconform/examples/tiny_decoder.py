@@ -9,7 +9,9 @@ every machine).
 The cache, as nanoVLM keeps it: a list with one ``{"key": [B, kv_heads, T, head_dim], "value": ...}`` dict per
 block (empty dicts before the first forward), which the forward extends by concatenation. The static variant
 (``new_cache(static=True)``, listed by ``TinyDecoderTwoCaches``) preallocates ``[B, kv_heads, max_len, head_dim]``
-buffers per block and writes at the start offset instead (the gpt-fast layout). ``TinyMasklessDecoder`` is the same
+buffers per block and writes at the start offset instead (the gpt-fast layout); its decode step
+(``decode_step``, offsets as a tensor, written with ``index_copy_``) is declared compiled (``compiled_decode``), so
+the compile family runs on it as on transformers' ``StaticCache``. ``TinyMasklessDecoder`` is the same
 model declared without a padding mask (``takes_mask = False``).
 
 The attention mask follows the usual convention: ``mask`` ``[B, start + T]``, 1 for a real token and 0 for a pad
@@ -120,6 +122,34 @@ class TinyDecoderModel(nn.Module):
             x = x + blk.down(nn.functional.silu(blk.up(blk.norm2(x))))
         return self.head(self.norm(x))
 
+    def decode(self, ids, cache, pos):
+        """The compiled decode step of the static cache (gpt-fast style): ``ids`` ``[B, T]`` at offsets ``pos ..``
+        (``pos`` a 0-dim int64 tensor, so a compiled graph does not specialise on its value), written into each
+        block's preallocated buffers in place (``index_copy_``); the queries attend every slot, the ones not
+        written yet masked. Every shape is the same at every step: one graph, no recompile. Returns logits
+        ``[B, T, vocab]``."""
+        b, t = ids.shape
+        x = self.embed(ids)
+        q_pos = (pos + torch.arange(t, device=ids.device)).expand(b, t)
+        for i, module in enumerate(self.blocks):
+            blk, layer = cast(Block, module), cache[i]
+            h = blk.norm1(x)
+            q = blk.q(h).view(b, t, blk.heads, blk.head_dim).transpose(1, 2)
+            k, v = blk.kv(h).view(b, t, 2, blk.kv_heads, blk.head_dim).permute(2, 0, 3, 1, 4)
+            q, k = rope(q, q_pos), rope(k, q_pos)
+            layer["key"].index_copy_(2, q_pos[0], k)
+            layer["value"].index_copy_(2, q_pos[0], v)
+            slots = torch.arange(layer["key"].shape[2], device=ids.device)
+            k_pos = torch.where(slots < pos + t, slots, -1).expand(b, -1)  # -1: a slot not written yet
+            rep = blk.heads // blk.kv_heads
+            keys, values = layer["key"].repeat_interleave(rep, dim=1), layer["value"].repeat_interleave(rep, dim=1)
+            scores = q @ keys.transpose(-1, -2) / math.sqrt(blk.head_dim)
+            scores = scores + self.attention_bias(q_pos, k_pos, None, scores.dtype)
+            att = torch.softmax(scores, dim=-1) @ values
+            x = x + blk.out(att.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk.down(nn.functional.silu(blk.up(blk.norm2(x))))
+        return self.head(self.norm(x))
+
     def attend(self, q, k, v, slots, start: int, mask):
         """Scaled dot-product attention of ``q`` ``[B, H, Tq, D]`` over ``k``/``v`` ``[B, Hkv, Tk, D]`` held at
         ``slots`` (their sequence offsets, -1 for an empty slot); the new queries sit at offsets ``start ..``."""
@@ -188,6 +218,12 @@ class TinyDecoder:
                 layer["key"], layer["value"] = layer["key"][rows], layer["value"][rows]
         return cache
 
+    def decode_step(self, model, ids, cache, pos):
+        """The decode step kvconform compiles for a static cache (``compiled_decode``): ``ids`` ``[B, T]`` at
+        offsets ``pos ..`` (``pos`` a 0-dim int64 tensor) → ``(logits [B, T, V], cache)``. The buffers exist: a
+        prefill (the eager ``forward``) allocated them."""
+        return model.decode(ids, cache, pos), cache
+
     def capacity(self, cache) -> int:
         """The most tokens per row the cache holds: a static cache's ``max_len``, else -1 (it grows)."""
         return int(cache[0].get("capacity", -1)) if cache else -1
@@ -199,6 +235,9 @@ class TinyDecoderTwoCaches(TinyDecoder):
 
     name = "tiny_decoder_two_caches"
     caches = {"TinyGrowingCache": {}, "TinyStaticCache": {"static": True}}
+    # the static cache's decode step compiles into one graph: kvconform's compile family runs on it (the growing
+    # one concatenates, its shapes change every step: it declares none)
+    compiled_decode = {"fullgraph": True, "caches": ["TinyStaticCache"]}
 
 
 class TinySlidingDecoder(TinyDecoder):

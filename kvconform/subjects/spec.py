@@ -30,8 +30,14 @@ SUPPORT_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention
 SUPPORT_MODEL_KINDS = ("decoder_only", "encoder_decoder")
 """The model kinds a subject may scope itself to (``CacheSpec.supports``)."""
 
-SUPPORTS = SUPPORT_LAYER_TYPES + SUPPORT_MODEL_KINDS
-"""Every name ``CacheSpec.supports`` / ``kvconform_supports`` may hold."""
+SUPPORT_POSITIONS = ("rotary_positions", "learned_positions", "alibi_positions", "relative_positions", "no_positions")
+"""How the models a subject serves encode positions (``CacheSpec.supports``; ``architectures.position_kind``): a
+cache for rotary models only declares ``{"rotary_positions"}``."""
+
+SUPPORTS = SUPPORT_LAYER_TYPES + SUPPORT_MODEL_KINDS + SUPPORT_POSITIONS
+"""Every name ``CacheSpec.supports`` / ``kvconform_supports`` may hold: layer types (``sliding_attention``,
+``linear_attention``...), model kinds (``encoder_decoder``...) and position encodings (``rotary_positions``...);
+each group declared narrows the models served, a group not declared does not."""
 
 ALLOCATIONS = ("preallocated", "doubling")
 """Allocation policies a subject may declare besides token by token and pages (``CacheSpec.allocation``):
@@ -331,7 +337,31 @@ def unsupported(subject, model) -> str | None:
     if other:
         return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} has "
                 f"{', '.join(other)} layers, not judged")
+    positions = set(supports) & set(SUPPORT_POSITIONS)
+    encoding = model_positions(model) if positions else None
+    if encoding and encoding not in positions:
+        return (f"{subject.name} supports {declared} (kvconform_supports): {model.name} has "
+                f"{encoding.replace('_', ' ')}, not judged")
     return None
+
+
+def model_positions(model) -> str | None:
+    """How ``model`` (a ``ZooModel`` or ``plan.ModelInfo``) encodes positions (``architectures.position_kind`` of
+    its config), or None when that cannot be told (the model then counts as served)."""
+    from kvconform.architectures import position_kind
+
+    config = getattr(model, "config", None)
+    if config is None and getattr(model, "spec", None):
+        try:
+            from kvconform.zoo import model_config
+
+            config = model_config(model.spec, getattr(model, "trust_remote_code", False))
+        except Exception:  # noqa: BLE001 - a spec without a config (a model adapter): not scoped out
+            return None
+    try:
+        return position_kind(config)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def closest_name(name, known) -> str | None:
