@@ -75,6 +75,9 @@ def SharedEncoderStates(config=None, **kwargs) -> SharedEncoderStatesCache:
     return SharedEncoderStatesCache(ReferenceCache(config=config), ReferenceCache(config=config))
 
 
+for _factory in (ReferenceEncoderDecoder, PagedEncoderDecoder, SharedEncoderStates):
+    _factory.kvconform_supports = {"encoder_decoder"}  # type: ignore[attr-defined]  # a wrapper needs an encoder
+
 FAULTY = [
     FaultyCache(
         name="encdec_cross_not_repeated", attr="SharedEncoderStates", module=__name__, family="batch",
