@@ -743,13 +743,18 @@ def run_selftest(session: KVSession, faulty) -> dict:
 
 
 def _subject_exception(exc: BaseException) -> BaseException | None:
-    """The exception the subject raised behind a ``ConformanceError`` ``exc`` (a ``SubjectRaised``'s ``cause``,
-    found on the chain of ``__cause__`` / ``__context__``), or None when the failure was no raise."""
+    """The exception the subject raised behind a ``ConformanceError`` ``exc``, found on the chain of ``__cause__`` /
+    ``__context__``: a ``SubjectRaised``'s ``cause``, or the first exception that is not kvconform's own (a check
+    that fails while handling the subject's refusal); None when the failure was no raise."""
+    from kvconform.outcomes import KVConformError
+
     seen = 0
     current = exc.__cause__ or exc.__context__
     while current is not None and seen < 8:
         cause = getattr(current, "cause", None)
         if isinstance(cause, BaseException):
             return cause
+        if not isinstance(current, KVConformError):
+            return current
         current, seen = current.__cause__ or current.__context__, seen + 1
     return None

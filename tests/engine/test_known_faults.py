@@ -291,7 +291,6 @@ def test_a_subjects_own_layer_class_inherits_the_faults_of_the_transformers_laye
     assert crop.inherited_by(mine) == "StaticLayer.crop"
     assert reset.inherited_by(mine) == "StaticLayer.reset"
     assert capacity.inherited_by(mine) is None, "update() is the subject's own: its capacity failure is its own"
-    import torch
 
     states = torch.zeros(1, 1, 17, 8)
     try:  # 17 tokens into 16 slots: the override's super().update raises inside StaticLayer.update
