@@ -176,11 +176,15 @@ class KnownFault:
                          f"(envelope: {'~ ' + repr(bound) if isinstance(bound, str) else '≤ ' + format(bound, 'g')})")
         return "; ".join(parts)
 
-    def inherited_by(self, cache) -> str | None:
+    def inherited_by(self, cache, raised: BaseException | None = None) -> str | None:
         """The ``"Class.method"`` of ``inherits`` that ``cache`` uses unchanged, or None: ``cache`` (or one of its
         layers; both halves of an encoder-decoder cache) is an instance of transformers' ``Class`` and its class
         resolves ``method`` to the very function ``Class.method`` resolves to (not overridden) — or lacks it
-        where transformers' class lacks it. Classes the installed transformers lacks are skipped."""
+        where transformers' class lacks it. Classes the installed transformers lacks are skipped.
+
+        ``raised``: the exception the subject raised, if any. A subclass that overrides ``method`` but calls
+        transformers' own (``super().update(...)``) inherits it too when ``raised`` was raised inside that very
+        function (its code object is on the traceback): the fault's code ran, unchanged, and raised."""
         from transformers import cache_utils
 
         objects = [cache]
@@ -204,6 +208,9 @@ class KnownFault:
             for obj in objects:
                 if isinstance(obj, cls) and _defining_class(type(obj), method) is upstream:
                     return name
+            code = getattr(getattr(cls, method, None), "__code__", None)
+            if code is not None and any(isinstance(obj, cls) for obj in objects) and _ran(raised, code):
+                return name
         return None
 
     def matches(self, version, **fields) -> bool:
@@ -388,6 +395,17 @@ def find(faults, version, subject: str, model: str, check: str, case: str, famil
     return None
 
 
+def _ran(raised: BaseException | None, code) -> bool:
+    """Whether ``raised`` (an exception, or None) was raised inside the function whose code object is ``code``:
+    ``code`` is one of the frames of its traceback."""
+    tb = raised.__traceback__ if raised is not None else None
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _defining_class(cls: type, name: str):
     """The first class of ``cls``'s MRO whose own namespace defines ``name``, or None."""
     return next((k for k in cls.__mro__ if name in vars(k)), None)
@@ -444,11 +462,12 @@ def match(faults, version, subject: str, model: str, check: str, case: str, fami
 
 
 def find_inherited(faults, version, cache, model: str, check: str, case: str, family: str | None = None,
-                   metrics: dict | None = None, message: str = ""):
+                   metrics: dict | None = None, message: str = "", raised: BaseException | None = None):
     """The first entry (and the inherited ``"Class.method"``) that excuses this failure by inheritance: the entry
     applies to ``version`` and to the item's model/check/case/family (any subject), names ``inherits``, ``cache``
-    uses one of those methods unchanged (``KnownFault.inherited_by``) and the failure (``message``, ``metrics``)
-    shows the fault (``evidence``) inside its ``envelope``. ``(None, None)`` when none does."""
+    uses one of those methods unchanged (``KnownFault.inherited_by``; ``raised``: the subject's exception, which
+    counts an override that raised inside transformers' method through ``super()``) and the failure (``message``,
+    ``metrics``) shows the fault (``evidence``) inside its ``envelope``. ``(None, None)`` when none does."""
     fields = dict(model=model, check=check, case=case)
     if family is not None:
         fields["family"] = family
@@ -457,7 +476,7 @@ def find_inherited(faults, version, cache, model: str, check: str, case: str, fa
             continue
         if not (fault.shown_by(message) and fault.within(metrics or {})):
             continue
-        method = fault.inherited_by(cache)
+        method = fault.inherited_by(cache, raised)
         if method is not None:
             return fault, method
     return None, None

@@ -228,7 +228,7 @@ class KVSession:
         names = item.describe()
         inherited, method = known_faults.find_inherited(
             self.faults, transformers_version(), cache, names["model"], names["check"], names["case"],
-            names["family"], metrics=exc.metrics, message=str(exc))
+            names["family"], metrics=exc.metrics, message=str(exc), raised=_subject_exception(exc))
         if inherited is None:
             return
         reason = (f"known upstream fault {inherited.id!r}, inherited from transformers' {method} (used unchanged by "
@@ -740,3 +740,21 @@ def run_selftest(session: KVSession, faulty) -> dict:
                 first = first or str(exc)
     return {"name": faulty.name, "family": faulty.family, "check": faulty.check, "caught": failed > 0,
             "items": len(items), "failed": failed, "message": first}
+
+
+def _subject_exception(exc: BaseException) -> BaseException | None:
+    """The exception the subject raised behind a ``ConformanceError`` ``exc``, found on the chain of ``__cause__`` /
+    ``__context__``: a ``SubjectRaised``'s ``cause``, or the first exception that is not kvconform's own (a check
+    that fails while handling the subject's refusal); None when the failure was no raise."""
+    from kvconform.outcomes import KVConformError
+
+    seen = 0
+    current = exc.__cause__ or exc.__context__
+    while current is not None and seen < 8:
+        cause = getattr(current, "cause", None)
+        if isinstance(cause, BaseException):
+            return cause
+        if not isinstance(current, KVConformError):
+            return current
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return None

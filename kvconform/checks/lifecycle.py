@@ -209,11 +209,14 @@ def check_capacity(ctx):
         # message's words (torchtune refuses with a bare assert before writing anything)
         by_state = getattr(ctx.model.model, "adapter", None) is not None and not diff
         if not by_state and (not clear_error(refusal, CAPACITY_WORDS + (str(cap),)) or isinstance(refusal, RAW_ERRORS)):
-            ctx.fail([text, "but should raise a clear error naming the capacity before writing anything",
-                      f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
-                      "likely cause: update() writes at index ≥ max_cache_len without checking the capacity first"
-                      + (f"; it also changed {', '.join(diff[:3])} before raising" if diff else "")],
-                     {"raised": type(refusal).__name__, "changed": diff[:10]})
+            try:  # the failure chained to the refusal (__context__): the known-fault judge reads where it raised
+                raise refusal
+            except Exception:  # noqa: BLE001 - re-raised only to chain it
+                ctx.fail([text, "but should raise a clear error naming the capacity before writing anything",
+                          f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",
+                          "likely cause: update() writes at index ≥ max_cache_len without checking the capacity "
+                          "first" + (f"; it also changed {', '.join(diff[:3])} before raising" if diff else "")],
+                         {"raised": type(refusal).__name__, "changed": diff[:10]})
         if diff:
             ctx.fail([text, f"but it changed {', '.join(diff[:4])} before raising",
                       f"ops: {ctx.case.ops_label()}   (max_cache_len={cap})",

@@ -302,6 +302,9 @@ class CacheSpec:
 
         The factory gets ``model.model`` (the ``PreTrainedModel``) as ``model`` where it names it. For
         encoder-decoders the wrapper carries the self-attention call's context (else the cross-attention call's).
+        A factory that returns an ``EncoderDecoderCache`` itself (a user's own subclass of the wrapper, with its own
+        halves) is used as it is, not wrapped again: it is built once, with ``max_cache_len`` (the decoder's
+        length; its cross-attention half must hold ``encoder_len`` tokens, the case's encoder input).
         """
         device = next(model.model.parameters()).device
         common = dict(config=model.config, batch_size=batch_size, device=device, dtype=model.dtype,
@@ -311,6 +314,8 @@ class CacheSpec:
         from transformers import EncoderDecoderCache
 
         self_attention = self.build_one(max_cache_len=max_cache_len, **common)
+        if isinstance(self_attention, EncoderDecoderCache):
+            return self_attention  # the subject is the wrapper: judged as it is (docs/own-cache.md)
         cross_attention = self.build_one(max_cache_len=max(encoder_len, 1), **common)
         wrapper = EncoderDecoderCache(self_attention, cross_attention)
         context = call_context(self_attention) or call_context(cross_attention)

@@ -261,3 +261,64 @@ def test_an_inherited_transformers_method_is_found_through_the_subjects_classes(
     assert (found, method) == (fault, "DynamicSlidingWindowLayer.crop")
     assert known_faults.find_inherited([fault], Version("5.24.0"), cache, "mistral", "check_crop_contract",
                                        "crop_past_window", "crop", metrics={"max_abs": 9.0}) == (None, None)
+
+
+def test_a_subjects_own_layer_class_inherits_the_faults_of_the_transformers_layer_it_subclasses():
+    """Issue 44: a cache of the subject's own whose layers subclass StaticLayer and override only update() uses
+    StaticLayer's crop and reset unchanged: the shipped entries for StaticCache's unclamped crop and its reset to
+    another batch name those methods (``inherits``), so the subject gets their xfail by inheritance (any subject
+    name); a layer that overrides crop is judged on its own. The capacity fault lives in StaticLayer.update, which
+    the subject overrides: inherited only when the raise came from inside StaticLayer.update (through super())."""
+    from packaging.version import Version
+    from transformers import LlamaConfig
+    from transformers.cache_utils import Cache, StaticLayer
+
+    class LoggedStaticLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.writes = getattr(self, "writes", 0) + 1
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    class ClampedCropLayer(LoggedStaticLayer):
+        def crop(self, max_length):
+            raise ValueError("crop refused")
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                         vocab_size=32)
+    faults = {f.id: f for f in known_faults.load_known_faults(known_faults.FAULTS_FILE)}
+    crop, reset, capacity = (faults["static-crop-unclamped"], faults["static-reset-other-batch"],
+                             faults["static-capacity-indexerror"])
+    mine = Cache(layers=[LoggedStaticLayer(max_cache_len=16) for _ in range(config.num_hidden_layers)])
+    assert crop.inherited_by(mine) == "StaticLayer.crop"
+    assert reset.inherited_by(mine) == "StaticLayer.reset"
+    assert capacity.inherited_by(mine) is None, "update() is the subject's own: its capacity failure is its own"
+
+    states = torch.zeros(1, 1, 17, 8)
+    try:  # 17 tokens into 16 slots: the override's super().update raises inside StaticLayer.update
+        mine.update(states, states, 0)
+    except IndexError as exc:
+        through_super = exc
+    assert capacity.inherited_by(mine, raised=through_super) == "StaticLayer.update"
+
+    class OwnCapacityLayer(LoggedStaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            raise IndexError("full")  # the subject's own raise: transformers' update never ran
+
+    try:
+        Cache(layers=[OwnCapacityLayer(max_cache_len=16)]).update(states, states, 0)
+    except IndexError as exc:
+        own_raise = exc
+    assert capacity.inherited_by(Cache(layers=[OwnCapacityLayer(max_cache_len=16)]), raised=own_raise) is None
+    version = Version("5.25.0")
+    found, method = known_faults.find_inherited(list(faults.values()), version, mine, "llama",
+                                                "check_crop_then_continue", "crop_more_than_cached", "crop",
+                                                metrics={"reported_length": "-2"})
+    assert (found, method) == (crop, "StaticLayer.crop")
+    assert known_faults.find_inherited([crop], version, mine, "llama", "check_crop_then_continue",
+                                       "crop_more_than_cached", "crop", metrics={"max_abs": 3.0}) == (None, None), \
+        "a failure outside the entry's envelope (no negative length) is the subject's own"
+    own = Cache(layers=[ClampedCropLayer(max_cache_len=16) for _ in range(config.num_hidden_layers)])
+    assert crop.inherited_by(own) is None
+    assert known_faults.find_inherited([crop], version, own, "llama", "check_crop_then_continue",
+                                       "crop_more_than_cached", "crop",
+                                       metrics={"reported_length": "-2"}) == (None, None)
+    assert reset.inherited_by(own) == "StaticLayer.reset"
