@@ -3,14 +3,19 @@
 ``NonzeroCountStaticCache`` is ``StaticCache`` with the length of transformers before the fix of #30377: it counts the
 slots of layer 0 whose key is non-zero. Random seeded weights never write an all-zero key, so every other case passes;
 a token whose embedding row is zero (a real checkpoint's padding or reserved token) is not counted, and the positions
-the model derives from ``get_seq_length()`` fall behind. The line that carries the bug is marked ``# BUG:``.
+the model derives from ``get_seq_length()`` fall behind. ``Fp16NormScaleCache`` is a lossy int8 cache whose scale is
+computed in the model's dtype: float16 overflows only on activations near the top of its range, which
+``check_fp16_extreme`` (the same module) reaches by scaling a copy's key/value projections. Every line that carries a
+bug is marked ``# BUG:``.
 """
 
 from __future__ import annotations
 
+import torch
 from transformers import StaticCache
 
 from kvconform.testing import FaultyCache
+from kvconform.testing.lossy import Int8ResidualCache, Int8ResidualLayer
 
 
 class NonzeroCountStaticCache(StaticCache):
@@ -24,11 +29,37 @@ class NonzeroCountStaticCache(StaticCache):
         return int(layer.keys[0, 0].any(dim=-1).sum())  # BUG: a held token whose key is all zeros is not counted
 
 
+class _NormScaleLayer(Int8ResidualLayer):
+    @staticmethod
+    def quantize(x: torch.Tensor):
+        """int8 with one scale per vector from its L2 norm (never clips: ``|x_i| ≤ ‖x‖``), ``[..., D]`` →
+        ``(q int8, scale float32 [..., 1])``."""
+        norm = x.pow(2).sum(dim=-1, keepdim=True).sqrt()  # BUG: in x's dtype: squares past 256 overflow float16
+        scale = norm.float() / 127.0
+        q = torch.round(x.float() / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
+        return q.to(torch.int8), scale
+
+
+class Fp16NormScaleCache(Int8ResidualCache):
+    """``Int8ResidualCache`` whose per-vector scale comes from the vector's L2 norm, computed in the model's dtype:
+    in float16 a component past 256 squares to inf (65504 is float16's largest), the scale is inf and the token
+    dequantizes to NaN — the overflow of vLLM #53334 (scales kept in float16), reached only by large activations."""
+
+    kvconform_lossy = {"kl_max": 1e-2, "top1_min": 0.9}  # a norm scale is coarser than absmax: its own budget
+    layer_class = _NormScaleLayer
+
+
 FAULTY = [
     FaultyCache(
         name="nonzero_count_length", attr="NonzeroCountStaticCache", module=__name__, family="logits",
         check="check_zero_key_rows", model="llama", case="zero_key_rows",
         message=("check_zero_key_rows failed: NonzeroCountStaticCache on llama", "get_seq_length() returned"),
         cause=r"the length is counted from the cache's contents, and token 5 .* has all-zero keys at layer 0",
+    ),
+    FaultyCache(
+        name="fp16_norm_scale", attr="Fp16NormScaleCache", module=__name__, family="logits",
+        check="check_fp16_extreme", model="llama", case="fp16_extreme",
+        message=("check_fp16_extreme failed: Fp16NormScaleCache on llama", "keys/values scaled to |x| ≤ 20000"),
+        cause=r"overflows where they are large: a quantization scale or zero point, a norm or a sum of squares",
     ),
 ]
