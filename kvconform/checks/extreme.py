@@ -135,6 +135,14 @@ _SCALED: dict = {}
 none, per process."""
 
 
+def _attentions(model) -> list:
+    """The modules of ``model`` with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` linear projections."""
+    import torch
+
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return [m for m in model.modules() if all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in names)]
+
+
 def scaled_variant(zm, magnitude: float):
     """A copy of ``zm`` whose keys and values reach ``magnitude`` in absolute value with the same logits in exact
     arithmetic: at every attention layer with ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (llama, mistral,
@@ -152,8 +160,7 @@ def scaled_variant(zm, magnitude: float):
     key = (id(zm.model), magnitude)
     if key in _SCALED:
         return _SCALED[key]
-    attns = [m for m in zm.model.modules()
-             if all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    attns = _attentions(zm.model)
     if not attns:
         _SCALED[key] = f"{zm.name} has no attention with q_proj / k_proj / v_proj / o_proj projections to scale"
         return _SCALED[key]
@@ -170,8 +177,7 @@ def scaled_variant(zm, magnitude: float):
         for h in hooks:
             h.remove()
     model = copy.deepcopy(zm.model)
-    copies = [m for m in model.modules()
-              if all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    copies = _attentions(model)
     scales = {}
     with torch.no_grad():
         for i, m in enumerate(copies):

@@ -43,7 +43,8 @@ class WholePageReadPoolCache(PagePoolCache):
 
     def __init__(self, config=None, **ignored_kwargs):
         super().__init__(config, **ignored_kwargs)
-        self.layers = [_WholePageLayer(self, layer.layer_idx, layer.sliding_window) for layer in self.layers]
+        self.layers = [_WholePageLayer(self, i, getattr(layer, "sliding_window", None))
+                       for i, layer in enumerate(self.layers)]
 
     def gather_pages(self, layer_idx: int, half: int) -> torch.Tensor:
         """Keys (``half`` 0) or values of every slot of each row's pages, ``[batch, kv_heads, pages·4, head_dim]``."""

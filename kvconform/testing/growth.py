@@ -42,11 +42,11 @@ class GrowingLayer(BatchOpsMixin, CacheLayerMixin):
         self.is_initialized = False
 
     @property
-    def keys(self) -> torch.Tensor | None:
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]  # read-only: a view of the buffer
         return None if self.key_buffer is None else self.key_buffer[:, :, : self.length]
 
     @property
-    def values(self) -> torch.Tensor | None:
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
         return None if self.value_buffer is None else self.value_buffer[:, :, : self.length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
