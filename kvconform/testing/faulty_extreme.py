@@ -33,7 +33,8 @@ class NonzeroCountStaticCache(StaticCache):
     def crop(self, max_length: int) -> None:
         """Crop, then zero the dropped slots: the length is read from the contents, so they must look empty."""
         super().crop(max_length)
-        for layer in self.layers:
+        layers: list[Any] = list(self.layers)
+        for layer in layers:
             if layer.is_initialized:
                 held = int(layer.cumulative_length)
                 layer.keys[:, :, held:].zero_()
