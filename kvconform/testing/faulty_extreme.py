@@ -3,7 +3,8 @@
 ``NonzeroCountStaticCache`` is ``StaticCache`` with the length of transformers before the fix of #30377: it counts the
 slots of layer 0 whose key is non-zero. Random seeded weights never write an all-zero key, so every other case passes;
 a token whose embedding row is zero (a real checkpoint's padding or reserved token) is not counted, and the positions
-the model derives from ``get_seq_length()`` fall behind. ``Fp16NormScaleCache`` is a lossy int8 cache whose scale is
+the model derives from ``get_seq_length()`` fall behind. Both are pinned in ``FULL_TIER_FAULTY`` (their cases are full
+tier; ``tests/caches/test_poison_extreme_growth.py`` runs them). ``Fp16NormScaleCache`` is a lossy int8 cache whose scale is
 computed in the model's dtype: float16 overflows only on activations near the top of its range, which
 ``check_fp16_extreme`` (the same module) reaches by scaling a copy's key/value projections. Every line that carries a
 bug is marked ``# BUG:``.
@@ -61,7 +62,10 @@ class Fp16NormScaleCache(Int8ResidualCache):
     layer_class = _NormScaleLayer
 
 
-FAULTY = [
+FAULTY: list = []
+"""None run by ``tests/caches/test_faulty_caches.py`` (default tier): the cases that catch these are full tier."""
+
+FULL_TIER_FAULTY = [
     FaultyCache(
         name="nonzero_count_length", attr="NonzeroCountStaticCache", module=__name__, family="logits",
         check="check_zero_key_rows", model="llama", case="zero_key_rows",
