@@ -3,11 +3,11 @@
 ``NonzeroCountStaticCache`` is ``StaticCache`` with the length of transformers before the fix of #30377: it counts the
 slots of layer 0 whose key is non-zero. Random seeded weights never write an all-zero key, so every other case passes;
 a token whose embedding row is zero (a real checkpoint's padding or reserved token) is not counted, and the positions
-the model derives from ``get_seq_length()`` fall behind. Both are pinned in ``FULL_TIER_FAULTY`` (their cases are full
-tier; ``tests/caches/test_poison_extreme_growth.py`` runs them). ``Fp16NormScaleCache`` is a lossy int8 cache whose scale is
-computed in the model's dtype: float16 overflows only on activations near the top of its range, which
-``check_fp16_extreme`` (the same module) reaches by scaling a copy's key/value projections. Every line that carries a
-bug is marked ``# BUG:``.
+the model derives from ``get_seq_length()`` fall behind. ``Fp16NormScaleCache`` is a lossy int8 cache whose scale
+is computed in the model's dtype: float16 overflows only on activations near the top of its range, which
+``check_fp16_extreme`` (``kvconform/checks/extreme.py``) reaches by scaling a copy's key/value projections. Both are
+pinned in ``FULL_TIER_FAULTY`` (their cases are full tier; ``tests/caches/test_poison_extreme_growth.py`` runs them).
+Every line that carries a bug is marked ``# BUG:``.
 """
 
 from __future__ import annotations
