@@ -1,7 +1,9 @@
-"""Faulty caches that only extreme data shows: ``check_zero_key_rows`` (``kvconform/checks/extreme.py``) catches them.
+"""Faulty caches that only zero or extreme data shows: ``check_zero_key_rows`` and ``check_fp16_extreme``
+(``kvconform/checks/extreme.py``) catch them.
 
 ``NonzeroCountStaticCache`` is ``StaticCache`` with the length of transformers before the fix of #30377: it counts the
-slots of layer 0 whose key is non-zero. Random seeded weights never write an all-zero key, so every other case passes;
+slots of layer 0 whose key is non-zero. Random seeded weights never write an all-zero key, so nearly every other case
+passes (measured on llama: a left-padded reorder and ``poison_large``, whose 1e4 tail counts as held, catch it too);
 a token whose embedding row is zero (a real checkpoint's padding or reserved token) is not counted, and the positions
 the model derives from ``get_seq_length()`` fall behind. ``Fp16NormScaleCache`` is a lossy int8 cache whose scale
 is computed in the model's dtype: float16 overflows only on activations near the top of its range, which
