@@ -152,8 +152,9 @@ def can_poison(cache, value: float, padded: bool = False) -> str | None:
 
 
 class _Poisoner:
-    """A runner observer: after every op, fill the unused slots (``poison_cache``); after every forward, forget a
-    NaN the cache *holds* (it was put there) — one that ``update()`` *returned* stays the step's fault."""
+    """A runner observer: after every op, fill the unused slots (``poison_cache``); after every forward of a NaN
+    case, forget a NaN the cache *holds* (it was put there) — one that ``update()`` *returned* stays the step's
+    fault."""
 
     def __init__(self, value: float):
         self.value = value
@@ -166,7 +167,7 @@ class _Poisoner:
         self.filled.append((op.label, n))
 
     def after_forward(self, runner, step) -> None:
-        if step.nonfinite and not step.nonfinite.startswith("update("):
+        if math.isnan(self.value) and step.nonfinite and not step.nonfinite.startswith("update("):
             step.nonfinite = None
 
 
