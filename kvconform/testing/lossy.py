@@ -143,14 +143,16 @@ class Int8ResidualLayer(BatchOpsMixin, CacheLayerMixin):
         self._flush()
         return self.keys, self.values
 
+    quantize = staticmethod(quantize)  # the quantizer (a faulty variant may replace it)
+
     def _flush(self) -> None:
         """Quantize tokens ``[n_quant, length - residual)`` from the exact tail; trim the tail to
         ``residual + rollback`` tokens."""
         target = max(self.length - self.residual, 0)
         if target > self.n_quant:
             lo, hi = self.n_quant - self.tail_start, target - self.tail_start
-            qk, sk = quantize(self.tail_k[..., lo:hi, :])
-            qv, sv = quantize(self.tail_v[..., lo:hi, :])
+            qk, sk = self.quantize(self.tail_k[..., lo:hi, :])
+            qv, sv = self.quantize(self.tail_v[..., lo:hi, :])
             self._append_quantized(qk, sk, qv, sv)
             self.n_quant = target
         keep_from = max(self.length - self.residual - self.rollback, self.tail_start)

@@ -211,6 +211,24 @@ class PagePoolCache(Cache):
         pages, slots = self._positions(0, length)
         return self.pool[:, layer_idx, half][pages, :, slots].permute(0, 2, 1, 3)
 
+    def kvconform_poison(self, value: float) -> int:
+        """Fill every slot of the pool that holds no token with ``value`` (kvconform's poisoned-capacity cases): the
+        pages on the free list and, in each row's last page, the slots past each layer's length. Returns the token
+        slots filled (summed over pages, rows and layers). Those slots are never read: ``gather`` reads the held
+        positions only."""
+        if self.pool is None:
+            return 0
+        filled = 0
+        if self.free:
+            self.pool[self.free] = value
+            filled += len(self.free) * PAGE_TOKENS * len(self.layers)
+        for table in self.block_tables:
+            for layer_idx, length in enumerate(self.lengths):
+                for pos in range(length, len(table) * PAGE_TOKENS):
+                    self.pool[table[pos // PAGE_TOKENS], layer_idx, :, :, pos % PAGE_TOKENS] = value
+                    filled += 1
+        return filled
+
     # ------------------------------------------------------------------------------------------ Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held per row by layer ``layer_idx`` (0 for a layer the cache does not have)."""

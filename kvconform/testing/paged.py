@@ -148,6 +148,17 @@ class PagedAttentionLayer(BatchOpsMixin, CacheLayerMixin):
         self.length = 0
         self.is_initialized = False
 
+    def kvconform_poison(self, value: float) -> int:
+        """Fill the slots of the last page past ``length`` with ``value`` (kvconform's poisoned-capacity cases; freed
+        pages are deleted, so there is nothing else); returns the token slots filled (over the batch). They are never
+        read: ``_read`` cuts at ``length``."""
+        offset = self.length % self.page_size
+        if not self.key_pages or not offset:
+            return 0
+        for pages in (self.key_pages, self.value_pages):
+            pages[-1][..., offset:, :] = value
+        return (self.page_size - offset) * self.key_pages[-1].shape[0]
+
     def _map_batch(self, fn) -> None:  # reorder_cache / batch_repeat_interleave / batch_select_indices
         self.key_pages = [fn(p) for p in self.key_pages]
         self.value_pages = [fn(p) for p in self.value_pages]
