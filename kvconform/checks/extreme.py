@@ -112,7 +112,7 @@ POSITIONS = Param(list, default=[0, 3, 7, 12], items=int, min=0, doc="absolute p
 def check_zero_key_rows(ctx):
     """A copy of the model with one token's embedding row zeroed (exactly zero keys/values at layer 0 on bias-free
     models), fed that token at ``positions``: every step's logits equal the oracle of that copy."""
-    token, positions = ctx.case.params["token"], ctx.case.params["positions"]
+    token, positions = ctx.case.params.token, ctx.case.params.positions
     variant, oracle = zeroed_variant(ctx.model, token)
     vctx = ctx.replace(model=variant, oracle=oracle)
     cache = vctx.new_cache()
@@ -226,7 +226,7 @@ def _needs_half(case):
 def check_fp16_extreme(ctx):
     """A copy of the model whose keys and values reach ``magnitude`` (2e4 by default, near float16's 65504) with
     the same exact-arithmetic logits: every step's logits are finite and equal that copy's float64 oracle."""
-    found = scaled_variant(ctx.model, float(ctx.case.params["magnitude"]))
+    found = scaled_variant(ctx.model, ctx.case.params.magnitude)
     if isinstance(found, str):
         from kvconform.outcomes import CheckSkipped
 
@@ -244,7 +244,7 @@ def check_fp16_extreme(ctx):
     if verdict.passed:
         return
     step, cmp = verdict.first_fail  # type: ignore[misc]  # set where the verdict did not pass
-    magnitude = float(ctx.case.params["magnitude"])
+    magnitude = ctx.case.params.magnitude
     observed = f"{cmp.max_abs:.1e}" if math.isfinite(cmp.max_abs) else "NaN/inf"
     bound = (f"≤ {cmp.tol:.1e} ({vctx.tolerance().describe(cmp.floor)})" if math.isfinite(cmp.tol)
              else "finite (the comparison target is not finite either)")

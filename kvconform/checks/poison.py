@@ -40,7 +40,7 @@ docstring)."""
 
 
 def _value(ctx) -> float:
-    raw = ctx.case.params.get("value", "nan")
+    raw = ctx.case.params.value
     return float("nan") if raw == "nan" else float(raw)
 
 
@@ -190,7 +190,7 @@ VALUE = Param((str, float), default="nan", doc='"nan" or a finite number (e.g. 1
 
 
 def _validate(case):
-    value = case.params.get("value", "nan")
+    value = case.params.value
     if isinstance(value, str) and value != "nan":
         return "value", f'check_poisoned_capacity takes value = "nan" or a number; got {value!r}'
     if not isinstance(value, str) and not math.isfinite(float(value)):

@@ -66,7 +66,7 @@ def test_checks_declare_the_kinds_they_judge():
     judges = {name: info.judges for name, info in registry.items()}
     assert {n for n, j in judges.items() if j == {EXACT}} == {
         "check_generate_greedy", "check_beam_search", "check_prefix_generate", "check_multi_turn",
-        "check_speculative_greedy"}
+        "check_speculative_greedy", "check_speculative_mtp"}
     assert {n for n, j in judges.items() if j == {EXACT, LOSSY_TWIN}} == {
         "check_memory_bytes", "check_memory_cuda_allocated"}
     assert {n for n, j in judges.items() if j == ALL_KINDS} == {
