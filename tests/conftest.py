@@ -6,6 +6,10 @@ import sys
 import pytest
 from _pytest import pytester as _pytester
 
+# The project's tests patch models, forwards and kvconform's own code in process: the oracle's forwards are not kept
+# between runs here (kvconform.oracle.DiskMemo; tests/engine/test_oracle_disk_memo.py turns it on where it tests it).
+os.environ.setdefault("KVCONFORM_CACHE", "off")
+
 pytest_plugins = ["pytester"]
 
 # Modules that register native state when first imported (torch libraries: ``TORCH_LIBRARY(c10d_functional)`` by
