@@ -213,7 +213,9 @@ class Oracle:
 
 
 CACHE_ENV = "KVCONFORM_CACHE"
-"""``KVCONFORM_CACHE=off`` (or ``0``): no uncached logits are read from or written to the disk (``DiskMemo``)."""
+"""``KVCONFORM_CACHE=on`` (or ``1``): uncached logits are read from and written to the disk (``DiskMemo``); off by
+default until its effect on a whole default run is measured (a llama-only ``-n 0`` slice ran past 280 s with it,
+unexplained yet)."""
 CACHE_DIR_ENV = "KVCONFORM_CACHE_DIR"
 """The folder of kvconform's cache between runs (default ``$XDG_CACHE_HOME/kvconform``, else
 ``~/.cache/kvconform``; never the project's folder)."""
@@ -221,10 +223,10 @@ CACHE_DIR_ENV = "KVCONFORM_CACHE_DIR"
 
 def cache_dir() -> str | None:
     """kvconform's cache folder between runs (``$KVCONFORM_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvconform``, else
-    ``~/.cache/kvconform``), or None when ``$KVCONFORM_CACHE`` is ``off`` / ``0`` / ``false`` / ``no``."""
+    ``~/.cache/kvconform``), or None unless ``$KVCONFORM_CACHE`` is ``on`` / ``1`` / ``true`` / ``yes``."""
     import os
 
-    if os.environ.get(CACHE_ENV, "").strip().lower() in ("off", "0", "false", "no"):
+    if os.environ.get(CACHE_ENV, "").strip().lower() not in ("on", "1", "true", "yes"):
         return None
     folder = os.environ.get(CACHE_DIR_ENV, "").strip()
     if folder:

@@ -20,7 +20,7 @@ def _tokens():
 
 def test_entries_are_written_in_the_cache_folder_and_read_back_equal(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCONFORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("KVCONFORM_CACHE", raising=False)
+    monkeypatch.setenv("KVCONFORM_CACHE", "on")
     zm = zoo.build_zoo_model("llama")
     first = Oracle(zm).logits(_tokens())
     assert len(_entries(tmp_path)) == 1
@@ -32,7 +32,7 @@ def test_entries_are_written_in_the_cache_folder_and_read_back_equal(tmp_path, m
 
 def test_a_corrupt_entry_is_deleted_and_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCONFORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("KVCONFORM_CACHE", raising=False)
+    monkeypatch.setenv("KVCONFORM_CACHE", "on")
     zm = zoo.build_zoo_model("llama")
     right = Oracle(zm).logits(_tokens())
     (path,) = _entries(tmp_path)
@@ -49,7 +49,7 @@ def test_changed_weights_or_versions_never_read_an_old_entry(tmp_path, monkeypat
     """The key holds the weights' digest (a subject that changed the shared model in place, or another zoo build)
     and the versions: another model state or release writes its own entry."""
     monkeypatch.setenv("KVCONFORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("KVCONFORM_CACHE", raising=False)
+    monkeypatch.setenv("KVCONFORM_CACHE", "on")
     zm = zoo.build_zoo_model("llama")
     oracle = Oracle(zm)
     before = oracle.uncached(_tokens())
@@ -64,7 +64,7 @@ def test_changed_weights_or_versions_never_read_an_old_entry(tmp_path, monkeypat
     assert len(_entries(tmp_path)) == 3
 
 
-def test_the_cache_can_be_turned_off(tmp_path, monkeypatch):
+def test_the_cache_is_off_unless_turned_on(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCONFORM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("KVCONFORM_CACHE", "off")
     zm = zoo.build_zoo_model("llama")
