@@ -21,7 +21,8 @@ from kvconform.outcomes import UsageError
 from kvconform.options import (CACHE, CASES, DEVICE, DURATIONS, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT,
                                SUBJECT, TRUST, add_options, check_usage, hooked_specs, is_active, opt, power_mode,
                                read_fuzz_seed, read_shard,
-                               refuse_flags_without_kvconform, refuse_mistyped_specs, reproduce_args, timeout_s)
+                               refuse_bad_subjects, refuse_flags_without_kvconform, refuse_mistyped_specs,
+                               reproduce_args, timeout_s)
 from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SESSION_KEY, await_digest,
                                crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
                                freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
@@ -85,6 +86,8 @@ def pytest_configure(config):
         check_usage(config)
         if not hasattr(config, "workerinput"):
             refuse_mistyped_specs(config)
+            if starts_workers(config):
+                refuse_bad_subjects(config)  # the workers would find it only after importing torch (~13 s)
         seed = read_fuzz_seed(config)
         build = functools.partial(_build_session, config, seed, read_shard(config), reproduce_args(config, seed))
         if not hasattr(config, "workerinput"):

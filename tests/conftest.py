@@ -48,6 +48,12 @@ def run_kvconform(pytester):
 def pytest_configure(config):
     # Subprocess runs inherit this interpreter; make sure they find the same kvconform.
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    # The project's tests patch models, forwards and kvconform's own code in process: the oracle's forwards are not
+    # kept between runs here (kvconform.oracle.DiskMemo; tests/engine/test_oracle_disk_memo.py turns it on where it
+    # tests it). Not in a `pytest --kvconform` started from the project's folder, which loads this file too
+    # (testpaths) and is a run like a user's.
+    if not config.getoption("kvconform", False):
+        os.environ.setdefault("KVCONFORM_CACHE", "off")
 
 
 SHARED_RUN_MODULES = {

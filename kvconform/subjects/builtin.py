@@ -234,6 +234,14 @@ def offloaded_subjects() -> list:
     ]
 
 
+BUILTIN_NAMES = ("ReferenceCache", "DynamicCache", "StaticCache", "QuantizedCache_quanto4", "QuantizedCache_quanto2",
+                 "QuantizedCache_hqq4", "QuantizedCache_hqq2", "QuantizedCache_fp8", "DynamicCache_offloaded",
+                 "StaticCache_offloaded")
+"""The names of ``builtin_subjects()``, in its order, readable without importing torch (an xdist controller checks
+``--kvconform-subject`` against them before its workers start: ``options.refuse_bad_subjects``).
+``tests/subjects`` holds them equal to the built list."""
+
+
 def builtin_subjects() -> list[CacheSpec]:
     """ReferenceCache, DynamicCache(config=…), StaticCache(config=…, max_cache_len=…), the QuantizedCache
     subjects, the offloaded caches and MtpCache / DFlashCache (``quantized_subjects``, ``offloaded_subjects``,

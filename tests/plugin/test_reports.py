@@ -390,6 +390,65 @@ def test_mistyped_specs_are_refused_before_workers_start_and_without_torch(tmp_p
         print(args, proc.stdout.strip().splitlines()[-1])
 
 
+def test_subjects_refused_by_their_import_are_refused_before_workers_start(tmp_path):
+    """Under the default distribution (workers), a cache class whose constructor needs an argument, a class that is
+    not a cache, a budget-key typo, a name a built-in subject has and a --kvconform-subject typo are usage errors in
+    the controller before any worker starts (``options.refuse_bad_subjects``), with the session's own messages; a
+    subject-name typo without --kvconform-cache is judged without importing torch."""
+    (tmp_path / "mine.py").write_text(textwrap.dedent("""
+        from transformers import DynamicCache
+
+        class NeedsArgs(DynamicCache):
+            def __init__(self, size):
+                super().__init__()
+
+        class NotACache:
+            pass
+
+        class BudgetTypo(DynamicCache):
+            kvconform_lossy = {"kl_mx": 0.05, "top1_min": 0.8}
+
+        class DynamicCache(DynamicCache):
+            pass
+    """))
+    script = textwrap.dedent("""
+        import sys, time, pytest
+        start = time.monotonic()
+        code = pytest.main(["--kvconform", "-p", "no:cacheprovider", "-n", "2", *sys.argv[1:]])
+        took = round(time.monotonic() - start, 2)
+        print("exit", int(code), "torch imported", "torch" in sys.modules, "seconds", took)
+    """)
+    cases = [(["--kvconform-cache", "mine.py:NeedsArgs"], "NeedsArgs requires 'size', which kvconform cannot pass"),
+             (["--kvconform-cache", "mine.py:NotACache"], "NotACache is a class but not a transformers.Cache subclass"),
+             (["--kvconform-cache", "mine.py:BudgetTypo"], "unknown budget keys 'kl_mx' (did you mean 'kl_max'?)"),
+             (["--kvconform-cache", "mine.py:DynamicCache"], "a built-in subject is already named 'DynamicCache'"),
+             (["--kvconform-subject", "DynamicCach"], "--kvconform-subject 'DynamicCach': no such subject; did you "
+                                                       "mean 'DynamicCache'?"),
+             (["--kvconform-cache", "mine.py:NeedsArgs", "--kvconform-subject", "NeedArgs"],
+              "NeedsArgs requires 'size'")]
+    for args, text in cases:
+        proc = subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=_env())
+        assert "exit 4 torch imported" in proc.stdout, proc.stdout + proc.stderr
+        assert text in proc.stderr and "gw0" not in proc.stdout + proc.stderr, proc.stderr
+        if "--kvconform-cache" not in args:
+            assert "torch imported False" in proc.stdout, proc.stdout
+        print(args, proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_subject_added_by_a_spec_is_not_refused_by_the_controller(tmp_path):
+    """The controller's early check knows the subjects --kvconform-cache adds: naming one with --kvconform-subject
+    runs its items in the workers."""
+    (tmp_path / "mine.py").write_text("from transformers import DynamicCache\n\nclass MyCache(DynamicCache):\n"
+                                      "    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-n", "1",
+                           "--kvconform-cache", "mine.py:MyCache", "--kvconform-subject", "MyCache",
+                           "--kvconform-model", "llama", "-k", "prefill_then_decode and decode_explicit", "-q"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout, proc.stdout
+
+
 def test_a_cache_module_that_fails_to_import_is_refused_before_the_session_is_built(tmp_path):
     """A file that parses but does not import is judged by importing it: the first thing a session does, before
     the checks, cases and built-in subjects (exit 4 with the import's error)."""

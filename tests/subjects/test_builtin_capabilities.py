@@ -62,3 +62,12 @@ def test_the_offloaded_caches_are_exercised_on_cpu_and_say_why_they_do_not_fork(
     # they move their buffers between devices every step: no compile claim, whatever is_compileable says
     for spec in offloaded.values():
         assert "compile" not in spec.capabilities and "static address" in spec.notes["compile"]
+
+
+def test_the_builtin_names_read_without_torch_are_the_builtin_subjects():
+    """``BUILTIN_NAMES`` (what an xdist controller checks ``--kvconform-subject`` against before any worker starts)
+    names exactly the built-in subjects, in their order."""
+    from kvconform.subjects import builtin_subjects
+    from kvconform.subjects.builtin import BUILTIN_NAMES
+
+    assert BUILTIN_NAMES == tuple(s.name for s in builtin_subjects())
