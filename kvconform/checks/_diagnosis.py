@@ -335,7 +335,8 @@ def measured_cause(exc: SubjectRaised) -> str | Cause | None:
     if _size_error(exc.cause):
         if f.get("kv_mismatch"):
             kv = f["kv_mismatch"]
-            return kv.with_text(f"{kv}: attention and its mask cannot line the keys up with the queries")
+            text = f"{kv}: attention and its mask cannot line the keys up with the queries"
+            return kv.with_text(text) if isinstance(kv, Cause) else text
         for layer_idx, (kv_length, kv_offset) in sorted(masks.items()):
             unbounded = layer_idx < len(layer_max) and layer_max[layer_idx] == -1
             if unbounded and kv_offset + kv_length != held:
