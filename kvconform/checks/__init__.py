@@ -171,7 +171,7 @@ class CheckContext:
         from kvconform.failure import Failure
 
         self.metrics.update(metrics or {})
-        body = [line for line in lines if not isinstance(line, str) or line]
+        body = [line for line in lines if line]  # empty strings and None left out, as before
         if getattr(self.model.model, "adapter", None) is not None:  # a from-scratch model: its own terms
             from kvconform.scratch import adapter_lines
 
