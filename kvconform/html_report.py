@@ -68,10 +68,13 @@ def page_data(payload: dict, digest=None) -> dict:
             entry of each item); None for a report read back (``kvconform-merge``).
 
     Returns:
-        ``{"outcomes", "subjects", "models", "families", "checks", "cases", "dtypes", "faults", "texts", "items"}``;
-        each item is ``[subject, model, family, check, case, dtype, outcome, item id, message, fault, seconds]``,
-        the first seven and message and fault indices into the lists of those names (message and fault ``-1`` when
-        none), seconds the item's ``duration_s`` (``-1`` when the record has none; the item's tooltip shows it);
+        ``{"outcomes", "subjects", "models", "families", "checks", "cases", "dtypes", "faults", "texts",
+        "reproduces", "items"}``; each item is ``[subject, model, family, check, case, dtype, outcome, item id,
+        message, fault, seconds, reproduce]``, the first seven and message, fault and reproduce indices into the
+        lists of those names (``-1`` when none; ``reproduces`` holds the commands of the records' ``failure``
+        field, ``failure["reproduce"]`` without its ``reproduce: `` prefix, and that line is left out of the
+        message text), seconds the item's ``duration_s`` (``-1`` when the record has none; the item's tooltip
+        shows it);
         the item id is ``0`` where it is the suite's own (``<subject>-<model>-<check without check_>-<case>``,
         rebuilt by the page: 4 MB less at 72,000 items).
     """
@@ -91,12 +94,18 @@ def page_data(payload: dict, digest=None) -> dict:
     dtypes_of_cases = case_dtypes()
     dtypes: dict[str, int] = {}
     texts: dict[str, int] = {}
+    reproduces: dict[str, int] = {}
     faults: dict[str, int] = {}
     known = getattr(digest, "known_faults", None) or {}
     items = []
     for r in sorted(records, key=lambda r: r["nodeid"]):
         dtype = r.get("dtype") or dtypes_of_cases.get(r["case"]) or NO_DTYPE
         message = r.get("message") or ""
+        failure = r.get("failure") if isinstance(r.get("failure"), dict) else {}
+        reproduce = str(failure.get("reproduce") or "")
+        if reproduce:  # shown in its copy box, from the record's field: left out of the message text
+            message = "\n".join(line for line in message.split("\n") if line.strip() != reproduce)
+            reproduce = reproduce.removeprefix("reproduce: ")
         item = _item_id(r["nodeid"])
         fault = (known.get(item) or {}).get("id")
         own = f"{r['subject']}-{r['model']}-{r['check'].removeprefix('check_')}-{r['case']}"
@@ -104,9 +113,10 @@ def page_data(payload: dict, digest=None) -> dict:
                       index["checks"][r["check"]], index["cases"][r["case"]],
                       dtypes.setdefault(str(dtype), len(dtypes)), OUTCOMES.index(r["outcome"]),
                       0 if item == own else item, texts.setdefault(message, len(texts)) if message else -1,
-                      faults.setdefault(fault, len(faults)) if fault else -1, _seconds(r.get("duration_s"))])
+                      faults.setdefault(fault, len(faults)) if fault else -1, _seconds(r.get("duration_s")),
+                      reproduces.setdefault(reproduce, len(reproduces)) if reproduce else -1])
     return {"outcomes": list(OUTCOMES), **names, "dtypes": list(dtypes), "faults": list(faults),
-            "texts": list(texts), "items": items}
+            "texts": list(texts), "reproduces": list(reproduces), "items": items}
 
 
 def _seconds(value) -> float:
@@ -428,7 +438,8 @@ const O = D.outcomes;
 const OI = Object.fromEntries(O.map((o, i) => [o, i]));
 const ownId = a => [D.subjects[a[0]], D.models[a[1]], D.checks[a[3]].replace(/^check_/, ""), D.cases[a[4]]].join("-");
 const items = D.items.map(a => ({s: a[0], m: a[1], f: a[2], c: a[3], k: a[4], d: a[5], o: a[6], msg: a[8],
-                                 fault: a[9], id: a[7] || ownId(a), sec: a.length > 10 ? a[10] : -1}));
+                                 fault: a[9], id: a[7] || ownId(a), sec: a.length > 10 ? a[10] : -1,
+                                 rep: a.length > 11 ? a[11] : -1}));
 const BAD = new Set([OI.failed, OI.error, OI.internal]);
 const RANK = [OI.failed, OI.error, OI.internal, OI.xpassed, OI.xfailed, OI.passed, OI.skipped];
 const $ = id => document.getElementById(id);
@@ -550,10 +561,6 @@ function grid(table, spec, list) {
 }
 
 // ---------------------------------------------------------------------------------------------- items
-function reproduceLine(text) {
-  const line = text.split("\n").map(l => l.trim()).find(l => l.startsWith("reproduce: "));
-  return line ? line.slice("reproduce: ".length) : null;
-}
 function itemTitle(it) {
   return it.sec >= 0 ? it.id + " (" + (it.sec < 1 ? Math.round(it.sec * 1000) + " ms" : it.sec.toFixed(2) + " s")
                        + ")" : it.id;
@@ -573,10 +580,9 @@ function itemView(it, open) {
   const lines = BAD.has(it.o) ? text.split("\n").map(l => l.trim()).filter(Boolean) : [];
   const hint = lines.length > 1 ? el("span", {class: "muted"}, "  " + lines[1].slice(0, 160)) : null;
   const det = el("details", {open: !!open}, el("summary", {title: itemTitle(it)}, badge, label, fault, hint));
-  const repro = reproduceLine(text);
-  // the reproduce line is shown once, in its copy box below, not also inside the message
-  det.append(el("pre", {class: "msg"}, repro ? text.split("\n").filter(l => !l.trim().startsWith("reproduce: "))
-                                                     .join("\n") : text));
+  // the reproduce command comes from the record's failure field (left out of the message text, shown once below)
+  const repro = it.rep >= 0 ? D.reproduces[it.rep] : null;
+  det.append(el("pre", {class: "msg"}, text));
   if (repro) {
     const code = el("code", {}, repro);
     const copy = el("button", {type: "button", title: "copy the reproduce line"}, "copy");

@@ -52,6 +52,8 @@ KEYS = {
     "family": "fnmatch pattern(s) of check families (default '*')",
     "case": "fnmatch pattern(s) of case ids (default '*')",
     "evidence": "regular expression a failure message must contain for the entry to excuse it (default: any)",
+    "cause": "id of the likely cause the failure must name (its record's failure.cause.id, e.g. 'kv_length'; "
+             "default: any): matched as a name, so rewording the cause's sentence changes nothing",
     "envelope": "table {metric = bound}: what the fault does on the built-in subjects (a number bounds the failure's "
                 "metric from above — max_abs in logits units, bytes_ratio = layer bytes / formula bound —, a string "
                 "is a regular expression its value must contain — raised; failed_at, the step the failure arises "
@@ -106,6 +108,8 @@ class KnownFault:
     case: tuple = ("*",)
     source: str = ""
     evidence: str | None = None
+    cause: str | None = None
+    """The likely cause's id (``kvconform.failure.Cause.id``) a failure must name, or None (any)."""
     envelope: tuple = ()
     """``((metric, bound), ...)``: a number bounds ``abs(metric)`` from above, a string is a regex its value must
     contain (``within``)."""
@@ -127,15 +131,19 @@ class KnownFault:
         one of this entry's patterns for it; fields not given are not looked at."""
         return all(_any_matches(tuple(getattr(self, key)), value) for key, value in fields.items())
 
-    def shown_by(self, message: str) -> bool:
-        """Whether a failure ``message`` shows this fault (its ``evidence`` matches; always, without evidence)."""
+    def shown_by(self, message: str, cause_id: str | None = None) -> bool:
+        """Whether a failure shows this fault: its ``message`` matches ``evidence`` (a user's regular expression;
+        always, without evidence) and its likely cause's id (``cause_id``: ``Failure.cause.id``, None when it has
+        none) is this entry's ``cause`` (always, without one)."""
+        if self.cause is not None and cause_id != self.cause:
+            return False
         return self.evidence is None or re.search(self.evidence, message) is not None
 
     @property
     def judged_at_run_time(self) -> bool:
-        """Whether the entry excuses a failure only after seeing it (``evidence`` or ``envelope``): such entries do
-        not mark items before they run."""
-        return self.evidence is not None or bool(self.envelope)
+        """Whether the entry excuses a failure only after seeing it (``evidence``, ``cause`` or ``envelope``): such
+        entries do not mark items before they run."""
+        return self.evidence is not None or self.cause is not None or bool(self.envelope)
 
     def within(self, metrics: dict) -> bool:
         """Whether a failure's ``metrics`` (``ConformanceError.metrics``) lie inside the envelope (a list-valued
@@ -328,6 +336,10 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
                 re.compile(evidence)
             except re.error as exc:
                 _fail(path, fault_id, "evidence", f"not a regular expression ({exc})")
+        cause = raw.get("cause")
+        if cause is not None and (not isinstance(cause, str) or not _ID.match(cause)):
+            _fail(path, fault_id, "cause", f"expected a cause id (letters, digits, '_' and '-'), e.g. 'kv_length'; "
+                                           f"got {cause!r}")
         envelope = raw.get("envelope", {})
         if not isinstance(envelope, dict) or not all(
                 isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)
@@ -351,7 +363,7 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$", name):
                 _fail(path, fault_id, "inherits", f"{name!r}: expected 'Class.method' (a class of "
                                                   f"transformers.cache_utils), e.g. 'QuantizedLayer.crop'")
-        if inherits and not envelope and evidence is None:
+        if inherits and not envelope and evidence is None and cause is None:
             _fail(path, fault_id, "inherits", "needs an 'envelope' (or 'evidence'): an inherited fault is "
                                               "recognised by "
                                               "what it does, never by the method alone")
@@ -363,7 +375,8 @@ def load_known_faults(path=FAULTS_FILE, checks=None, families=None, models=None)
                      models, "model")
         faults.append(KnownFault(id=raw["id"], transformers=raw["transformers"],
                                  reason=" ".join(raw["reason"].split()), source=path, _specifier=specifier,
-                                 evidence=evidence, envelope=tuple(envelope.items()), inherits=inherits,
+                                 evidence=evidence, cause=cause, envelope=tuple(envelope.items()),
+                                 inherits=inherits,
                                  **patterns))
     return faults
 
@@ -462,19 +475,21 @@ def match(faults, version, subject: str, model: str, check: str, case: str, fami
 
 
 def find_inherited(faults, version, cache, model: str, check: str, case: str, family: str | None = None,
-                   metrics: dict | None = None, message: str = "", raised: BaseException | None = None):
+                   metrics: dict | None = None, message: str = "", raised: BaseException | None = None,
+                   cause_id: str | None = None):
     """The first entry (and the inherited ``"Class.method"``) that excuses this failure by inheritance: the entry
     applies to ``version`` and to the item's model/check/case/family (any subject), names ``inherits``, ``cache``
     uses one of those methods unchanged (``KnownFault.inherited_by``; ``raised``: the subject's exception, which
     counts an override that raised inside transformers' method through ``super()``) and the failure (``message``,
-    ``metrics``) shows the fault (``evidence``) inside its ``envelope``. ``(None, None)`` when none does."""
+    ``metrics``) shows the fault (``evidence``, ``cause``: ``cause_id`` is the failure's ``Failure.cause.id``) inside
+    its ``envelope``. ``(None, None)`` when none does."""
     fields = dict(model=model, check=check, case=case)
     if family is not None:
         fields["family"] = family
     for fault in faults:
         if not fault.inherits or not fault.matches(version, **fields):
             continue
-        if not (fault.shown_by(message) and fault.within(metrics or {})):
+        if not (fault.shown_by(message, cause_id) and fault.within(metrics or {})):
             continue
         method = fault.inherited_by(cache, raised)
         if method is not None:

@@ -432,6 +432,9 @@ def kv_runner(kv_session, request):
         except (ConformanceError, Unexcused, KVConformInternalError) as exc:
             metrics.update(exc.metrics or {})
             failure = exc
+            record = getattr(exc, "failure", None)  # the typed record (kvconform.failure.Failure), for the reports
+            if record is not None:
+                request.node.user_properties.append((PROPERTY + "_failure", encode_property(record.as_dict())))
         except Exception as exc:
             metrics.update(getattr(exc, "metrics", {}) or {})
             raise

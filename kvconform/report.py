@@ -105,6 +105,8 @@ def record_report(results: dict, report, props: dict, digest=None) -> None:
         return  # a teardown error does not hide the call's failure
     record = {"nodeid": report.nodeid, **info, "outcome": outcome, "message": _message(report, outcome),
               "metrics": metrics, "duration_s": duration}
+    if props.get("kvconform_failure") and outcome in ("failed", "xfailed", "error", "internal"):
+        record["failure"] = decode_property(props["kvconform_failure"])  # kvconform.failure.Failure.as_dict()
     if digest is not None and outcome in ("xfailed", "xpassed"):
         subject = digest.subject(record.get("subject", ""))
         fault = digest.known_fault(record)

@@ -53,10 +53,13 @@ apply to a model outside transformers is skipped with its reason (``not_applicab
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 import weakref
 from typing import Any
+
+from kvconform.failure import Cause, OpsTrail
 
 REQUIRED = {
     "build": "build(self, dtype, device) -> nn.Module with seeded weights",
@@ -832,67 +835,77 @@ def not_applicable(check, case, spec: str | None = None) -> str | None:
 # ------------------------------------------------------------------------------------------ messages in its terms
 _POSITIONS = "positions: the start offset kvconform passes the adapter (cumsum(mask) - 1 on left-padded rows)"
 
-_BATCH_OPS = r"reorder|select|repeat|swap|beam"
+_BATCH_WORDS = ("reorder", "select", "repeat", "swap", "beam")
 """The batch ops (in an op label or a case's ops line) a from-scratch model's ``select`` performs."""
+_ANY, _PREFILL = ("",), ("prefill",)  # any op; an op label that begins with "prefill"
+_CROP, _RESET = ("crop",), ("reset",)
 
 _CAUSES = (
-    # (check name, or "*"; regular expression over the op the step failed or raised at; cause in the model's terms)
-    ("*", r"chunk\(",
+    # (check name, or "*"; words of the op label the step failed or raised at; cause in the model's terms)
+    ("*", ("chunk(",),
      "your cached forward, given T > 1 new tokens while the cache already holds some (start > 0), attends them "
      "wrongly while single tokens and the prefill are right: look for a causal mask applied only when the queries "
      "are as long as the keys (a warm-cache chunk then attends its own later tokens), or a ring buffer written "
      "before it is read (a chunk that wraps overwrites keys its own earlier queries still need)"),
-    ("check_prefix_fork", r".",
+    ("check_prefix_fork", _ANY,
      "fork(cache) (default copy.deepcopy) leaves the copy and the original sharing state: a forward on one "
      "changed the other — a list of per-block dicts copied shallowly (list(cache), cache.copy(), dict(layer)) keeps "
      "the same dicts, and a forward that assigns layer['key'] = cat(...) then writes into both"),
-    ("*", r"after crop|crop",
+    ("*", _CROP,
      "after your crop(cache, n) the next forward is wrong: it must drop exactly the last n tokens of every block, "
      "and the positions of the next tokens must continue at the tokens kept — a position counter kept in the cache "
      "that crop resets to 0 or does not rewind, or a ring buffer whose evicted slots crop cannot bring back"),
-    ("*", r"reset",
+    ("*", _RESET,
      "after your reset (or new_cache) the next sequence is wrong: buffers kept from the previous sequence — its "
      "batch size (a setup that returns early when buffers exist), its length or its tokens"),
-    ("*", _BATCH_OPS,
+    ("*", _BATCH_WORDS,
      "your select(cache, rows) does not move every tensor of every block to the rows asked, in that order"),
-    ("*", r"^prefill",
+    ("*", _PREFILL,
      "your cached forward of the first tokens, into an empty cache, differs from your uncached forward of the same "
      "tokens: the cached path computes something else — look for a causal mask (or positions) built only when no "
      "cache is passed"),
 )
 
 
-def likely_cause(check_name: str, lines: list) -> str | None:
-    """A likely cause in the adapter's own terms for a failure of a from-scratch model's item, from the op its
-    message says it failed or raised at (``[failed at X]`` / ``[raised at X]``) and the check; None where none
-    applies (the generic one stays)."""
-    at = ""
-    for line in lines:
-        m = re.search(r"\[(?:failed|raised) at ([^\]]+)\]", line)
-        if m:
-            at = m.group(1)
-    ops = next((line for line in lines if line.startswith("ops:")), "")
-    for check, pattern, cause in _CAUSES:
+def likely_cause(check_name: str, ops: OpsTrail | None, failed_at: str | None = None) -> str | None:
+    """A likely cause in the adapter's own terms for a failure of a from-scratch model's item, from the op it
+    failed or raised at (``ops.at``; ``failed_at`` where the failure has no ops trail), the ops it ran (``ops``)
+    and the check; None where none applies (the generic one stays)."""
+    at = (ops.at or "") if ops is not None else (failed_at or "")
+    ran = (ops.label + (f"   [{ops.verb} at {ops.at}]" if ops.at else "")) if ops is not None else ""
+    for check, words, cause in _CAUSES:
         if check not in ("*", check_name):
             continue
-        by_ops = pattern in ("after crop|crop", "reset") or (pattern == _BATCH_OPS and not at.startswith("prefill"))
-        if check != "*" or re.search(pattern, at) or (by_ops and re.search(pattern, ops) and at):
+        by_ops = words in (_CROP, _RESET) or (words == _BATCH_WORDS and not at.startswith("prefill"))
+        if check != "*" or _names(at, words) or (by_ops and _names(ran, words) and at):
             return cause
     return None
 
 
-def adapter_lines(check_name: str, lines: list) -> list:
-    """A failure message's lines for an item of a from-scratch model: the likely cause said in the adapter's terms
-    (``likely_cause``; the generic reading kept after it), positions described as the start offset it is given."""
-    cause = likely_cause(check_name, lines)
-    out = []
+def _names(text: str, words) -> bool:
+    """Whether ``text`` (an op label or the ops run) holds one of ``words`` (``_PREFILL``: begins with it)."""
+    if words is _ANY:
+        return True
+    if words is _PREFILL:
+        return text.startswith("prefill")
+    return any(w in text for w in words)
+
+
+def adapter_lines(check_name: str, lines: list, failed_at: str | None = None) -> list:
+    """A failure's body (``Failure.body``: strings, an ``OpsTrail``, a ``Cause``) for an item of a from-scratch
+    model: the likely cause said in the adapter's terms (``likely_cause``; the generic reading kept after it, the
+    cause's id and facts kept), positions described as the start offset it is given (the trail's note).
+    ``failed_at``: the step label a failure without an ops trail failed at (a fuzz program's), or None."""
+    ops = next((x for x in lines if isinstance(x, OpsTrail)), None)
+    cause = likely_cause(check_name, ops, failed_at)
+    out: list = []
     for line in lines:
-        if line.startswith("ops:"):
-            line = re.sub(r"\]; [^\]]*$", f"]; {_POSITIONS}", line)
-        if cause and line.startswith("likely cause:"):
-            line = f"likely cause: {cause} (kvconform's reading: {line.removeprefix('likely cause: ')})"
+        if isinstance(line, OpsTrail) and line.note:
+            line = dataclasses.replace(line, note=_POSITIONS)
+        if cause and isinstance(line, Cause):
+            line = line.with_text(f"{cause} (kvconform's reading: {line.text})")
             cause = None
         out.append(line)
     if cause:
-        out.append(f"likely cause: {cause}")
+        out.append(Cause(cause, "adapter"))
     return out

@@ -212,13 +212,16 @@ class KVSession:
             if not fault.judged_at_run_time:
                 return
             for other in [fault] + self._other_run_time_faults(item, fault):
-                if other.shown_by(str(exc)) and other.within(exc.metrics):
+                if other.shown_by(str(exc), _cause_id(exc)) and other.within(exc.metrics):
                     if not self.strict:
                         raise KnownFaultShown(self._fault_reason(item, other), exc.metrics) from None
                     return
-            why = fault.outside(exc.metrics) or f"the message does not show {fault.evidence!r}"
+            why = fault.outside(exc.metrics) or (
+                f"its likely cause is not {fault.cause!r}" if fault.cause is not None
+                and _cause_id(exc) != fault.cause else f"the message does not show {fault.evidence!r}")
             raise ConformanceError(f"{exc}\n  not known upstream fault {fault.id!r}: this failure lies outside what "
-                                   f"that fault does ({why}), so it is the subject's own", exc.metrics) from None
+                                   f"that fault does ({why}), so it is the subject's own", exc.metrics,
+                                   failure=getattr(exc, "failure", None)) from None
         if scratch.is_scratch_spec(item.model.spec):
             return  # its cache inherits no transformers method that a known fault lives in
         try:
@@ -228,14 +231,15 @@ class KVSession:
         names = item.describe()
         inherited, method = known_faults.find_inherited(
             self.faults, transformers_version(), cache, names["model"], names["check"], names["case"],
-            names["family"], metrics=exc.metrics, message=str(exc), raised=_subject_exception(exc))
+            names["family"], metrics=exc.metrics, message=str(exc), raised=_subject_exception(exc),
+            cause_id=_cause_id(exc))
         if inherited is None:
             return
         reason = (f"known upstream fault {inherited.id!r}, inherited from transformers' {method} (used unchanged by "
                   f"{item.subject.name}): {inherited.reason}")
         if not self.strict:
             raise KnownFaultShown(reason, exc.metrics) from None
-        raise ConformanceError(f"{exc}\n  {reason}", exc.metrics) from None
+        raise ConformanceError(f"{exc}\n  {reason}", exc.metrics, failure=getattr(exc, "failure", None)) from None
 
     def _other_run_time_faults(self, item: PlanItem, first) -> list:
         """The entries judged at run time, other than ``first``, that name ``item`` by its own model or its zoo
@@ -758,3 +762,9 @@ def _subject_exception(exc: BaseException) -> BaseException | None:
             return current
         current, seen = current.__cause__ or current.__context__, seen + 1
     return None
+
+
+def _cause_id(exc) -> str | None:
+    """The id of the likely cause in a failure's record (``ConformanceError.failure``), or None."""
+    cause = getattr(getattr(exc, "failure", None), "cause", None)
+    return getattr(cause, "id", None)

@@ -22,6 +22,7 @@ from kvconform.checks._registry import (BATCH_OPS, CHECKS, IGNORES_OPS, OP_PARAM
                                         TOKEN_OPS, CheckInfo, Measured, OpRule, Param, load_checks,  # re-exported
                                         register)
 from kvconform.digest import reproduce_line as digest_reproduce_line
+from kvconform.failure import Cause, OpsTrail
 
 if TYPE_CHECKING:  # the types of CheckContext's fields, without importing torch-heavy modules at run time
     from kvconform.cases import Case
@@ -35,19 +36,21 @@ class ConformanceError(AssertionError, KVConformError):
     messages"); ``metrics`` is JSON-serialisable
     (``max_abs`` logits units, ``tolerance``, ``noise_floor``, ...)."""
 
-    def __init__(self, message: str, metrics: dict | None = None):
+    def __init__(self, message: str, metrics: dict | None = None, failure=None):
         super().__init__(message)
         self.metrics = metrics or {}
+        self.failure = failure  # the typed record (kvconform.failure.Failure) where a check built one, else None
 
 
 class Unexcused(KVConformError):
     """A non-conforming item that no expected failure may excuse. Deliberately *not* an ``AssertionError``, so that
     the xfail of a known fault (``raises=AssertionError``) does not apply: the item fails. ``str(err)`` is the
-    message; ``metrics`` as in ``ConformanceError``."""
+    message; ``metrics`` and ``failure`` as in ``ConformanceError``."""
 
-    def __init__(self, message: str, metrics: dict | None = None):
+    def __init__(self, message: str, metrics: dict | None = None, failure=None):
         super().__init__(message)
         self.metrics = metrics or {}
+        self.failure = failure
 
 
 class KnownFaultShown(KVConformError):
@@ -163,23 +166,29 @@ class CheckContext:
         return reproduce_line(self.subject, model, f"{name} and {self.case.id} and {self.subject.name}",
                               self.reproduce_args)
 
-    def fail(self, lines, metrics=None) -> NoReturn:
-        """Raise ``ConformanceError`` with the headline, ``lines`` (indented) and the reproduce line."""
+    def fail(self, lines, metrics=None, measured=None) -> NoReturn:
+        """Raise ``ConformanceError`` with the item's ``Failure`` record (``kvconform.failure``): the headline,
+        ``lines`` (plain strings, an ``OpsTrail`` and a ``Cause`` in place; empty strings left out), ``measured``
+        (a ``Measured``: the value against its bound, or None) and the reproduce line. The error's text is the
+        record rendered (``Failure.render``); its ``failure`` attribute is the record."""
+        from kvconform.failure import Failure
+
         self.metrics.update(metrics or {})
-        lines = list(lines)
+        body = [line for line in lines if line]  # empty strings and None left out, as before
         if getattr(self.model.model, "adapter", None) is not None:  # a from-scratch model: its own terms
             from kvconform.scratch import adapter_lines
 
-            lines = adapter_lines(self.check_name, [line for line in lines if line])
+            failed_at = None if self.metrics.get("raised") else self.metrics.get("failed_at")
+            body = adapter_lines(self.check_name, body, failed_at)
         if self.known_fault:
             short = self.known_fault if len(self.known_fault) <= 220 else self.known_fault[:217] + "..."
-            lines.append(f"known upstream fault: {short}")
+            body.append(f"known upstream fault: {short}")
         from kvconform.remote import subject_origin
 
         origin = subject_origin(self.subject)  # a repository's own cache class: which file and class
-        lines = [f"subject: {origin}", *lines] if origin else lines
-        body = [self.headline(), *("  " + line for line in lines if line), "  " + self.reproduce()]
-        raise ConformanceError("\n".join(body), dict(self.metrics))
+        body = [f"subject: {origin}", *body] if origin else body
+        failure = Failure(self.headline(), tuple(body), measured, self.reproduce(), tuple(self.reproduce_args))
+        raise ConformanceError(failure.render(), dict(self.metrics), failure=failure)
 
 
 def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
@@ -227,7 +236,7 @@ def run_check(name: str, ctx: CheckContext) -> dict:
                       cause],
                      {"raised": type(exc.cause).__name__, "failed_at": "construction"})
         except ConformanceError as err:
-            raise SubjectNotBuilt(str(err), err.metrics) from None
+            raise SubjectNotBuilt(str(err), err.metrics, failure=err.failure) from None
     except (ConformanceError, Unexcused) as exc:
         found = _internal_in_chain(exc)
         if found is not None:  # the failure came from a raise of kvconform's own code (its reference, its wrappers)
@@ -252,7 +261,7 @@ def run_check(name: str, ctx: CheckContext) -> dict:
     if reason:  # nothing measured is not a pass (docs/reading-results.md, "Blind items")
         ctx.fail([f"blind: {reason}",
                   "a pass needs a measurement of the cache; this one measured nothing the case says it must",
-                  f"ops: {ctx.case.ops_label()}"], {"blind": reason})
+                  OpsTrail.of_case(ctx.case)], {"blind": reason})
     return ctx.metrics
 
 
@@ -376,9 +385,10 @@ def escaped(ctx: CheckContext, exc: Exception) -> NoReturn:
                    if "/kvconform/" in f.filename.replace("\\", "/") and "/kvconform/testing/" not in f.filename), None)
     ctx.fail([f"the subject raised {describe_exception(exc)}"
               + (f" when kvconform's {caller} read or called it" if caller else ""),
-              f"ops: {ctx.case.ops_label()}",
-              "likely cause: the cache's own code raised on a call or attribute read a caller may make (a method or "
-              "property of the Cache API must answer, or refuse with a clear error, never crash)"],
+              OpsTrail.of_case(ctx.case),
+              Cause("the cache's own code raised on a call or attribute read a caller may make (a method or "
+                    "property of the Cache API must answer, or refuse with a clear error, never crash)",
+                    "cache_code_raised")],
              {"raised": type(exc).__name__})
 
 

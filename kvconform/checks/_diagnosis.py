@@ -10,6 +10,7 @@ import traceback
 from kvconform import compat
 from kvconform.checks._drive import SubjectRaised, prefill_refusal
 from kvconform.checks._judge import Verdict, run_and_judge
+from kvconform.failure import Cause, Measured, OpsTrail
 from kvconform.ops import op_names
 from kvconform.oracle import DTYPES
 from kvconform.outcomes import CheckSkipped
@@ -100,21 +101,33 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
                                f"(its compression error, for scale): "
                                f"{own:.1e}",
         f"worst at batch={b} step={step.index} position={position}",
-        f"ops: {ops_text or ctx.case.ops_label()}   [failed at {step.label}]"
-        + f"; {positions_label(ctx)}",
+        OpsTrail.of_case(ctx.case, at=step.label, note=positions_label(ctx), text=ops_text),
         f"measured in the cache at {step.label}: {step.nonfinite}" if getattr(step, "nonfinite", None) else "",
         ref_line,
-        "likely cause: " + (MODEL_AT_FAULT if model_at_fault else _cache_fault_cause(step.nonfinite)
-                            if getattr(step, "nonfinite", None) else step.unmasked
-                            if getattr(step, "unmasked", None)
-                            else f"{step.kv_mismatch} — {verdict.cause or cause_fn(step, cmp)}"
-                            if getattr(step, "kv_mismatch", None)
-                            else verdict.cause or image_prefill_cause(ctx, step, cmp)
-                            or before_ops_cause(ctx, step) or cause_fn(step, cmp)),
+        _verdict_cause(ctx, verdict, step, cmp, cause_fn, model_at_fault),
     ], {"max_abs": cmp.max_abs, "nonfinite": getattr(step, "nonfinite", None), "tolerance": cmp.tol,
         "noise_floor": cmp.floor, "failed_at": step.label,
         "position": position, "model_at_fault": model_at_fault,
-        **({"compared_with": verdict.target, "distance_to_oracle": own} if verdict.target else {})})
+        **({"compared_with": verdict.target, "distance_to_oracle": own} if verdict.target else {})},
+        measured=Measured("max|Δlogit|", cmp.max_abs, cmp.tol, "logits", "<="))
+
+
+def _verdict_cause(ctx, verdict: Verdict, step, cmp, cause_fn, model_at_fault: bool) -> Cause:
+    """The likely cause of a failed verdict at ``step``: the model's own fault, what was measured in the cache
+    there (non-finite values, unmasked slots, an ``update()`` that returned the wrong number of keys: a
+    ``kv_length`` cause keeps its id and facts), else the check's reading (``cause_fn(step, cmp)``)."""
+    if model_at_fault:
+        return Cause(MODEL_AT_FAULT, "model_at_fault")
+    if getattr(step, "nonfinite", None):
+        return Cause(_cache_fault_cause(step.nonfinite))
+    if getattr(step, "unmasked", None):
+        return Cause(str(step.unmasked))
+    kv = getattr(step, "kv_mismatch", None)
+    if kv:
+        text = f"{kv} — {verdict.cause or cause_fn(step, cmp)}"
+        return kv.with_text(text) if isinstance(kv, Cause) else Cause(text)
+    return Cause(str(verdict.cause or image_prefill_cause(ctx, step, cmp) or before_ops_cause(ctx, step)
+                     or cause_fn(step, cmp)))
 
 
 def ops_after(ctx, step) -> tuple[list[str], list[str]]:
@@ -221,18 +234,17 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
         cause = _count_in_model_dtype(ctx, cause)
     ctx.fail([
         f"the subject raised {describe_raise(exc)}",
-        f"ops: {ops_text or ctx.case.ops_label()}   [raised at {exc.where}]",
-        "likely cause: " + cause,
+        OpsTrail.of_case(ctx.case, at=exc.where, verb="raised", text=ops_text),
+        cause if isinstance(cause, Cause) else Cause(cause),
     ], {"raised": type(exc.cause).__name__, "failed_at": exc.where})
 
 
-def _press_on_sliding(ctx, cause: str) -> str:
+def _press_on_sliding(ctx, cause):
     """A press whose ``update()`` returned fewer keys than a *sliding-window* layer should hold compressed that
-    layer: name it (kvpress compresses every attention layer, qwen2's sliding one included)."""
-    import re
-
-    m = re.search(r"update\(layer_idx=(\d+)\) returned keys of length (\d+) for a cache that should hold (\d+)", cause)
-    if not m or not ctx.kind.presses:
+    layer: name it (kvpress compresses every attention layer, qwen2's sliding one included). ``cause``: a ``Cause``
+    or a string; a ``kv_length`` cause (``_evidence.kv_length_mismatch``) is read from its facts."""
+    facts = cause.facts if isinstance(cause, Cause) and cause.id == "kv_length" else None
+    if not facts or facts.get("mask") is not None or not ctx.kind.presses:
         return cause
     types, _ = compat.layer_types_and_kwargs(ctx.model.config)
     sliding = [j for j, t in enumerate(types) if t in ("sliding_attention", "chunked_attention")]
@@ -240,27 +252,29 @@ def _press_on_sliding(ctx, cause: str) -> str:
         return cause
     # a press holds fewer keys than tokens seen in its full-attention layers by design; on a model with sliding
     # layers the size error comes from a sliding layer it compressed too, whose mask is sized for the window
-    return (f"the press compresses the sliding-window layer{'s' if len(sliding) > 1 else ''} "
-            f"{', '.join(map(str, sliding))} too: a sliding layer's mask is sized for the tokens its window must "
-            f"hold, so attention cannot line up the fewer keys it keeps — leave sliding layers to their window (the "
-            f"model bounds them already), or announce the kept tokens in get_mask_sizes() (measured at the raise: "
-            f"update(layer_idx={m.group(1)}) returned {m.group(2)} keys after {m.group(3)} tokens)")
+    return Cause(f"the press compresses the sliding-window layer{'s' if len(sliding) > 1 else ''} "
+                 f"{', '.join(map(str, sliding))} too: a sliding layer's mask is sized for the tokens its window must "
+                 f"hold, so attention cannot line up the fewer keys it keeps — leave sliding layers to their window "
+                 f"(the model bounds them already), or announce the kept tokens in get_mask_sizes() (measured at the "
+                 f"raise: update(layer_idx={facts['layer_idx']}) returned {facts['returned']} keys after "
+                 f"{facts['held']} tokens)", "press_on_sliding", dict(facts))
 
 
-def _count_in_model_dtype(ctx, cause: str) -> str:
+def _count_in_model_dtype(ctx, cause):
     """A cache whose returned keys stop growing exactly where the model's dtype stops holding every integer (256 at
     bfloat16, 2048 at float16) while it should hold more: name the count kept in that dtype (a running sum of
-    tokens in a 0-d tensor "like the keys": ``count + 1`` rounds back to the count)."""
-    import re
-
-    m = re.search(r"update\(layer_idx=(\d+)\) returned keys of length (\d+)[^0-9]*?should hold (\d+)", cause)
+    tokens in a 0-d tensor "like the keys": ``count + 1`` rounds back to the count). ``cause``: a ``Cause`` or a
+    string; a ``kv_length`` cause is read from its facts."""
+    facts = cause.facts if isinstance(cause, Cause) and cause.id == "kv_length" else None
     dtype = str(getattr(ctx.model, "dtype", "")).removeprefix("torch.")
     limit = DTYPES[dtype].exact_integers if dtype in DTYPES else None  # every integer 0..limit exact in it
-    if not m or limit is None or int(m.group(2)) != limit or int(m.group(3)) <= limit:
+    if not facts or facts.get("mask") is not None or limit is None or facts["returned"] != limit \
+            or facts["held"] <= limit:
         return cause
-    return (f"{cause} — {limit} is where {dtype} stops holding every integer: a token or fill count kept in the "
-            f"model's dtype (a running sum in {dtype}) stalls there, since {limit} + 1 rounds back to {limit}; keep "
-            f"counts as Python ints or int64 tensors")
+    return Cause(f"{cause} — {limit} is where {dtype} stops holding every integer: a token or fill count kept in "
+                 f"the model's dtype (a running sum in {dtype}) stalls there, since {limit} + 1 rounds back to "
+                 f"{limit}; keep counts as Python ints or int64 tensors", "count_in_model_dtype",
+                 {**facts, "dtype": dtype, "exact_up_to": limit})
 
 
 def _size_error(cause: BaseException) -> bool:
@@ -278,7 +292,7 @@ def _signature_error(cause: BaseException) -> bool:
                                                                          "positional argument"))
 
 
-def measured_cause(exc: SubjectRaised) -> str | None:
+def measured_cause(exc: SubjectRaised) -> str | Cause | None:
     """The likely cause of a raise inside a forward, from what was measured there (``SubjectRaised.facts``, see
     ``_evidence.raise_facts``), or None when the measurements explain nothing. In order:
 
@@ -317,7 +331,9 @@ def measured_cause(exc: SubjectRaised) -> str | None:
                     f"layer count differs from the decoder depth — it is sized from another count{source}")
     if _size_error(exc.cause):
         if f.get("kv_mismatch"):
-            return f["kv_mismatch"] + ": attention and its mask cannot line the keys up with the queries"
+            kv = f["kv_mismatch"]
+            text = f"{kv}: attention and its mask cannot line the keys up with the queries"
+            return kv.with_text(text) if isinstance(kv, Cause) else text
         for layer_idx, (kv_length, kv_offset) in sorted(masks.items()):
             unbounded = layer_idx < len(layer_max) and layer_max[layer_idx] == -1
             if unbounded and kv_offset + kv_length != held:

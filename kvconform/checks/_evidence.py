@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvconform import compat
+from kvconform.failure import Cause
 from kvconform.checks._measure import (cache_layers, held_tensor_items, layer_list, read_attr, self_half,
                                        tensors_of)
 
@@ -310,8 +311,10 @@ def shared_layers(cache) -> str | None:
             f"values — build one layer object per decoder layer")
 
 
-def kv_length_mismatch(calls, mask_sizes: dict, layer_max: list, held: int) -> str | None:
-    """The first ``update()`` of a forward that returned another number of keys than attention needs, or None.
+def kv_length_mismatch(calls, mask_sizes: dict, layer_max: list, held: int) -> Cause | None:
+    """The first ``update()`` of a forward that returned another number of keys than attention needs, as a
+    ``Cause`` of id ``"kv_length"`` with facts ``{"layer_idx", "returned", "held", "mask"}`` (``mask``: the
+    ``kv_length`` ``get_mask_sizes`` gave a bounded layer's mask, None for an unbounded layer), or None.
 
     Args:
         calls: ``UpdateWatch.calls`` (``[layer_idx, new tokens, returned length or None]``).
@@ -326,10 +329,13 @@ def kv_length_mismatch(calls, mask_sizes: dict, layer_max: list, held: int) -> s
         if returned is None or not isinstance(layer_idx, int) or layer_idx >= len(layer_max):
             continue
         if layer_max[layer_idx] == -1 and returned != held:
-            return (f"update(layer_idx={layer_idx}) returned keys of length {returned} for a cache that should hold "
-                    f"{held} tokens")
+            return Cause(f"update(layer_idx={layer_idx}) returned keys of length {returned} for a cache that should "
+                         f"hold {held} tokens", "kv_length",
+                         {"layer_idx": layer_idx, "returned": returned, "held": held, "mask": None})
         if layer_max[layer_idx] not in (-1, None) and layer_idx in mask_sizes \
                 and returned != mask_sizes[layer_idx][0]:
-            return (f"update(layer_idx={layer_idx}) returned keys of length {returned}, but get_mask_sizes() sized "
-                    f"the attention mask for {mask_sizes[layer_idx][0]} (the cache should hold {held} tokens)")
+            return Cause(f"update(layer_idx={layer_idx}) returned keys of length {returned}, but get_mask_sizes() "
+                         f"sized the attention mask for {mask_sizes[layer_idx][0]} (the cache should hold {held} "
+                         f"tokens)", "kv_length",
+                         {"layer_idx": layer_idx, "returned": returned, "held": held, "mask": mask_sizes[layer_idx][0]})
     return None

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvconform import compat
+from kvconform.failure import Cause
 from kvconform.outcomes import breadcrumb
 from kvconform.checks._drive import (PAD_TOKEN, SubjectRaised, case_generator, encoder_ids_for, forward, image_prompt,
                                      prefill_refusal, random_tokens, seq_length)
@@ -103,7 +104,7 @@ class Step:
     """A fault measured in the cache itself at this step, or None: ``update()`` returned NaN/inf or wrote into its
     inputs (``_evidence.UpdateWatch``), or the cache holds NaN/inf (``_evidence.nonfinite_in``). It fails the step even
     where the logits look right (``_judge.judge``)."""
-    kv_mismatch: str | None = None
+    kv_mismatch: Cause | None = None
     """An ``update()`` of this forward that returned another number of keys than the cache should hold
     (``_evidence.kv_length_mismatch``), or None; named first in the likely cause of a failure at this step."""
     unmasked: str | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 from kvconform.checks._diagnosis import describe_raise, measured_cause
 from kvconform.checks._drive import SubjectRaised
 from kvconform.checks._interpreter import Runner
+from kvconform.failure import Cause, OpsTrail
 from kvconform.ops import op_names
 from kvconform.oracle import compare_logits
 from kvconform.outcomes import CheckSkipped
@@ -134,11 +135,16 @@ def fail_subject_raised(ctx, exc: SubjectRaised, cause: str):
     if isinstance(exc.cause, ModelLeftChanged):
         cause = ModelLeftChanged.likely_cause
     ctx.fail([f"the subject raised {describe_raise(exc)}",
-              f"ops: {ctx.case.ops_label()}   [raised at {exc.where}]",
-              "likely cause: " + (measured_cause(exc) or cause)],
+              OpsTrail.of_case(ctx.case, at=exc.where, verb="raised"),
+              _as_cause(measured_cause(exc) or cause)],
              {"raised": type(exc.cause).__name__, "failed_at": exc.where})
 
 
 def twin_spec(ctx):
     """The ``CacheSpec`` of the subject's fake-quant twin (``Kind.twin_spec``)."""
     return ctx.kind.twin_spec()
+
+
+def _as_cause(cause) -> Cause:
+    """``cause`` (a ``Cause`` or a sentence) as a ``Cause``."""
+    return cause if isinstance(cause, Cause) else Cause(cause)

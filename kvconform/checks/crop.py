@@ -24,6 +24,7 @@ from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised, seq_length
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
+from kvconform.failure import Cause, OpsTrail
 from kvconform.checks._diagnosis import describe_exception, fail_verdict, measured_cause
 
 # the refusal rules and cache snapshots live in the engine (other families use them too); re-exported here
@@ -317,13 +318,15 @@ def _crop_check(ctx):
         measured = measured_cause(exc)
         if accepted:
             cause = (f"{accepted[-1].label} left the cache in a state its next update cannot handle ("
-                     + (measured or "its keys, length counter and get_mask_sizes() no longer agree") + ")")
+                     + str(measured or "its keys, length counter and get_mask_sizes() no longer agree") + ")")
         else:
             cause = measured or "the cache does not support this sequence of calls (see the exception)"
         recording = _recording_call(cache, ctx.case.params["record_states"])[0] + " → " \
             if ctx.case.params["record"] else ""
         ctx.fail([f"the subject raised {describe_exception(exc.cause)}",
-                  f"ops: {recording}{ctx.case.ops_label()}   [raised at {exc.where}]", "likely cause: " + cause],
+                  OpsTrail.of_case(ctx.case, at=exc.where, verb="raised",
+                                   text=f"{recording}{ctx.case.ops_label()}" if recording else None),
+                  cause if isinstance(cause, Cause) else Cause(cause)],
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})
     ctx.metrics.update(is_croppable=[r.flag for r in records], crop_accepted=[r.refused is None for r in records])
     verdict = judge(ctx, runner.steps, driver=_driver)

@@ -61,7 +61,13 @@ def test_empty_folder_run_with_json_and_known_fault_xfail(run_kvconform, pyteste
     assert {"kvconform", "torch", "transformers", "device"} <= set(data["environment"])
     keys = {"nodeid", "subject", "model", "check", "family", "case", "dtype", "batch", "outcome", "message", "metrics",
             "duration_s"}
-    assert data["results"] and all(set(r) == keys for r in data["results"])
+    # a failing or xfailed item a check failed also has its typed record (kvconform.failure.Failure.as_dict())
+    assert data["results"] and all(set(r) - {"failure"} == keys for r in data["results"])
+    records = [r["failure"] for r in data["results"] if "failure" in r]
+    assert all(set(f) == {"headline", "measured", "ops", "cause", "reproduce", "reproduce_args"}
+                           for f in records)
+    assert all(f["reproduce"].startswith("reproduce: pytest --kvconform") for f in records)
+    assert all(r["outcome"] in ("failed", "xfailed", "error") for r in data["results"] if "failure" in r)
     assert {r["dtype"] for r in data["results"]} == {"float32", "float64", "bfloat16", "float16"}
     assert all(isinstance(r["batch"], int) and r["batch"] >= 1 for r in data["results"])
     outcomes = {r["outcome"] for r in data["results"]}

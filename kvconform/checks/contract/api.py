@@ -25,6 +25,7 @@ from typing import Any
 from kvconform import compat
 from kvconform.checks import OP_PARAMS, OpRule, register
 from kvconform.checks._diagnosis import describe_exception, describe_raise, fail_raised, measured_cause
+from kvconform.failure import Cause, OpsTrail
 from kvconform.checks._drive import (SubjectRaised, seq_length)
 from kvconform.checks._measure import layer_list, read_attr, self_half
 from kvconform.checks._interpreter import Runner, StopRun
@@ -496,10 +497,11 @@ def check_encoder_decoder_subcaches(ctx):
     try:
         steps = run_observed(ctx, cache, observe)
     except SubjectRaised as exc:
+        measured = measured_cause(exc)
         ctx.fail([f"the subject raised {describe_raise(exc)}",
-                  f"ops: {ctx.case.ops_label()}   [raised at {exc.where}]",
-                  "likely cause: " + (measured_cause(exc)
-                                      or "the subject cannot serve as one half of an EncoderDecoderCache")],
+                  OpsTrail.of_case(ctx.case, at=exc.where, verb="raised"),
+                  measured if isinstance(measured, Cause) else
+                  Cause(measured or "the subject cannot serve as one half of an EncoderDecoderCache")],
                  {"raised": type(exc.cause).__name__, "failed_at": exc.where})
     tol = ctx.tolerance()
     cmps: list[Any]  # (step, Comparison) pairs
