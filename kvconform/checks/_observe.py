@@ -75,7 +75,8 @@ def measured_at_batch_one(ctx, exc, check, fail, summary) -> None:
             batch-1 re-run.
     """
     B = int(ctx.case.batch)
-    if B <= 1 or getattr(ctx, AT_BATCH_ONE, False):
+    two_rows = any(op.spec.min_batch > 1 for op in ctx.case.ops)  # beam_fork, swap_rows: no batch-1 equivalent
+    if B <= 1 or two_rows or getattr(ctx, AT_BATCH_ONE, False):
         fail(ctx, exc)
         return
     one = at_batch(ctx, 1)

@@ -27,6 +27,8 @@ candidate generators decode one row.
 
 from __future__ import annotations
 
+import copy
+
 from kvconform import compat
 from kvconform.checks import EXACT, IGNORES_OPS, Param, register
 from kvconform.checks._drive import SubjectRaised, case_generator, generate, random_tokens, seq_length
@@ -230,6 +232,14 @@ def _run_assisted(ctx, prompt, k, draft_cache):
             # layer keeps the past it must restore on crop
             if hasattr(draft_cache, "activate_past_recording"):
                 draft_cache.activate_past_recording(recurrent_states_to_keep=k)
+            config = kwargs.get("generation_config")
+            if getattr(config, "cache_implementation", None) is not None:
+                # transformers 5.5: the assistant's first call asks generate() to build its cache
+                # (cache_implementation "dynamic_full", which refuses a cache passed beside it); the subject stands in
+                # for that cache, so this call alone gets a copy of the config without it
+                config = copy.copy(config)
+                config.cache_implementation = None
+                kwargs["generation_config"] = config
         return original(*args, **kwargs)
 
     fed: list = []
