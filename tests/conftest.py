@@ -14,9 +14,10 @@ pytest_plugins = ["pytester"]
 # built inside a test loads ``torch.distributed`` modules, pytester drops them, and the next transformers model import
 # re-registers the library ("Only a single TORCH_LIBRARY can be used to register the namespace ..."), so tests failed
 # by the order they ran in. These packages are kept across snapshots; kvconform's own modules are still dropped, so
-# each in-process run imports its plugin and session afresh.
+# each in-process run imports its plugin and session afresh. ``kernels`` too: transformers keeps its ``Mode`` enum, and
+# a re-imported kernels package has another, which from_pretrained's kernelize then cannot compare (TypeError).
 NATIVE_PACKAGES = ("torch", "torchgen", "functorch", "transformers", "optimum", "hqq", "triton", "safetensors",
-                   "tokenizers", "numpy", "scipy", "sympy", "huggingface_hub", "turboquant")
+                   "tokenizers", "numpy", "scipy", "sympy", "huggingface_hub", "turboquant", "kernels")
 
 
 def _keeps_native_state(name: str) -> bool:

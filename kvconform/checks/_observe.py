@@ -107,3 +107,24 @@ def measured_at_batch_one(ctx, exc, check, fail, summary) -> None:
             raise
         raise _with_line(err, f"at batch 1 it runs, and its bytes are within the bound: {summary(ctx.metrics)}") \
             from None
+
+
+def up_to_undeclared_op(ctx):
+    """``ctx``, or a view of it whose case stops before the first op needing a capability the subject does not
+    declare (``ops.OP_CAPABILITY``: ``crop``, ``reset``, ``reorder``, ...), for the checks that measure what a subject
+    does with the ops it has (memory bytes, poisoned capacity) rather than whether it has them. The view shares the
+    caller's metrics and gets a ``note`` saying where it stopped; the context itself is not changed."""
+    import dataclasses
+
+    from kvconform.ops import OP_CAPABILITY
+
+    capabilities = ctx.subject.capabilities
+    stop = next((i for i, op in enumerate(ctx.case.ops)
+                 if OP_CAPABILITY.get(op.name) and OP_CAPABILITY[op.name] not in capabilities), None)
+    if stop is None:
+        return ctx
+    op = ctx.case.ops[stop]
+    view = ctx.replace(case=dataclasses.replace(ctx.case, ops=ctx.case.ops[:stop]))
+    view.metrics["note"] = (f"{ctx.subject.name} does not declare {OP_CAPABILITY[op.name]!r}: measured up to the "
+                            f"first {op.name}")
+    return view

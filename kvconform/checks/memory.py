@@ -73,7 +73,7 @@ from kvconform.checks._allocation import (NO_POLICY, SHARED, TOKEN_BY_TOKEN, All
                                           not_inferred)
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._diagnosis import describe_raise, fail_raised
-from kvconform.checks._observe import FORWARD_OPS, measured_at_batch_one, run_observed
+from kvconform.checks._observe import FORWARD_OPS, measured_at_batch_one, run_observed, up_to_undeclared_op
 from kvconform.memo import MEMO
 from kvconform.ops import OPS, op_names
 from kvconform.ops import tokens_held as ops_tokens_held
@@ -225,21 +225,13 @@ def check_memory_bytes(ctx):
     """The bytes each cache layer holds, after every op of the case, are within the formula for what it must hold
     (full: S tokens, sliding: min(S, window), static: max_cache_len, linear: its states, quantized: its band).
 
-    A subject that does not declare capability ``reset`` (``crop``) is measured up to the case's first ``reset``
-    (``crop``) op. A subject that raises at the case's batch (> 1) is measured at batch 1 as well
+    A subject that does not declare the capability an op needs (``reset``, ``crop``, ``reorder``) is measured up to the
+    case's first such op. A subject that raises at the case's batch (> 1) is measured at batch 1 as well
     (``_observe.measured_at_batch_one``): its bytes get a verdict where it runs. A paged subject may hold one page
     per row and layer above the formula (see the module docstring: its ``page_size``, declared or inferred); the
     metrics ``granularity`` and ``page_tokens`` say which was used."""
     slack = ctx.case.params.slack_bytes
-    undeclared = [i for i, op in enumerate(ctx.case.ops) if op.name in ("reset", "crop")
-                  and op.name not in ctx.subject.capabilities]
-    if undeclared:  # measured on a view of the context whose case stops there (the context itself is not changed)
-        import dataclasses
-
-        first = ctx.case.ops[undeclared[0]].name
-        # shares metrics with the caller's context
-        ctx = ctx.replace(case=dataclasses.replace(ctx.case, ops=ctx.case.ops[:undeclared[0]]))
-        ctx.metrics["note"] = f"{ctx.subject.name} does not declare {first!r}: measured up to the first {first}"
+    ctx = up_to_undeclared_op(ctx)  # shares metrics with the caller's context
     shapes = _shapes_for(ctx)
     cache = ctx.new_cache()
     raw: list[tuple[Checkpoint, list]] = []
@@ -485,9 +477,11 @@ def _memory_cause(exp, excess, shapes, label, checkpoints, grain=TOKEN_BY_TOKEN,
         return (f"a constant {round(ratios[0])}× the formula at every op: keys/values stored repeated across the "
                 f"query heads (repeat_kv) or kept twice{heads}{page}")
     # an exact cache never holds less than full-precision keys/values can take: a ratio below 0.9 is compression
-    # (asked before the shapes of excess below, which a falling ratio would otherwise mimic)
-    if ratios and min(ratios) < 0.9:
-        low_op, low = min(((op, held / e.exact) for op, held, e in series if e.exact), key=lambda p: p[1])
+    # (asked before the shapes of excess below, which a falling ratio would otherwise mimic) — up to the first reorder
+    # only: after beam search's reorders rows may share pages (copy-on-write), legitimately below the formula
+    unshared = [(op, held, e) for op, held, e in series[:reordered[0] if reordered else None] if e.exact]
+    if unshared and min(held / e.exact for _, held, e in unshared) < 0.9:
+        low_op, low = min(((op, held / e.exact) for op, held, e in unshared), key=lambda p: p[1])
         return (f"held/formula falls from {max(ratios):.2f}× to {low:.2f}× (after {low_op}): at that "
                 f"length the layer holds fewer bytes than full-precision keys/values can take, so it compresses or "
                 f"drops them, with a fixed buffer on top that exceeds the formula at short lengths. A cache that "

@@ -32,6 +32,7 @@ from kvconform.checks._diagnosis import fail_raised
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._measure import layer_list, self_half
+from kvconform.checks._observe import up_to_undeclared_op
 from kvconform.outcomes import CheckSkipped
 
 HOOK = "kvconform_poison"
@@ -204,7 +205,9 @@ def _validate(case):
 def check_poisoned_capacity(ctx):
     """After every op, every slot the cache must not read is filled with NaN or a large finite value (the cache's
     ``kvconform_poison(value)`` hook, or kvconform on transformers' static layers); every step's logits must be finite
-    and equal the oracle's."""
+    and equal the oracle's. A subject that does not declare the capability an op needs (``crop``, ``reset``) is run
+    up to the case's first such op."""
+    ctx = up_to_undeclared_op(ctx)
     value = _value(ctx)
     cache = ctx.new_cache()
     reason = can_poison(cache, value, bool(ctx.case.params.get("padding")))

@@ -236,7 +236,7 @@ def offloaded_subjects() -> list:
 
 BUILTIN_NAMES = ("ReferenceCache", "DynamicCache", "StaticCache", "QuantizedCache_quanto4", "QuantizedCache_quanto2",
                  "QuantizedCache_hqq4", "QuantizedCache_hqq2", "QuantizedCache_fp8", "DynamicCache_offloaded",
-                 "StaticCache_offloaded")
+                 "StaticCache_offloaded", "MtpCache", "DFlashCache")
 """The names of ``builtin_subjects()``, in its order, readable without importing torch (an xdist controller checks
 ``--kvconform-subject`` against them before its workers start: ``options.refuse_bad_subjects``).
 ``tests/subjects`` holds them equal to the built list."""

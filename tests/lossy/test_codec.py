@@ -62,7 +62,11 @@ def test_saves_memory_declarations():
 
     spec = CacheSpec("C", CodecRoundTripCache, kind="lossy", budget={"kl_max": 1e-3, "top1_min": 0.9,
                                                                      "saves_memory": False})
-    assert not kind_of(spec).compresses and not kind_of(spec).saves_memory
+    # the kind compresses (a fact of the kind), but this subject's budget promises no saving: compression unjudged
+    assert kind_of(spec).compresses and not kind_of(spec).saves_memory
+    from kvconform.checks.quality import _compression_judged
+
+    assert "promises no memory saving" in _compression_judged(spec, None, None)
     for budget, match in [({"kl_max": 1, "top1_min": 0, "saves_memory": "no"}, "must be True or False"),
                           ({"kl_max": 1, "top1_min": 0, "saves_memory": False, "bytes_ratio_max": 0.5},
                            "nothing to bound")]:
