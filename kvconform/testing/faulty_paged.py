@@ -1,4 +1,6 @@
-"""Faulty paged caches for the ``memory`` family: ``kvconform.testing.paged.PagedCache`` with one allocation bug each.
+"""Faulty paged caches: ``kvconform.testing.paged.PagedCache`` with one bug each — an allocation bug for the
+``memory`` family (the first two), and pages shared by a deep copy for the ``prefix`` family
+(``SharedPagesForkCache``).
 
 Both declare their page size (``kvconform_page_size = 4``), so the memory family grants them one page per row and
 layer of slack, and both still hold more than that. Their logits stay exact (reads go through ``length``), so only
@@ -6,6 +8,8 @@ the memory family can see the bug. Every line that carries the bug is marked ``#
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -67,6 +71,25 @@ class NeverFreedPagesCache(PagedCache):
     layer_class = _NeverFreeLayer
 
 
+class _SharedPagesLayer(PagedAttentionLayer):
+    """Copy-on-write without the copy: a deep copy gets its own page lists holding the original's page tensors."""
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        # BUG: new lists, but the same page tensors: a copy's write into the last, partly filled page lands in the
+        # original's page too (a fork at a page boundary hides it: the copy's first write takes a fresh page)
+        new.key_pages, new.value_pages = list(self.key_pages), list(self.value_pages)
+        return new
+
+
+class SharedPagesForkCache(PagedCache):
+    """A paged cache whose deep copies share their pages with the original (exact logits for each sequence run
+    alone; the original's last page is overwritten past its length by a copy's first decode)."""
+
+    kvconform_capabilities = ("forward", "generate", "reset", "crop", "deepcopy")
+    layer_class = _SharedPagesLayer
+
+
 FAULTY = [
     FaultyCache(
         name="page_per_token", attr="PagePerTokenCache", module=__name__, family="memory",
@@ -83,5 +106,13 @@ FAULTY = [
                  "granularity of layer 0: pages of 4 tokens, declared",
                  "likely cause: pages are not freed by reset()"),
         cause=r"pages are not freed by reset\(\)",
+    ),
+    FaultyCache(
+        name="shared_pages_fork", attr="SharedPagesForkCache", module=__name__, family="prefix",
+        check="check_prefix_fork", model="llama", case="prefix_fork_mid_page",
+        message=("check_prefix_fork failed: SharedPagesForkCache on llama",
+                 "the original cache changed while its deep copies were extended"),
+        also_caught_by=("fuzz",),  # fuzz_quick forks mid-page and then decodes the original: 2.8 off
+        cause=r"__deepcopy__ shares tensors",
     ),
 ]
