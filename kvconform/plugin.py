@@ -80,6 +80,9 @@ def pytest_configure(config):
         refuse_flags_without_kvconform(config)
         return
     _keep_benchmarks_out_of_the_folder(config)
+    # torch's own deprecation of torch.jit.script_method, raised by modules transformers imports in every worker:
+    # dozens of lines before the matrix that say nothing about the caches under test (only that one message)
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
     freeze_heap_at_exit()
     worker_rundir = getattr(config, "workerinput", {}).get(RUNDIR_KEY)
     try:
