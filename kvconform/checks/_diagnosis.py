@@ -216,7 +216,7 @@ def positions_label(ctx) -> str:
     return "explicit position_ids" if explicit else "no position_ids (derived from the cache)"
 
 
-def fail_raised(ctx, exc: SubjectRaised, cause: str, ops_text=None):
+def fail_raised(ctx, exc: SubjectRaised, cause: str | Cause, ops_text=None):
     """Fail the item because the subject raised: the exception (innermost frame), the ops with the op that raised
     (``ops_text``, default the case's), and the likely cause: what was measured at the raise
     (``measured_cause``) when it explains it, else ``cause`` (the check's reading of where it raised); a subject's

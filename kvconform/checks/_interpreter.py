@@ -104,7 +104,7 @@ class Step:
     """A fault measured in the cache itself at this step, or None: ``update()`` returned NaN/inf or wrote into its
     inputs (``_evidence.UpdateWatch``), or the cache holds NaN/inf (``_evidence.nonfinite_in``). It fails the step even
     where the logits look right (``_judge.judge``)."""
-    kv_mismatch: Cause | None = None
+    kv_mismatch: str | Cause | None = None
     """An ``update()`` of this forward that returned another number of keys than the cache should hold
     (``_evidence.kv_length_mismatch``), or None; named first in the likely cause of a failure at this step."""
     unmasked: str | None = None

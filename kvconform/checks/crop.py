@@ -316,6 +316,7 @@ def _crop_check(ctx):
     except SubjectRaised as exc:
         accepted = [r for r in records if r.refused is None]
         measured = measured_cause(exc)
+        cause: str | Cause
         if accepted:
             cause = (f"{accepted[-1].label} left the cache in a state its next update cannot handle ("
                      + str(measured or "its keys, length counter and get_mask_sizes() no longer agree") + ")")

@@ -233,7 +233,7 @@ def _run_assisted(ctx, prompt, k, draft_cache):
             if hasattr(draft_cache, "activate_past_recording"):
                 draft_cache.activate_past_recording(recurrent_states_to_keep=k)
             config = kwargs.get("generation_config")
-            if getattr(config, "cache_implementation", None) is not None:
+            if config is not None and getattr(config, "cache_implementation", None) is not None:
                 # transformers 5.5: the assistant's first call asks generate() to build its cache
                 # (cache_implementation "dynamic_full", which refuses a cache passed beside it); the subject stands in
                 # for that cache, so this call alone gets a copy of the config without it
