@@ -804,6 +804,8 @@ NOT_APPLICABLE = {
     "check_cache_implementation": "transformers' generate(cache_implementation=...)",
     "check_length_bookkeeping": "transformers' get_mask_sizes and per-layer update() bookkeeping (a from-scratch "
                                 "model builds its own masks)",
+    "check_speed_compiled_static": "the compiled StaticCache is timed against transformers' DynamicCache eager on "
+                                   "the same model, a cache a from-scratch model does not take",
     "speculative": "transformers' candidate generators (prompt lookup, a draft model) run inside transformers' "
                    "generate(); kvconform decodes a from-scratch model with its own greedy loop",
 }

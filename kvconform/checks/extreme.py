@@ -112,6 +112,14 @@ POSITIONS = Param(list, default=[0, 3, 7, 12], items=int, min=0, doc="absolute p
 def check_zero_key_rows(ctx):
     """A copy of the model with one token's embedding row zeroed (exactly zero keys/values at layer 0 on bias-free
     models), fed that token at ``positions``: every step's logits equal the oracle of that copy."""
+    from kvconform.outcomes import CheckSkipped
+
+    if getattr(ctx.model, "image", None) is not None:
+        raise CheckSkipped(f"{ctx.model.name} is a vision-language model: its prompts start with an image block, "
+                           f"which a token placed at the case's positions would cut")
+    if not hasattr(ctx.model.model, "get_input_embeddings"):
+        raise CheckSkipped(f"{ctx.model.name} has no get_input_embeddings(): kvconform zeroes a row of a transformers "
+                           f"model's input embeddings, which a model written from scratch does not expose")
     token, positions = ctx.case.params.token, ctx.case.params.positions
     variant, oracle = zeroed_variant(ctx.model, token)
     vctx = ctx.replace(model=variant, oracle=oracle)
