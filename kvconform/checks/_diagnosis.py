@@ -216,6 +216,22 @@ def positions_label(ctx) -> str:
     return "explicit position_ids" if explicit else "no position_ids (derived from the cache)"
 
 
+def run_on_variant(ctx, variant, oracle):
+    """The case's ops on a fresh subject cache for ``variant`` (a changed copy of the item's model, a ``ZooModel``)
+    judged against ``oracle`` (that copy's float64 oracle): ``(vctx, cache, steps, verdict)``, ``vctx`` the item's
+    context on the variant. A raise of the subject fails the item (``fail_raised``)."""
+    from kvconform.checks._interpreter import run_ops
+    from kvconform.checks._judge import judge
+
+    vctx = ctx.replace(model=variant, oracle=oracle)
+    cache = vctx.new_cache()
+    try:
+        steps = run_ops(vctx, cache)
+    except SubjectRaised as exc:
+        fail_raised(vctx, exc, "the cache does not support this sequence of calls (see the exception)")
+    return vctx, cache, steps, judge(vctx, steps)
+
+
 def fail_raised(ctx, exc: SubjectRaised, cause: str | Cause, ops_text=None):
     """Fail the item because the subject raised: the exception (innermost frame), the ops with the op that raised
     (``ops_text``, default the case's), and the likely cause: what was measured at the raise

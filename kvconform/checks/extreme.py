@@ -24,8 +24,8 @@ import math
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
 from kvconform.checks._drive import SubjectRaised
-from kvconform.checks._diagnosis import fail_raised, fail_verdict
-from kvconform.checks._interpreter import Runner, run_ops
+from kvconform.checks._diagnosis import fail_raised, fail_verdict, run_on_variant
+from kvconform.checks._interpreter import Runner
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._measure import layer_list, self_half
 
@@ -240,18 +240,12 @@ def check_fp16_extreme(ctx):
 
         raise CheckSkipped(found)
     variant, oracle, scales = found
-    vctx = ctx.replace(model=variant, oracle=oracle)
-    cache = vctx.new_cache()
-    try:
-        steps = run_ops(vctx, cache)
-    except SubjectRaised as exc:
-        fail_raised(vctx, exc, "the cache does not support this sequence of calls (see the exception)")
-    verdict = judge(vctx, steps)
+    vctx, cache, steps, verdict = run_on_variant(ctx, variant, oracle)
     largest = _largest(cache)
     record_verdict(vctx, verdict, len(steps), largest_kv=largest)
     if verdict.passed:
         return
-    step, cmp = verdict.first_fail  # type: ignore[misc]  # set where the verdict did not pass
+    step, cmp = verdict.first_fail  # set where the verdict did not pass
     magnitude = ctx.case.params.magnitude
     observed = f"{cmp.max_abs:.1e}" if math.isfinite(cmp.max_abs) else "NaN/inf"
     bound = (f"≤ {cmp.tol:.1e} ({vctx.tolerance().describe(cmp.floor)})" if math.isfinite(cmp.tol)

@@ -10,10 +10,8 @@ costs about a two-layer model's over 1,000; its oracle is the same copy's float6
 from __future__ import annotations
 
 from kvconform.checks import OP_PARAMS, OpRule, register
-from kvconform.checks._drive import SubjectRaised
-from kvconform.checks._diagnosis import fail_raised, fail_verdict
-from kvconform.checks._interpreter import run_ops
-from kvconform.checks._judge import judge, record_verdict
+from kvconform.checks._diagnosis import fail_verdict, run_on_variant
+from kvconform.checks._judge import record_verdict
 from kvconform.outcomes import CheckSkipped
 
 _VARIANTS: dict = {}
@@ -77,13 +75,7 @@ def check_growth_steps(ctx):
     if isinstance(found, str):
         raise CheckSkipped(found)
     variant, oracle = found
-    vctx = ctx.replace(model=variant, oracle=oracle)
-    cache = vctx.new_cache()
-    try:
-        steps = run_ops(vctx, cache)
-    except SubjectRaised as exc:
-        fail_raised(vctx, exc, "the cache does not support this sequence of calls (see the exception)")
-    verdict = judge(vctx, steps)
+    vctx, cache, steps, verdict = run_on_variant(ctx, variant, oracle)
     record_verdict(vctx, verdict, len(steps), held=steps[-1].start + steps[-1].length if steps else 0)
     if not verdict.passed:
         fail_verdict(vctx, verdict, _cause(steps))
