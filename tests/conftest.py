@@ -46,7 +46,36 @@ def run_kvconform(pytester):
     return run
 
 
+def _warm_bytecode(config) -> None:
+    """Write, once, the bytecode every subprocess run would otherwise compile again: kvconform's modules (an editable
+    install has none) and hypothesis's. hypothesis ships a pytest plugin, so pytest rewrites the asserts of its whole
+    package when a run imports it (the fuzz family does): ~1.5 CPU-s a process, each time, when nothing may be cached.
+    The subprocess runs below do not write bytecode (the modules the tests write would be cached by path and
+    modification time), but they read what is cached here: a run like theirs, of one hypothesis test, ~2 s. Only in
+    the process that starts the run (not in an xdist worker), and not when the user asked for no bytecode
+    (``PYTHONDONTWRITEBYTECODE`` set before the run)."""
+    if sys.dont_write_bytecode or hasattr(config, "workerinput"):
+        return
+    import compileall
+    import subprocess
+    import tempfile
+
+    import kvconform
+
+    compileall.compile_dir(os.path.dirname(kvconform.__file__), quiet=2, workers=1)
+    with tempfile.TemporaryDirectory() as folder:
+        test = os.path.join(folder, "test_warm.py")
+        with open(test, "w") as f:
+            f.write("from hypothesis import HealthCheck, Phase, given, seed, settings, strategies as st\n"
+                    "@seed(0)\n@settings(max_examples=2, database=None, deadline=None)\n"
+                    "@given(st.lists(st.one_of(st.tuples(st.just('a'), st.integers(0, 3))), max_size=3))\n"
+                    "def test_warm(program):\n    pass\n")
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", test],
+                       cwd=folder, capture_output=True, timeout=120, check=False)
+
+
 def pytest_configure(config):
+    _warm_bytecode(config)
     # Subprocess runs inherit this interpreter; make sure they find the same kvconform.
     os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     # The project's tests patch models, forwards and kvconform's own code in process: the oracle's forwards are not

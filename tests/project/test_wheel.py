@@ -137,11 +137,14 @@ def test_wheel_runs_the_suite_from_an_empty_folder(tmp_path):
     run_dir.mkdir()
     report = tmp_path / "report.json"
     # Speed items are left out: their budgets are ratios timed on this shared machine (tests/perf/test_perf.py covers
-    # them), and a noisy ratio must not decide whether the package works.
+    # them), and a noisy ratio must not decide whether the package works. One subject (the reference cache runs every
+    # family) in process: what is tested here is the package and its case files; the whole default run from the built
+    # wheel, in its workers, is .ci/run's stage "main job from the built wheel" (~40 s more here for the same answer).
     result = _run([python, "-m", "pytest", "--kvconform", "--kvconform-model", "llama", "-p", "no:cacheprovider",
-                   "-q", "-m", "not kvconform_speed", "--kvconform-json", report], cwd=run_dir, env=env)
+                   "-q", "-m", "not kvconform_speed", "-k", "ReferenceCache", "-n", "0", "--kvconform-json", report],
+                  cwd=run_dir, env=env)
     results = json.loads(report.read_text())["results"]
-    assert len(results) > 100, f"only {len(results)} items: case files missing?\n{result.stdout[-2000:]}"
+    assert len(results) > 60, f"only {len(results)} items: case files missing?\n{result.stdout[-2000:]}"
     assert {r["model"] for r in results} == {"llama"}
     families = {r["family"] for r in results}
     assert {"logits", "generate", "crop", "prefix", "batch", "lifecycle", "contract", "coverage"} <= families
