@@ -76,6 +76,8 @@ class RunDigest:
         items: item id → ``{"subject", "model", "check", "family", "case", "dtype", "batch"}``
             (``PlanItem.record``), every planned item.
         reproduce_args: the run's own flags for a ``reproduce:`` line (``KVSession.reproduce_args``).
+        costs: item id → its estimated cost (``merge.item_cost``: relative to a logits item, a skipped item almost
+            nothing), which the workers' scheduling orders by (``workers.model_scheduling``).
     """
 
     header: list = field(default_factory=list)
@@ -88,6 +90,7 @@ class RunDigest:
     known_faults: dict = field(default_factory=dict)
     items: dict = field(default_factory=dict)
     reproduce_args: list = field(default_factory=list)
+    costs: dict = field(default_factory=dict)
 
     @property
     def subject_names(self) -> list[str]:

@@ -139,6 +139,10 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     return ModelInfo(name, spec, types, bool(config.is_encoder_decoder), accepts, bool(remote_code))
 
 
+SKIPPED_COST = 0.02
+"""Estimated cost of a skipped item, relative to a logits item (``PlanItem.cost``)."""
+
+
 @dataclass(frozen=True)
 class PlanItem:
     """One item: subject × model × check × case, with the reason it is skipped or expected to fail."""
@@ -153,6 +157,13 @@ class PlanItem:
     @property
     def id(self) -> str:
         return f"{self.subject.name}-{self.model.name}-{self.check.name.removeprefix('check_')}-{self.case.id}"
+
+    @property
+    def cost(self) -> float:
+        """Estimated cost of running the item, relative to a logits item: what its check declares
+        (``register(..., cost=...)``), ``SKIPPED_COST`` when it is skipped. Cuts ``--kvconform-shard`` jobs
+        (``merge.item_cost``) and orders the workers' scheduling (``workers.model_scheduling``)."""
+        return SKIPPED_COST if self.skip else self.check.cost
 
     def marks(self, pytest):
         marks = [pytest.mark.kvconform, getattr(pytest.mark, f"kvconform_{self.check.family}")]

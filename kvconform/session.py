@@ -347,10 +347,11 @@ class KVSession:
                                          fresh_target=kind.target == FRESH, source=getattr(spec, "source", "builtin"),
                                          expected_failures=sorted(spec.expected_failures)))
         fresh = {s.name for s in subjects if s.fresh_target}
-        items, faults = {}, {}
+        items, faults, costs = {}, {}, {}
         for item in self.items():
             d = item.describe()
             items[item.id] = item.record()
+            costs[item.id] = item.cost
             fault = self.fault_entry(**d)
             if fault is not None:
                 shared = d["subject"] in fresh and self.fault_entry(**{**d, "subject": "ReferenceCache"}) is not None
@@ -359,7 +360,7 @@ class KVSession:
         return RunDigest(
             header=self.header_lines(), environment=self.environment(), subjects=subjects,
             models=[m.name for m in self.models], model_specs={m.name: m.spec for m in self.models},
-            strict=self.strict, known_faults=faults, items=items, reproduce_args=list(self.reproduce_args),
+            strict=self.strict, known_faults=faults, items=items, reproduce_args=list(self.reproduce_args), costs=costs,
             stale_faults=[{"id": f.id, "transformers": f.transformers, "source": f.source}
                           for f in self.stale_faults()])
 
