@@ -51,15 +51,29 @@ def _fork_case(case):
     return None
 
 
-def run_fork_case(ctx, cache, info=None):
+def _in_turns(ops) -> list:
+    """``ops`` with every ``decode N`` split into N ``decode 1`` (the steps the forks take in turns)."""
+    from kvconform.ops import Op
+
+    return [piece for op in ops for piece in ([Op("decode", 1)] * op.n if op.name == "decode" else [op])]
+
+
+def run_fork_case(ctx, cache, info=None, in_turns=None):
     """Prefix ops, then ``params.forks`` (default 2) deep copies each continued with its own suffix, then the
     original with another suffix. Returns the steps; ``info["changed"]`` lists the original's tensors that the copies
-    changed (names) and ``info["held"]`` its length at the fork."""
+    changed (names) and ``info["held"]`` its length at the fork.
+
+    With ``params.interleave`` the copies and the original take the suffix in turns, one op (one decode step) each:
+    copy 1, …, copy N, the original, then again. Storage shared by mistake between a copy and the original (a page
+    pool whose allocator each copy duplicated) then shows in the logits, where running each to its end first hides
+    it (the last writer of a shared page reads back only its own tokens). The original's tensors are not compared
+    bit for bit then (it moves in turns with its copies). ``in_turns`` overrides the case's ``interleave``."""
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
     forks = ctx.case.params.forks
     runner = Runner(ctx, cache)
     runner.run(prefix_ops, parked=False)
     before = snapshot(runner.cache)
+    branches = []
     for f in range(forks):
         copied = runner._call(f"copy.deepcopy #{f + 1}", copy.deepcopy, runner.cache)
         if info is not None and f == 0:
@@ -68,7 +82,17 @@ def run_fork_case(ctx, cache, info=None):
                 info["original_length"] = int(runner.cache.get_seq_length())
             except Exception:  # noqa: BLE001 - a cache without a readable length: nothing measured here
                 pass
-        branch = runner.branch(copied, f"copy {f + 1}", gen=case_generator(ctx.case, ctx.model.name, f"/copy{f}"))
+        branches.append(runner.branch(copied, f"copy {f + 1}",
+                                      gen=case_generator(ctx.case, ctx.model.name, f"/copy{f}")))
+    if ctx.case.params.interleave if in_turns is None else in_turns:
+        original = runner.branch(runner.cache, "original", gen=case_generator(ctx.case, ctx.model.name, "/original"))
+        if info is not None:
+            info.update(changed=[], held=runner.length, before=before["get_seq_length()"])
+        for op in _in_turns(suffix_ops):
+            for branch in (*branches, original):
+                branch.run([op], parked=False, index_ops=False)
+        return runner.steps
+    for branch in branches:
         branch.run(suffix_ops, parked=False, index_ops=False)
     diff = changed(before, snapshot(runner.cache))
     if info is not None:
@@ -82,12 +106,17 @@ def _fork_ops_text(ctx):
     prefix_ops, suffix_ops = _split_at_fork(ctx.case)
     forks = ctx.case.params.forks
     suffix = " → ".join(op.label for op in suffix_ops)
+    if ctx.case.params.interleave:
+        return (f"{' → '.join(op.label for op in prefix_ops)} → deepcopy ×{forks} → the copies and the original in "
+                f"turns, one step each: {suffix}")
     return (f"{' → '.join(op.label for op in prefix_ops)} → deepcopy ×{forks}, each: {suffix} → "
             f"original: {suffix}")
 
 
 @register("prefix", needs=("forward", "deepcopy"),
-          params={**OP_PARAMS, "forks": Param(int, default=2, min=1, doc="deep copies continued independently")},
+          params={**OP_PARAMS, "forks": Param(int, default=2, min=1, doc="deep copies continued independently"),
+                  "interleave": Param(bool, default=False, doc="the copies and the original take the suffix in "
+                                      "turns, one op (one decode step) each, instead of each to its end")},
           ops=OpRule(required=("fork",)), validate=_fork_case)
 def check_prefix_fork(ctx):
     """Prefill a shared prefix, deepcopy it, continue each copy with a different suffix (single steps or a chunk):
@@ -110,7 +139,13 @@ def check_prefix_fork(ctx):
     verdict = judge(ctx, steps, driver=run_fork_case)
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
+        alone = _passes_one_after_the_other(ctx) if ctx.case.params.interleave else False
+
         def cause(step, cmp):
+            if alone:
+                return ("the copy and the original share storage the deep copy did not copy (a pool or a page both "
+                        "write): the same ops pass when each runs to its end before the other (measured), and fail "
+                        "when they decode in turns, where each reads what the other wrote")
             if step.label.startswith("original"):
                 return "the original no longer holds the prefix after its copies were extended (shared state)"
             copy_len, orig_len = info.get("copy_length"), info.get("original_length")
@@ -123,6 +158,19 @@ def check_prefix_fork(ctx):
                     "conv/recurrent state was not copied)")
 
         fail_verdict(ctx, verdict, cause, ops_text=_fork_ops_text(ctx), driver=run_fork_case)
+
+
+def _passes_one_after_the_other(ctx) -> bool:
+    """Whether the case's ops pass on a fresh cache when each copy, then the original, runs its suffix to its end
+    (``run_fork_case(in_turns=False)``): an interleaved fork case that fails only in turns has a copy and an original
+    sharing storage. A raise there counts as not passing."""
+    def one_after_the_other(c, cache, info=None):
+        return run_fork_case(c, cache, info, in_turns=False)
+
+    try:
+        return judge(ctx, one_after_the_other(ctx, ctx.new_cache()), driver=one_after_the_other).passed
+    except SubjectRaised:
+        return False
 
 
 # ------------------------------------------------------------------------------------------------ generate

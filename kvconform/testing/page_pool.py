@@ -35,6 +35,8 @@ Faulty variants (every line that carries the bug is marked ``# BUG:``):
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -311,6 +313,24 @@ class StaleTablesPagePoolCache(PagePoolCache):
         self.block_tables = [[] for _ in range(rows)]  # BUG: the rows of the previous batch are kept
 
 
+class SharedPoolForkCache(PagePoolCache):
+    """A page pool whose deep copy shares the pool tensor with the original (copy-on-write as its author meant it:
+    "the prefix's pages are never written again"), copying only the block tables, the free list and the lengths.
+    Right for a fork at a page boundary; at a fork mid-page, the copy and the original both write the free slots of
+    their shared last page. Run one after the other, each reads back its own tokens (the last writer wins after the
+    first has finished); decoding in turns, each reads the other's."""
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        new.block_tables = [list(table) for table in self.block_tables]
+        new.free, new.lengths = list(self.free), list(self.lengths)
+        new.layers = [PoolLayer(new, layer.layer_idx, layer.sliding_window) for layer in self.layers]
+        for old, layer in zip(self.layers, new.layers):
+            layer.is_initialized = old.is_initialized
+        # BUG: new.pool is self.pool: a row's last page is partly filled at a fork mid-page, and both write its slots
+        return new
+
+
 FAULTY = [
     FaultyCache(
         name="page_pool_leak", attr="LeakyPagePoolCache", module=__name__, family="memory",
@@ -333,5 +353,12 @@ FAULTY = [
         message=("check_reset_then_reuse failed: StaleTablesPagePoolCache on llama",
                  "holds 4 rows, got a batch of 2", "ReferenceCache accepts it"),
         cause=r"after reset\(\) the cache still has buffers sized for the previous batch",
+    ),
+    FaultyCache(
+        name="page_pool_shared_fork", attr="SharedPoolForkCache", module=__name__, family="prefix",
+        check="check_prefix_fork", model="llama", case="prefix_fork_interleaved",
+        message=("check_prefix_fork failed: SharedPoolForkCache on llama",
+                 "the copies and the original in turns, one step each"),
+        cause=r"the copy and the original share storage the deep copy did not copy",
     ),
 ]
