@@ -244,7 +244,7 @@ class KVSession:
             inherited, method = inherited_on(same)
         if inherited is None and (_external(item.model.spec) or item.model.spec in zoo.VLM_NAMES):
             found = [inherited_on(name) for name in same_kind(item.model)]
-            if found and all(f[0] is not None and f[0] is found[0][0] for f in found):
+            if found and all(f[0] is not None for f in found):
                 inherited, method = found[0]
         if inherited is None:
             return

@@ -105,3 +105,17 @@ def test_lossy_cache_overriding_the_faulty_methods_is_judged_on_its_own():
         assert "inherited" not in own.message and "decode" in own.message, own.message
         correct = results["Int8ResidualCache", model]  # its own recurrent-state history: exact after the crop
         assert correct.outcome == "passed", (model, correct.outcome, correct.message)
+
+
+class MyDynamicCache(DynamicCache):
+    """A ``DynamicCache`` subclass keeping DynamicCache's layers (as transformers' ``DFlashCache`` does)."""
+
+
+def test_a_dynamic_cache_subclass_on_a_vlm_inherits_the_sliding_layer_faults_without_being_named():
+    """No known-fault entry names ``MyDynamicCache`` (nor ``DFlashCache``): on gemma3_vlm, whose entries are found
+    through the zoo models of its kind, the inherited ``DynamicSlidingWindowLayer.crop`` fault is found the same way.
+    Before: FAILED (the inherited look-up tried the item's own model name only)."""
+    (r,) = check_cache([MyDynamicCache], models=["gemma3_vlm"], checks=["check_crop_contract"],
+                       cases=["crop_past_window"], full=True)
+    assert r.outcome == "xfailed", (r.outcome, r.message)
+    assert "inherited from transformers' DynamicSlidingWindowLayer.crop" in r.message, r.message
