@@ -183,6 +183,13 @@ def adapter_problem(adapter) -> str | None:
         return (f"{what} has no {', '.join(missing)} method{'s' if len(missing) > 1 else ''}; a model adapter "
                 f"defines " + "; ".join(REQUIRED[m] for m in missing) + " (kvconform.scratch documents the protocol; "
                 "kvconform.examples.tiny_decoder is a worked example)")
+    if getattr(adapter, "is_encoder_decoder", False):
+        return (f"{type(adapter).__name__} declares is_encoder_decoder, but the adapter protocol cannot express an "
+                "encoder-decoder model: forward(model, ids, cache, start, mask) feeds decoder tokens only — it has no "
+                "encoder input, no cross-attention half of the cache, and nothing that repeats or selects encoder "
+                "states with the rows — so kvconform can neither build nor judge it; check its decoder alone (the "
+                "encoder states fixed inside the model, is_encoder_decoder unset) or give it a transformers model "
+                "class (an encoder-decoder there is judged through EncoderDecoderCache, your own subclass included)")
     caches = getattr(adapter, "caches", None)
     if caches is not None and (not isinstance(caches, dict) or not all(
             isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_.]+", k) and isinstance(v, dict)

@@ -229,10 +229,23 @@ class KVSession:
         except Exception:  # noqa: BLE001 - a subject that cannot be built inherits nothing we can show
             return
         names = item.describe()
-        inherited, method = known_faults.find_inherited(
-            self.faults, transformers_version(), cache, names["model"], names["check"], names["case"],
-            names["family"], metrics=exc.metrics, message=str(exc), raised=_subject_exception(exc),
-            cause_id=_cause_id(exc))
+
+        def inherited_on(model):
+            return known_faults.find_inherited(
+                self.faults, transformers_version(), cache, model, names["check"], names["case"],
+                names["family"], metrics=exc.metrics, message=str(exc), raised=_subject_exception(exc),
+                cause_id=_cause_id(exc))
+
+        # the models an entry may name for this item, as for the entries naming subjects (expected_fault): its own,
+        # its zoo family's, and for a checkpoint or a zoo VLM every zoo model of its kind (all of them)
+        inherited, method = inherited_on(names["model"])
+        same = _zoo_family(item.model.spec)
+        if inherited is None and same:
+            inherited, method = inherited_on(same)
+        if inherited is None and (_external(item.model.spec) or item.model.spec in zoo.VLM_NAMES):
+            found = [inherited_on(name) for name in same_kind(item.model)]
+            if found and all(f[0] is not None for f in found):
+                inherited, method = found[0]
         if inherited is None:
             return
         reason = (f"known upstream fault {inherited.id!r}, inherited from transformers' {method} (used unchanged by "

@@ -112,6 +112,33 @@ class _Fresh:
                                                       and torch.equal(self.enc, enc))
 
 
+def _record_like_subject(ctx, cache, label) -> None:
+    """Turn past recording on in a fresh instance when the case turned it on in the subject (case params ``record``
+    and ``record_states``: ``activate_past_recording()``, or ``activate_past_recording(recurrent_states_to_keep=N)``
+    with N > 0), before its first token — the recording mode is part of the equivalent history: on transformers 5.25
+    a forward of at most N tokens into a warm Mamba/Jamba cache that records N states runs the sequential scan on the
+    cache's state, while without recording it runs the chunked scan from a zero state (a known model fault,
+    ``mamba-jamba-prefix-zero-state``), so a fresh instance fed the same chunks without recording is 0.03 (mamba) /
+    0.3 (jamba) off the oracle where the subject is right.
+
+    Raises:
+        SubjectRaised: the fresh instance refused the call (names the step it was replayed for).
+    """
+    params = ctx.case.params
+    if not params.get("record") or not hasattr(cache, "activate_past_recording"):
+        return
+    keep = int(params.get("record_states") or 0)
+    try:
+        if keep:
+            cache.activate_past_recording(recurrent_states_to_keep=keep)
+        else:
+            cache.activate_past_recording()
+    except Exception as exc:  # noqa: BLE001 - the fresh instance's failure, reported on the subject's item
+        from kvconform.checks._drive import SubjectRaised
+
+        raise SubjectRaised(f"activate_past_recording() (a fresh instance replayed for {label})", exc) from exc
+
+
 def _feed(ctx, fresh, tokens, mask_full, label):
     """One forward of ``tokens`` ``[B, n]`` into ``fresh`` (mask ``[B, start + n]`` or None) through the
     interpreter; returns the logits."""
@@ -144,6 +171,7 @@ def consistency_targets(ctx, spec, steps) -> dict:
             batch = int(step.seq.shape[0])
             cache = spec.build(ctx.model, max_cache_len=ctx.max_cache_len, batch_size=batch,
                                encoder_len=ctx.case.encoder_len)
+            _record_like_subject(ctx, cache, step.label)
             fresh = _Fresh(ctx, cache, batch, enc, step.position_mode)
             pos = 0
             for n in chunks:

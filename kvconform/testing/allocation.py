@@ -111,6 +111,24 @@ class RingSlidingLayer(HonestSlidingLayer):
         ring[..., :n, :] = t
         self._ring[name], self._held[name], self._start[name] = ring, n, 0
 
+    def kvconform_poison(self, value: float) -> int:
+        """Fill every ring slot that holds no kept token with ``value`` (kvconform's poisoned-capacity cases): before
+        the window fills, the slots past the held tokens; after it, the slot of the token that just left the window
+        (a ring of ``sliding_window`` slots keeps ``sliding_window - 1`` tokens between forwards), and every slot
+        beyond those in a larger ring. The next write goes into one of them, so no held token is touched. Returns the
+        token slots filled (rows × slots of the key ring)."""
+        filled = 0
+        for name in ("keys", "values"):
+            ring = self._ring[name]
+            if ring is None or ring.dim() != 4:
+                continue
+            slots, held = ring.shape[-2], self._held[name]
+            free = (self._start[name] + held + torch.arange(slots - held, device=ring.device)) % slots
+            ring.index_fill_(-2, free, value)
+            if name == "keys":
+                filled = (slots - held) * ring.shape[0]
+        return filled
+
     keys = property(lambda self: self._read("keys"), lambda self, t: self._write("keys", t))
     values = property(lambda self: self._read("values"), lambda self, t: self._write("values", t))
 

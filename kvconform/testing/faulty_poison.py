@@ -9,6 +9,13 @@ addresses it does not keep although it says it is compileable); ``UseAfterFreePo
 ``poison_large``, two crop cases that decode into a new page after the crop (they get the freed page back), and
 ``memory_decode`` (its pool never shrinks). Every line
 that carries the bug is marked ``# BUG:``.
+
+``BlockReadRingCache`` is the ring's version (``kvconform.testing.allocation.RingWindowCache`` with a ring of two
+windows): once the ring has wrapped, a decode step reads the whole ring as one block — the kept tokens and the stale
+entries of tokens that left the window — and widens ``get_mask_sizes`` so the sliding-window mask hides the stale
+ones. With old tokens (finite) there its logits are exact; the full-tier case ``poison_ring_nan`` fills the stale
+entries with NaN through the ring's hook, and NaN × 0 shows (on mistral, gemma2 and gemma3:
+``tests/caches/test_poison_ring.py``; not in ``FAULTY``, whose runs are the default tier's).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 
 from kvconform.compat import crop_tokens_to_remove
 from kvconform.testing import FaultyCache
+from kvconform.testing.allocation import RingSlidingLayer, RingWindowCache
 from kvconform.testing.page_pool import PAGE_TOKENS, PagePoolCache, PoolLayer
 
 
@@ -69,6 +77,45 @@ class UseAfterFreePoolCache(PagePoolCache):
         freed = [page for table in self.block_tables for page in table[full:]]
         self.block_tables = [table[:keep] for table in self.block_tables]
         self._free_pages(freed)
+
+
+class _BlockReadRingLayer(RingSlidingLayer):
+    """A ring of two windows whose decode step, once the ring has wrapped, returns the whole ring (oldest slot first)
+    and lets the mask hide what left the window."""
+
+    ring_factor = 2
+
+    def _block_read(self, query_length: int) -> bool:
+        ring = self._ring["keys"]
+        return (query_length == 1 and not self.record_past and ring is not None and ring.dim() == 4
+                and ring.shape[-2] == self.slots and self._held["keys"] >= self.sliding_window - 1
+                and self.cumulative_length + 1 >= self.slots)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self._block_read(query_length):  # BUG: the block covers stale slots; "the sliding mask hides them"
+            return self.slots, self.cumulative_length + 1 - self.slots
+        return super().get_mask_sizes(query_length)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        ring = self._ring["keys"]
+        block = self._block_read(key_states.shape[-2]) and ring.shape[:2] == key_states.shape[:2]
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if not block:
+            return keys, values
+        out = []
+        for name in ("keys", "values"):
+            ring = self._ring[name]
+            slots = ring.shape[-2]
+            newest = (self._start[name] + self._held[name] - 1) % slots
+            # BUG: every slot of the ring is read, the stale entries of tokens past the window included
+            out.append(ring.index_select(-2, (newest + 1 + torch.arange(slots, device=ring.device)) % slots))
+        return out[0], out[1]
+
+
+class BlockReadRingCache(RingWindowCache):
+    """FAULTY: a ring of two windows per sliding layer whose decode reads the whole ring under the mask (above)."""
+
+    sliding_class = _BlockReadRingLayer
 
 
 FAULTY = [
