@@ -1,7 +1,8 @@
-"""The speculative family: transformers' own candidate generators (prompt lookup, a draft model) with the subject
-as the target's cache give the uncached greedy tokens, and every item records the rollbacks it exercised. Correct
-caches of other designs pass (a paged cache of kvconform's; transformers' StaticCache and DynamicCache); the faulty
-one (a chunk staged apart and left out of the rollback) is pinned in tests/caches/test_faulty_caches.py."""
+"""The speculative family: transformers' own candidate generators (prompt lookup, a draft model, DFlash) with the
+subject as the target's cache give the uncached greedy tokens, and every item records the rollbacks it exercised.
+Correct caches of other designs pass (a paged cache of kvconform's; transformers' StaticCache and DynamicCache); the
+faulty ones (a chunk staged apart and left out of the rollback; a decode tail left out of the draft's rollback) are
+pinned in tests/caches/test_faulty_caches.py."""
 
 import json
 
@@ -24,9 +25,12 @@ def test_correct_caches_of_other_designs_pass_with_rollbacks_measured(run_kvconf
                            "-n", "0")
     records = json.loads((pytester.path / "r.json").read_text())["results"]
     ran = [r for r in records if r["outcome"] != "skipped"]
-    # 3 cases (prompt lookup, assisted, assisted with the subject as the draft's cache) x 2 models x 2 subjects
-    assert {r["subject"] for r in ran} == {"PagedCache", "StaticCache"} and len(ran) == 12, ran
+    # 3 cases (prompt lookup, assisted, assisted with the subject as the draft's cache) x 2 models x 2 subjects,
+    # and DFlash (transformers >= 5.25) on llama x 2 subjects
+    dflash = 2 if compat.transformers_version().release >= (5, 25) else 0
+    assert {r["subject"] for r in ran} == {"PagedCache", "StaticCache"} and len(ran) == 12 + dflash, ran
     assert sum(r["metrics"].get("role") == "draft_cache" for r in ran) == 4
+    assert sum(r["metrics"].get("mode") == "dflash" for r in ran) == dflash
     assert all(r["outcome"] == "passed" for r in ran), [(r["nodeid"], r["message"]) for r in ran]
     for r in ran:  # each item says what it exercised: crops, rollbacks and the tokens they removed
         m = r["metrics"]
