@@ -25,8 +25,9 @@ Greedy speculative decoding must produce exactly the tokens of greedy decoding w
 (``generate(use_cache=False)`` at the case dtype; the float64 oracle's greedy is named when they differ). Every
 ``crop`` the generator makes is counted (``metrics["crops"]``), and those that remove tokens are rollbacks
 (``metrics["rollbacks"]``, with ``tokens_rolled_back``, also in the item's ``Measured``): an item whose run never
-rolled back measured nothing and fails as blind (``Measured.blind``), rather than passing. Batch 1: transformers'
-candidate generators decode one row.
+rolled back measured nothing and fails as blind (``Measured.blind``), rather than passing. Batch 1: every
+candidate generator runs in generate()'s ``_assisted_decoding``, which raises ``ValueError("assisted generate is
+only supported for batch_size = 1")`` at batch > 1 (5.5.4 and 5.25.0; pinned by tests/semantics/test_speculative.py).
 """
 
 from __future__ import annotations

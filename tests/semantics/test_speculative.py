@@ -69,3 +69,19 @@ def test_mtp_path_with_the_subject_as_the_models_cache_or_the_mtp_layers_cache(r
     for r in ran.values():
         assert r["metrics"]["measured"]["rollbacks"] >= 1, r["metrics"]
     assert result.ret == 0
+
+
+def test_transformers_refuses_speculative_decoding_above_batch_1():
+    # why the family's cases are batch 1: every candidate generator (prompt lookup, a draft, DFlash, MTP) runs in
+    # generate()'s _assisted_decoding, which raises at batch > 1 (5.5.4 and 5.25.0 measured). When this fails,
+    # transformers decodes several rows speculatively: give the family batch-2 cases.
+    import pytest
+    import torch
+
+    from kvconform import zoo
+
+    model = zoo.build_zoo_model("llama", dtype=torch.float32, device="cpu", seed=0).model
+    prompt = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="only supported for batch_size = 1"):
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                       prompt_lookup_num_tokens=3)
