@@ -19,6 +19,8 @@ families, whose cases crop after decode steps, catch it too)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -83,7 +85,10 @@ class _DecodeTailLayer(DynamicLayer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.tail_keys = self.tail_values = None
+        self.tail_keys: Any = None
+        self.tail_values: Any = None
+        self.keys: Any
+        self.values: Any
 
     def _flush(self):
         if self.tail_keys is not None:
