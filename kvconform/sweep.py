@@ -155,7 +155,9 @@ def _refuses_caches(model, out, ids) -> str:
     with a cache of kvconform's choosing, or ``""``. Two refusals of the model's own code are reasons:
 
     * it takes only its own cache class: the cache it creates by itself is not a plain ``DynamicCache`` and a
-      ``DynamicCache(config=...)`` passed in is refused (MiniMax's ``MiniMaxCache``: "uses cache of its own");
+      ``DynamicCache(config=...)`` passed in is refused (MiniMax's ``MiniMaxCache``: "uses cache of its own") or
+      read for attributes only its own class has (transformers 5.5's OlmoHybrid: an ``AttributeError`` naming
+      ``DynamicCache``; any other crash propagates);
     * its cached forward takes one new token at a time: 2 new tokens into its own warm cache are refused (ProphetNet
       asserts ``decoder_input_ids`` of length 1 once the cache holds tokens), so no prefill-then-chunk, fork or
       multi-turn case can run on it with any cache.
@@ -174,6 +176,12 @@ def _refuses_caches(model, out, ids) -> str:
         except _REFUSALS as exc:
             return (f"takes only its own cache ({type(own).__name__}): its forward refuses a transformers "
                     f"DynamicCache ({_first_line(exc)})")
+        except AttributeError as exc:
+            if "'DynamicCache' object has no attribute" not in str(exc):
+                raise
+            # transformers 5.5's OlmoHybrid reads its own cache's conv_states_q off whatever cache it is given
+            return (f"takes only its own cache ({type(own).__name__}): its forward reads attributes a transformers "
+                    f"DynamicCache does not have ({_first_line(exc)})")
     if own is not None:
         try:
             with torch.no_grad():

@@ -9,7 +9,11 @@ runs the real thing, with the subject as the target model's cache:
   (candidates copied from an earlier occurrence of the last n-gram; the prompt repeats one on purpose);
   ``"assisted"``: ``generate(assistant_model=draft)`` with a tiny draft of the same vocabulary: the zoo family built
   from another seed, or the zoo's llama for a model outside the zoo (it disagrees often, so most steps roll back);
-  with ``params.subject_is = "draft_cache"`` the subject is the draft's cache instead;
+  with ``params.subject_is = "draft_cache"`` the subject is the draft's cache instead; ``"dflash"``:
+  ``generate(speculation_type="dflash", assistant_model=drafter)`` (transformers >= 5.25) with a tiny seeded
+  ``MuseGlimmerAssistantModel`` that drafts a block of candidates from the target's hidden states in one forward
+  (``_dflash_drafter``); the generator builds the drafter's ``DFlashCache`` itself, so the subject is the target's
+  cache there;
 * ``check_speculative_mtp``: ``generate(use_mtp=True)`` on a model with MTP layers (the zoo's ``glm4_mtp``), the
   subject the model's cache or, for an ``MtpCache``, the MTP layers' cache.
 
@@ -21,8 +25,9 @@ Greedy speculative decoding must produce exactly the tokens of greedy decoding w
 (``generate(use_cache=False)`` at the case dtype; the float64 oracle's greedy is named when they differ). Every
 ``crop`` the generator makes is counted (``metrics["crops"]``), and those that remove tokens are rollbacks
 (``metrics["rollbacks"]``, with ``tokens_rolled_back``, also in the item's ``Measured``): an item whose run never
-rolled back measured nothing and fails as blind (``Measured.blind``), rather than passing. Batch 1: transformers'
-candidate generators decode one row.
+rolled back measured nothing and fails as blind (``Measured.blind``), rather than passing. Batch 1: every
+candidate generator runs in generate()'s ``_assisted_decoding``, which raises ``ValueError("assisted generate is
+only supported for batch_size = 1")`` at batch > 1 (5.5.4 and 5.25.0; pinned by tests/semantics/test_speculative.py).
 """
 
 from __future__ import annotations
@@ -103,8 +108,9 @@ class CropCounter:
 @register("speculative", cost=2.0, needs=("generate", "crop"), ops=IGNORES_OPS, judges=(EXACT,),
           unjudged="{subject} is not exact: speculative decoding's tokens are compared with the exact model's greedy "
                    "tokens, which a lossy or evicting cache need not reproduce",
-          params={"mode": Param(str, required=True, choices=("prompt_lookup", "assisted"),
-                                doc="which candidate generator: prompt lookup, or a draft model"),
+          params={"mode": Param(str, required=True, choices=("prompt_lookup", "assisted", "dflash"),
+                                doc="which candidate generator: prompt lookup, a draft model, or a DFlash drafter "
+                                    "(block diffusion from the target's hidden states, transformers >= 5.25)"),
                   "candidates": Param(int, default=3, min=1, max=16,
                                       doc="prompt_lookup_num_tokens (prompt lookup) / num_assistant_tokens"),
                   "subject_is": Param(str, default="target_cache", choices=("target_cache", "draft_cache"),
@@ -120,9 +126,13 @@ def check_speculative_greedy(ctx):
         return _check_draft_cache(ctx)
     mode, k = case.params.mode, case.params.candidates
     prompt = _prompt(ctx)
-    extra = ({"prompt_lookup_num_tokens": k} if mode == "prompt_lookup"
-             else {"assistant_model": _draft(ctx), "num_assistant_tokens": k,
-                   "num_assistant_tokens_schedule": "constant"})
+    if mode == "prompt_lookup":
+        extra: dict = {"prompt_lookup_num_tokens": k}
+    elif mode == "dflash":
+        extra = {"assistant_model": _dflash_drafter(ctx, k), "speculation_type": "dflash"}
+    else:
+        extra = {"assistant_model": _draft(ctx), "num_assistant_tokens": k,
+                 "num_assistant_tokens_schedule": "constant"}
     cache = ctx.new_cache()
     if getattr(cache, "is_croppable", True) is False:  # transformers' generators refuse it up front, as they must
         raise CheckSkipped(f"{ctx.subject.name} reports is_croppable = False on {ctx.model.name} (a cache that cannot "
@@ -130,8 +140,9 @@ def check_speculative_greedy(ctx):
                            f"decoding with it (ValueError), so there is no rollback to judge")
     counter = CropCounter(cache)
     ops = (f"generate(prompt {prompt.shape[1]}, greedy, max_new_tokens={case.max_new_tokens}, "
-           + (f"prompt_lookup_num_tokens={k})" if mode == "prompt_lookup" else f"assistant_model=draft, {k} "
-              f"candidates a step)"))
+           + {"prompt_lookup": f"prompt_lookup_num_tokens={k})",
+              "dflash": f"speculation_type='dflash', assistant_model=DFlash drafter, block_size={k})"}.get(
+               mode, f"assistant_model=draft, {k} candidates a step)"))
     try:
         seq, _, _ = generate(ctx.model, prompt, case.max_new_tokens,
                              compat.generate_cache_kwargs(cache, ctx.model.model), **extra)
@@ -146,6 +157,47 @@ def check_speculative_greedy(ctx):
     _judge(ctx, seq, prompt, counter, ops, mode)
 
 
+def _dflash_drafter(ctx, block_size: int):
+    """The DFlash drafter of the item (``DFlashTokenCandidateGenerator``'s assistant): transformers'
+    ``MuseGlimmerAssistantModel`` with one layer, the target's hidden size and head layout, reading the target's
+    hidden states after its first and last layers (``target_layer_ids``), drafting ``block_size`` tokens (the first
+    the target's last token, so ``block_size - 1`` candidates) a step, weights from seed ``DRAFT_SEED``; built once per
+    process, model and dtype. It has no LM head of its own: the generator reads its candidates through the target's
+    output embeddings, so any vocabulary works.
+
+    Raises:
+        CheckSkipped: the installed transformers has no DFlash drafter (before 5.25), or the target is not a
+            decoder whose layers and head sizes the drafter can take.
+    """
+    import torch
+
+    try:
+        from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+    except ImportError:
+        raise CheckSkipped("the installed transformers has no DFlash drafter (MuseGlimmerAssistantModel and "
+                           "speculation_type='dflash' came in 5.25)") from None
+    target = ctx.model.model
+    tc = target.config.get_text_config(decoder=True)
+    dtype, device = next(target.parameters()).dtype, next(target.parameters()).device
+    heads = int(getattr(tc, "num_attention_heads", 0) or 0)
+    layers = int(getattr(tc, "num_hidden_layers", 0) or 0)
+    if not heads or not layers or target.get_output_embeddings() is None:
+        raise CheckSkipped(f"{ctx.model.name} has no attention heads, layers or output embeddings a DFlash drafter "
+                           f"can read")
+    key = ("dflash", ctx.model.name, str(dtype), block_size)
+    if key not in _DRAFTS:
+        head_dim = int(getattr(tc, "head_dim", 0) or tc.hidden_size // heads)
+        config = MuseGlimmerAssistantConfig(
+            hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_hidden_layers=1,
+            num_attention_heads=heads, num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=head_dim, target_layer_ids=sorted({0, layers - 1}), block_size=block_size,
+            mask_token_id=int(ctx.model.vocab_size) - 1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            sliding_window=4096)
+        torch.manual_seed(DRAFT_SEED)
+        _DRAFTS[key] = MuseGlimmerAssistantModel(config).to(device=device, dtype=dtype).eval()
+    return _DRAFTS[key]
+
+
 def _check_draft_cache(ctx):
     """The subject as the draft model's cache in ``generate(assistant_model=draft)`` (the target's cache a
     ``DynamicCache``). The target verifies every candidate, so the tokens cannot show a wrong draft cache: the
@@ -157,8 +209,11 @@ def _check_draft_cache(ctx):
     from kvconform.reference import ReferenceCache
 
     case = ctx.case
-    if case.params.mode != "assisted":
+    if case.params.mode == "prompt_lookup":
         raise CheckSkipped("prompt lookup has no draft model, so there is no draft's cache to judge")
+    if case.params.mode == "dflash":
+        raise CheckSkipped("transformers' DFlash generator builds its drafter's DFlashCache itself and takes none "
+                           "(5.25), so the subject cannot be handed to it as the drafter's cache")
     if ctx.model.name not in _zoo_names():
         raise CheckSkipped(f"the draft of {ctx.model.name} is the zoo's llama, whose cache the subject would be "
                            f"built for a model it was not built for; the draft-cache role runs on zoo models")

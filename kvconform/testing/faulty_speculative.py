@@ -7,9 +7,19 @@ token and its candidates, then a crop of the rejected ones). Caught by ``check_s
 
 ``FirstLayerCropMtpCache``: an ``MtpCache`` (the MTP layers' cache of ``generate(use_mtp=True)``) whose ``crop``
 rolls back only its first layer. Caught by ``check_speculative_mtp``; it is no model's own cache, so no other family
-runs it, and transformers' ``MtpCache`` and kvconform's reference MtpCache pass the same case."""
+runs it, and transformers' ``MtpCache`` and kvconform's reference MtpCache pass the same case.
+
+``DecodeTailCache``: the mirror image of ``StagedChunkCache``. Single-token decode writes go to a small tail buffer
+(appended there, not to the whole sequence), flushed into the main buffer by the next multi-token update; ``crop``
+trims the main buffer only. As the target's cache of assisted decoding or prompt lookup it is exact: the target's
+crops follow a verification chunk, which flushed the tail. As the draft's cache it fails: the draft writes its
+candidates one token at a time, so its crop after a rejection finds them in the tail, keeps them and cuts accepted
+tokens instead. Caught by ``assisted_draft_cache`` and not by the target-role speculative cases (the crop and batch
+families, whose cases crop after decode steps, catch it too)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -69,6 +79,62 @@ class StagedChunkCache(Cache):
         super().__init__(layers=[_StagedChunkLayer() for _ in types])
 
 
+class _DecodeTailLayer(DynamicLayer):
+    """A dynamic layer that appends single-token writes to a tail buffer, merged into the main buffer at the next
+    multi-token update (a write-combining decode tail)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tail_keys: Any = None
+        self.tail_values: Any = None
+        self.keys: Any
+        self.values: Any
+
+    def _flush(self):
+        if self.tail_keys is not None:
+            self.keys = torch.cat([self.keys, self.tail_keys], dim=-2)
+            self.values = torch.cat([self.values, self.tail_values], dim=-2)
+            self.tail_keys = self.tail_values = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized or key_states.shape[-2] != 1:
+            self._flush()
+            return super().update(key_states, value_states, *args, **kwargs)
+        if self.tail_keys is None:
+            self.tail_keys, self.tail_values = key_states, value_states
+        else:
+            self.tail_keys = torch.cat([self.tail_keys, key_states], dim=-2)
+            self.tail_values = torch.cat([self.tail_values, value_states], dim=-2)
+        return torch.cat([self.keys, self.tail_keys], dim=-2), torch.cat([self.values, self.tail_values], dim=-2)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
+        return (self.keys.shape[-2] if self.is_initialized else 0) + tail
+
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        return self.get_seq_length() + query_length, 0
+
+    def crop(self, argument: int) -> None:
+        removed = tokens_removed_by_crop(argument, self.get_seq_length())
+        if not removed or not self.is_initialized:
+            return
+        # BUG: the rollback trims the main buffer only; the decode tail (where a draft's rejected candidates are)
+        # survives, and accepted tokens are cut from the main buffer instead
+        self.keys, self.values = self.keys[..., :-removed, :], self.values[..., :-removed, :]
+
+    def reset(self) -> None:
+        super().reset()
+        self.tail_keys = self.tail_values = None
+
+
+class DecodeTailCache(Cache):
+    """Every layer a ``_DecodeTailLayer`` (attention models)."""
+
+    def __init__(self, config=None, **kwargs):
+        types, _ = layer_types_and_kwargs(config)
+        super().__init__(layers=[_DecodeTailLayer() for _ in types])
+
+
 FAULTY = [
     FaultyCache(
         name="staged_chunk_rollback", attr="StagedChunkCache", module=__name__, family="speculative",
@@ -82,6 +148,14 @@ FAULTY = [
         message=("check_speculative_mtp failed: FirstLayerCropMtpCache on glm4_mtp",
                  "the MTP layers drafted other tokens with the subject as their cache"),
         cause=r"crop\(-num_mtp_layers\) after a step that accepted no candidate",
+    ),
+    FaultyCache(
+        name="decode_tail_rollback", attr="DecodeTailCache", module=__name__, family="speculative",
+        check="check_speculative_greedy", model="llama", case="assisted_draft_cache",
+        message=("check_speculative_greedy failed: DecodeTailCache on llama",
+                 "the draft proposed other tokens with the subject as its cache"),
+        also_caught_by=("crop", "batch"),
+        cause=r"the draft's crop\(\) after a step whose candidates the target rejected keeps a rejected candidate",
     ),
 ]
 

@@ -1,7 +1,8 @@
-"""The speculative family: transformers' own candidate generators (prompt lookup, a draft model) with the subject
-as the target's cache give the uncached greedy tokens, and every item records the rollbacks it exercised. Correct
-caches of other designs pass (a paged cache of kvconform's; transformers' StaticCache and DynamicCache); the faulty
-one (a chunk staged apart and left out of the rollback) is pinned in tests/caches/test_faulty_caches.py."""
+"""The speculative family: transformers' own candidate generators (prompt lookup, a draft model, DFlash) with the
+subject as the target's cache give the uncached greedy tokens, and every item records the rollbacks it exercised.
+Correct caches of other designs pass (a paged cache of kvconform's; transformers' StaticCache and DynamicCache); the
+faulty ones (a chunk staged apart and left out of the rollback; a decode tail left out of the draft's rollback) are
+pinned in tests/caches/test_faulty_caches.py."""
 
 import json
 
@@ -24,9 +25,12 @@ def test_correct_caches_of_other_designs_pass_with_rollbacks_measured(run_kvconf
                            "-n", "0")
     records = json.loads((pytester.path / "r.json").read_text())["results"]
     ran = [r for r in records if r["outcome"] != "skipped"]
-    # 3 cases (prompt lookup, assisted, assisted with the subject as the draft's cache) x 2 models x 2 subjects
-    assert {r["subject"] for r in ran} == {"PagedCache", "StaticCache"} and len(ran) == 12, ran
+    # 3 cases (prompt lookup, assisted, assisted with the subject as the draft's cache) x 2 models x 2 subjects,
+    # and DFlash (transformers >= 5.25) on llama x 2 subjects
+    dflash = 2 if compat.transformers_version().release >= (5, 25) else 0
+    assert {r["subject"] for r in ran} == {"PagedCache", "StaticCache"} and len(ran) == 12 + dflash, ran
     assert sum(r["metrics"].get("role") == "draft_cache" for r in ran) == 4
+    assert sum(r["metrics"].get("mode") == "dflash" for r in ran) == dflash
     assert all(r["outcome"] == "passed" for r in ran), [(r["nodeid"], r["message"]) for r in ran]
     for r in ran:  # each item says what it exercised: crops, rollbacks and the tokens they removed
         m = r["metrics"]
@@ -65,3 +69,19 @@ def test_mtp_path_with_the_subject_as_the_models_cache_or_the_mtp_layers_cache(r
     for r in ran.values():
         assert r["metrics"]["measured"]["rollbacks"] >= 1, r["metrics"]
     assert result.ret == 0
+
+
+def test_transformers_refuses_speculative_decoding_above_batch_1():
+    # why the family's cases are batch 1: every candidate generator (prompt lookup, a draft, DFlash, MTP) runs in
+    # generate()'s _assisted_decoding, which raises at batch > 1 (5.5.4 and 5.25.0 measured). When this fails,
+    # transformers decodes several rows speculatively: give the family batch-2 cases.
+    import pytest
+    import torch
+
+    from kvconform import zoo
+
+    model = zoo.build_zoo_model("llama", dtype=torch.float32, device="cpu", seed=0).model
+    prompt = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="only supported for batch_size = 1"):
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                       prompt_lookup_num_tokens=3)
