@@ -194,7 +194,7 @@ def _dflash_drafter(ctx, block_size: int):
             mask_token_id=int(ctx.model.vocab_size) - 1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
             sliding_window=4096)
         torch.manual_seed(DRAFT_SEED)
-        _DRAFTS[key] = MuseGlimmerAssistantModel(config).to(device=device, dtype=dtype).eval()
+        _DRAFTS[key] = MuseGlimmerAssistantModel(config).to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # transformers types .to() through a wrapper
     return _DRAFTS[key]
 
 
