@@ -19,6 +19,9 @@ DIGEST_FILE = "digest.json"
 """The digest's file name in a run's folder (``workers.RUNDIR_KEY``)."""
 USAGE_ERROR_FILE = "usage-error.txt"
 """A worker's usage error (exit 4), for the controller to raise, in a run's folder."""
+BUILD_ERROR_FILE = "build-error.txt"
+"""The traceback of an exception a worker raised building its session that is no usage error (a bug in kvconform or
+in what it imports), for the controller to raise as an internal error (exit 3), in a run's folder."""
 
 
 def item_id(nodeid: str) -> str:

@@ -27,7 +27,7 @@ from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SE
                                crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
                                freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
                                starts_workers, write_digest)
-from kvconform.digest import USAGE_ERROR_FILE, write_atomically
+from kvconform.digest import BUILD_ERROR_FILE, USAGE_ERROR_FILE, write_atomically
 
 SHARD_LINE_FILE = "shard-line.txt"
 """In the run folder: the ``--kvconform-shard`` line a worker computed at collection, for the controller to print."""
@@ -108,6 +108,12 @@ def pytest_configure(config):
     except pytest.UsageError as exc:
         if worker_rundir:  # the controller raises it (exit 4) while it waits for the digest
             write_atomically(os.path.join(worker_rundir, USAGE_ERROR_FILE), str(exc))
+        raise
+    except Exception as exc:
+        if worker_rundir:  # the controller raises it (exit 3) while it waits for the digest, instead of waiting on
+            import traceback  # a worker that xdist keeps alive, waiting on the controller
+
+            write_atomically(os.path.join(worker_rundir, BUILD_ERROR_FILE), "".join(traceback.format_exception(exc)))
         raise
     suite_ids = _point_suite_node_ids_at_the_suite(config)
     if not suite_ids and str(SUITE_DIR) not in config.args:

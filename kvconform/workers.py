@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from kvconform.options import CACHE, is_active, opt
-from kvconform.digest import DIGEST_FILE, RunDigest, USAGE_ERROR_FILE, item_id, reproduce_line
+from kvconform.digest import BUILD_ERROR_FILE, DIGEST_FILE, RunDigest, USAGE_ERROR_FILE, item_id, reproduce_line
 from kvconform.outcomes import close_breadcrumbs, open_breadcrumbs, read_breadcrumbs
 
 PROPERTY = "kvconform"
@@ -164,6 +164,11 @@ def write_digest(session, rundir: str) -> None:
 
 DIGEST_POLL_S = 0.02
 
+
+class BuildError(RuntimeError):
+    """A worker's session build raised something other than a usage error (``await_digest``)."""
+
+
 def await_digest(config):
     """xdist controller: the ``RunDigest`` the first worker to build its session writes to the run's folder (~5 s
     after the start, while the controller has nothing else to do: the workers run no item before it returns).
@@ -172,6 +177,8 @@ def await_digest(config):
 
     Raises:
         pytest.UsageError: the usage error a worker found building its session (exit 4, its message).
+        BuildError: another exception a worker raised building its session (pytest's internal error, exit 3, with
+            the worker's traceback).
     """
     import time
 
@@ -180,6 +187,13 @@ def await_digest(config):
         return None
 
     def arrived():
+        try:
+            with open(os.path.join(rundir, BUILD_ERROR_FILE), encoding="utf-8") as fh:
+                raise BuildError(f"kvconform: a worker raised while building the session (a bug in kvconform or in "
+                                 f"what it imports, not in your input; run with -n 0 to see it in one process):\n"
+                                 f"{fh.read()}")
+        except FileNotFoundError:
+            pass
         try:
             with open(os.path.join(rundir, USAGE_ERROR_FILE), encoding="utf-8") as fh:
                 message = fh.read()

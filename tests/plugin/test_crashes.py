@@ -165,3 +165,30 @@ def test_workers_that_die_building_the_session_end_the_run_with_a_usage_error(tm
     assert "every worker process ended while building the session" in proc.stderr, proc.stderr
     assert "gw0: exit status 3" in proc.stderr and "--kvconform-cache dies_on_import.py:NeverBuilt" in proc.stderr
     assert "replacing crashed worker" not in proc.stdout
+
+
+def test_a_worker_raising_while_building_the_session_ends_the_run(tmp_path):
+    """A session build that raises something other than a usage error in the workers (a bug in kvconform or in what
+    it imports: transformers 5.5's architecture survey once did) ends the run as an internal error carrying the
+    worker's traceback. The controller used to wait for the digest for ever while xdist kept the workers waiting on
+    it (seen in a 5.5 architecture sweep under -n 2)."""
+    (tmp_path / "conftest.py").write_text(textwrap.dedent('''
+        import pytest
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_configure(config):
+            if hasattr(config, "workerinput"):
+                import kvconform.session
+
+                def build_session(*args, **kwargs):
+                    raise RuntimeError("planted: the session build raises")
+
+                kvconform.session.build_session = build_session
+    '''))
+    args = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "2",
+            "--kvconform-model", "llama", "-k", "ReferenceCache and decode_explicit_positions"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.INTERNAL_ERROR, out[-3000:]
+    assert "a worker raised while building the session" in out and "planted: the session build raises" in out
