@@ -594,10 +594,13 @@ class ReferenceCache(Cache):
     """
 
     def __init__(self, config=None, **ignored_kwargs):
-        if config is None:
+        layer_types, layer_kwargs = layer_types_and_kwargs(config) if config is not None else ([], [])
+        if not layer_types:
+            # no config, or one whose layer types the installed release reads as none (transformers 5.5 cuts them to
+            # layer_types[:-num_kv_shared_layers], so none when that is 0): a full-attention layer per layer index
+            # the model updates, as DynamicCache does then
             super().__init__(layer_class_to_replicate=ReferenceAttentionLayer)
         else:
-            layer_types, layer_kwargs = layer_types_and_kwargs(config)
             super().__init__(layers=[make_reference_layer(t, kw) for t, kw in zip(layer_types, layer_kwargs)])
 
     @property

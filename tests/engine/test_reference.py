@@ -341,3 +341,18 @@ def test_a_layer_type_the_reference_does_not_model_is_named():
     missing = unmodelled_layer_types(config)
     assert "heavily_compressed_attention" in missing
     assert "kvconform's gap" in reference_gap(config) and "heavily_compressed_attention" in reference_gap(config)
+
+
+def test_a_config_whose_layer_types_read_as_none_gets_layers_as_the_model_updates():
+    """transformers 5.5 reads a config's cache layers as ``layer_types[:-num_kv_shared_layers]``: none at all when
+    that is 0, as in the tiny Gemma 3n of the architecture sweep. DynamicCache then adds a layer per index the model
+    updates, and so must ReferenceCache (it raised IndexError in every item on those models). On releases that read
+    the layers right, it builds them from the config; either way the model runs and equals DynamicCache."""
+    from kvconform.architectures import build_model
+
+    model = build_model("gemma3n_text", dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = model(ids, past_key_values=ReferenceCache(config=model.config), use_cache=True).logits
+        theirs = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
