@@ -179,7 +179,7 @@ class CheckContext:
             from kvconform.scratch import adapter_lines
 
             failed_at = None if self.metrics.get("raised") else self.metrics.get("failed_at")
-            body = adapter_lines(self.check_name, body, failed_at)
+            body = adapter_lines(self.check_name, body, failed_at, bool(self.metrics.get("raised")))
         if self.known_fault:
             short = self.known_fault if len(self.known_fault) <= 220 else self.known_fault[:217] + "..."
             body.append(f"known upstream fault: {short}")

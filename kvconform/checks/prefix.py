@@ -111,6 +111,10 @@ def check_prefix_fork(ctx):
     record_verdict(ctx, verdict, len(steps))
     if not verdict.passed:
         def cause(step, cmp):
+            if "chunk(" in step.label and _fails_without_fork(ctx):
+                return ("a chunk of several tokens into a warm cache is wrong without any copy: the same ops without "
+                        "the fork (prefix, then the suffix on the one cache) fail too — a chunk fault (see the "
+                        "chunked-continuation items), not the fork")
             if step.label.startswith("original"):
                 return "the original no longer holds the prefix after its copies were extended (shared state)"
             copy_len, orig_len = info.get("copy_length"), info.get("original_length")
@@ -123,6 +127,18 @@ def check_prefix_fork(ctx):
                     "conv/recurrent state was not copied)")
 
         fail_verdict(ctx, verdict, cause, ops_text=_fork_ops_text(ctx), driver=run_fork_case)
+
+
+def _fails_without_fork(ctx) -> bool:
+    """Whether the fork case's prefix ops followed by its suffix ops, on one fresh cache and no fork, fail against
+    the oracle too (measured: a fault of those ops, not of the copy). A raise counts as failing."""
+    prefix_ops, suffix_ops = _split_at_fork(ctx.case)
+    runner = Runner(ctx, ctx.new_cache())
+    try:
+        runner.run([*prefix_ops, *suffix_ops], parked=False)
+    except SubjectRaised:
+        return True
+    return not judge(ctx, runner.steps).passed
 
 
 # ------------------------------------------------------------------------------------------------ generate

@@ -12,6 +12,9 @@ adapter. Each is caught by name (``tests/subjects/test_scratch.py``)::
 * ``AliasedFork``: ``fork`` copies the list of per-block dicts, not the dicts: the fork and the original share them.
 * ``StaticSetupOnce``: a preallocated (static) cache whose setup returns early when buffers exist: reused (its own
   ``reset``) for a smaller batch, it keeps the old batch and the forward raises a shape error.
+* ``LengthFromContents``: a static cache that counts the tokens it holds as its nonzero slots (no counter to keep
+  in sync; its crop zeroes the slots it drops): right on every case until the unused slots hold anything else —
+  the poisoned-capacity cases fill them (the worked example's ``poison``) and its next write lands past them.
 * ``SelectIgnoresRows``: a model without a padding mask (``takes_mask = False``) whose ``select`` keeps as many rows
   as asked but the first ones, in their old order ("the beams stay in order"): a reorder or a select then decodes
   the wrong rows' history (only the unpadded batch cases reach such a model).
@@ -177,6 +180,45 @@ class StaticSetupOnce(TinyDecoder):
 
     def tensors(self, cache):
         return {f"{i}.{n}": layer[n] for i, layer in enumerate(cache) for n in ("key", "value") if n in layer}
+
+
+# ------------------------------------------------------------------------------------ length read from contents
+def _filled(layer) -> int:
+    """The slots of a static buffer that hold a token, counted as its nonzero key rows (row 0, head 0)."""
+    return int((layer["key"][0, 0].abs().sum(-1) != 0).sum()) if "key" in layer else 0
+
+
+class _CountingStaticModel(TinyDecoderModel):
+    def store(self, layer_cache, k, v, start):
+        if "capacity" not in layer_cache:
+            return super().store(layer_cache, k, v, start)
+        b, h, t, d = k.shape
+        if "key" not in layer_cache:
+            layer_cache["key"] = k.new_zeros(b, h, layer_cache["capacity"], d)
+            layer_cache["value"] = v.new_zeros(b, h, layer_cache["capacity"], d)
+        held = _filled(layer_cache)  # BUG: "no counter to keep in sync": the tokens held are the nonzero slots
+        layer_cache["key"][:, :, held:held + t] = k
+        layer_cache["value"][:, :, held:held + t] = v
+        n = held + t
+        return layer_cache["key"][:, :, :n], layer_cache["value"][:, :, :n], torch.arange(n)
+
+
+class LengthFromContents(TinyDecoder):
+    """A static cache that counts the tokens it holds as its nonzero slots (module docstring)."""
+
+    name = "length_from_contents"
+    caches = {"NonzeroStaticCache": {"static": True}}
+
+    def build(self, dtype, device, seed: int = 0):
+        return _rebuild(super().build(dtype, device, seed), _CountingStaticModel)
+
+    def crop(self, cache, n):
+        for layer in cache:  # zero the dropped slots, so the count stays right
+            held = _filled(layer)
+            for name in ("key", "value"):
+                if name in layer:
+                    layer[name][:, :, max(held - n, 0):held] = 0
+        return cache
 
 
 # ------------------------------------------------------------------------------------------ select ignores rows
