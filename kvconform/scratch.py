@@ -841,9 +841,36 @@ def not_applicable(check, case, spec: str | None = None) -> str | None:
                 + (f"its unpadded twin {twin} runs instead" if twin else "this case checks left-padded rows "
                    "themselves and has no unpadded twin")
                 + "; a forward taking mask [B, start + T], 1 real / 0 left pad, runs this one too)")
+    if spec is not None and case.dtype in ("bfloat16", "float16") and (problem := dtype_problem(spec, case.dtype)):
+        return problem
     if case.position_ids == "explicit":
         return ("not for a model outside transformers: its positions come from the start offset the adapter is "
                 "given, not from position_ids (nothing for the adapter to add: the implicit-positions twin runs)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_problem(spec: str, dtype: str) -> str | None:
+    """Why the adapter's model cannot run at ``dtype`` (``"bfloat16"`` / ``"float16"``) whatever the cache, or None:
+    ``build(dtype, "cpu")`` or its uncached forward of 2 rows × 6 tokens (no cache, no mask) raises or returns
+    NaN/inf. Measured once per model and dtype when the plan is made; the items at that dtype skip with this reason,
+    the model's, instead of failing on every cache."""
+    torch = _torch()
+    adapter = load_adapter(spec)
+    what = type(adapter).__name__
+    try:
+        net = adapter.build(dtype=getattr(torch, dtype), device="cpu")
+        ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
+        with torch.no_grad():
+            logits = adapter.forward_uncached(net, ids)
+    except Exception as exc:  # noqa: BLE001 - the model's own failure: the reason
+        return (f"the model fails at {dtype} whatever the cache: its uncached forward (forward_uncached, no cache) "
+                f"at {dtype} raised {type(exc).__name__}: {str(exc)[:200]} — the model's fault, judged on no cache "
+                f"(make every dtype inside {what}'s forward follow the weights', e.g. rotary tables cast to the "
+                f"input's dtype)")
+    if isinstance(logits, torch.Tensor) and logits.is_floating_point() and not bool(torch.isfinite(logits).all()):
+        return (f"the model fails at {dtype} whatever the cache: its uncached forward (forward_uncached, no cache) "
+                f"at {dtype} returns NaN/inf logits — the model's fault, judged on no cache")
     return None
 
 

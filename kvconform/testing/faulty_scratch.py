@@ -15,6 +15,9 @@ adapter. Each is caught by name (``tests/subjects/test_scratch.py``)::
 * ``LengthFromContents``: a static cache that counts the tokens it holds as its nonzero slots (no counter to keep
   in sync; its crop zeroes the slots it drops): right on every case until the unused slots hold anything else —
   the poisoned-capacity cases fill them (the worked example's ``poison``) and its next write lands past them.
+* ``Float32RotaryAtBf16``: rotary tables kept in float32 promote q and k while v stays bfloat16 / float16: every
+  forward at those dtypes raises, the uncached one too — the model's fault, whatever the cache (its low-precision
+  items skip once with that reason; float32 and float64 are exact).
 * ``SelectIgnoresRows``: a model without a padding mask (``takes_mask = False``) whose ``select`` keeps as many rows
   as asked but the first ones, in their old order ("the beams stay in order"): a reorder or a select then decodes
   the wrong rows' history (only the unpadded batch cases reach such a model).
@@ -219,6 +222,24 @@ class LengthFromContents(TinyDecoder):
                 if name in layer:
                     layer[name][:, :, max(held - n, 0):held] = 0
         return cache
+
+
+# ------------------------------------------------------------------------------------------ float32 rotary
+class _Float32RotaryModel(TinyDecoderModel):
+    def attend(self, q, k, v, slots, start, mask):
+        up = torch.promote_types(q.dtype, torch.float32)  # BUG: rotary tables kept in float32 promote q and k
+        return super().attend(q.to(up), k.to(up), v, slots, start, mask)
+
+
+class Float32RotaryAtBf16(TinyDecoder):
+    """A model whose rotary tables promote q and k to float32 while v stays in the weights' dtype (module
+    docstring)."""
+
+    name = "float32_rotary"
+    caches = {"Fp32RotaryDictCache": {}, "Fp32RotaryStaticCache": {"static": True}}
+
+    def build(self, dtype, device, seed: int = 0):
+        return _rebuild(super().build(dtype, device, seed), _Float32RotaryModel)
 
 
 # ------------------------------------------------------------------------------------------ select ignores rows

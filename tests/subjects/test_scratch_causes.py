@@ -157,3 +157,19 @@ def test_the_worked_example_poison_fills_only_the_tail(case):
     _, cache = adapter.forward(net, torch.randint(0, 128, (2, 5)), cache, 0)
     assert adapter.poison(cache, 5, 1e4) == 2 * 7 * 2  # rows × free slots × blocks
     assert bool((cache[0]["key"][:, :, 5:] == 1e4).all()) and not bool((cache[0]["key"][:, :, :5] == 1e4).any())
+
+
+def test_a_model_that_fails_at_a_dtype_whatever_the_cache_is_reported_as_the_models():
+    from kvconform.session import build_session
+
+    spec = f"{FAULTY}:Float32RotaryAtBf16"
+    session = build_session(models=[spec], checks=["check_prefill_then_decode", "check_prefix_fork"],
+                            runs_items=False)
+    items = list(session.items())
+    low = [i for i in items if i.case.dtype in ("bfloat16", "float16")]
+    assert low and all(i.skip and i.skip.startswith("the model fails at") for i in low), [i.skip for i in low]
+    assert {i.subject.name for i in low} == {"Fp32RotaryDictCache", "Fp32RotaryStaticCache"}
+    assert "forward_uncached" in low[0].skip and "RuntimeError" in low[0].skip, low[0].skip
+    # float32 items are judged as usual, and the correct example runs its low-precision items
+    assert any(i.skip is None for i in items if i.case.dtype == "float32")
+    assert scratch.dtype_problem(f"{EXAMPLE}:TinyMasklessDecoder", "bfloat16") is None
