@@ -813,8 +813,6 @@ NOT_APPLICABLE = {
     "check_encoder_decoder_subcaches": "transformers' EncoderDecoderCache",
     "check_offloaded_matches": "transformers' offloaded caches",
     "check_cache_implementation": "transformers' generate(cache_implementation=...)",
-    "check_length_bookkeeping": "transformers' get_mask_sizes and per-layer update() bookkeeping (a from-scratch "
-                                "model builds its own masks)",
     "check_speed_compiled_static": "the compiled StaticCache is timed against transformers' DynamicCache eager on "
                                    "the same model, a cache a from-scratch model does not take",
     "speculative": "transformers' candidate generators (prompt lookup, a draft model) run inside transformers' "
@@ -841,6 +839,12 @@ def not_applicable(check, case, spec: str | None = None) -> str | None:
                 + (f"its unpadded twin {twin} runs instead" if twin else "this case checks left-padded rows "
                    "themselves and has no unpadded twin")
                 + "; a forward taking mask [B, start + T], 1 real / 0 left pad, runs this one too)")
+    if check.name == "check_length_bookkeeping" and spec is not None \
+            and not callable(getattr(load_adapter(spec), "seq_length", None)):
+        return ("the model adapter defines no seq_length(cache): kvconform would compare its own count of tokens "
+                "fed with itself — define seq_length(cache) (the tokens your cache says it holds) to have it checked "
+                "after every op, with capacity(cache) stable over the cache's life (transformers' get_mask_sizes / "
+                "update() bookkeeping has no counterpart in an adapter)")
     if spec is not None and case.dtype in ("bfloat16", "float16") and (problem := dtype_problem(spec, case.dtype)):
         return problem
     if case.position_ids == "explicit":
@@ -898,6 +902,10 @@ _CROP, _RESET = ("crop",), ("reset",)
 
 _CAUSES = (
     # (check name, or "*"; words of the op label the step failed or raised at; cause in the model's terms)
+    ("check_length_bookkeeping", _ANY,
+     "your seq_length(cache) does not count the tokens the cache holds after that op: a counter your forward, crop, "
+     "select or reset forgets to update (kvconform passes positions as start, so the logits stay right; code that "
+     "reads your count — your own generation loop — continues at the wrong position)"),
     ("check_poisoned_capacity", _ANY,
      "your model reads slots your poison(cache, start, value) filled — slots the cache holds no token in: it attends "
      "a buffer past the start tokens it holds, or derives how many tokens it holds (where it writes next) from the "

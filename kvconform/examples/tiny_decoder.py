@@ -270,6 +270,10 @@ class TinyMasklessDecoder(TinyDecoder):
     takes_mask = False
     caches = {"TinyMasklessCache": {}}
 
+    def seq_length(self, cache) -> int:
+        """The tokens per row the cache holds: the length of its first block's keys (0 before the first forward)."""
+        return int(cache[0]["key"].shape[2]) if cache and "key" in cache[0] else 0
+
     def forward(self, model, ids, cache, start: int, mask=None):
         """Cached forward of ``ids`` ``[B, T]`` at offsets ``start ..`` (``mask`` is never given)."""
         return model(ids, cache, start), cache

@@ -15,6 +15,8 @@ adapter. Each is caught by name (``tests/subjects/test_scratch.py``)::
 * ``LengthFromContents``: a static cache that counts the tokens it holds as its nonzero slots (no counter to keep
   in sync; its crop zeroes the slots it drops): right on every case until the unused slots hold anything else —
   the poisoned-capacity cases fill them (the worked example's ``poison``) and its next write lands past them.
+* ``LengthCounterNotRewound``: a maskless model whose cache counts its tokens in a counter (``seq_length``) that its
+  ``crop`` forgets to rewind: the logits stay right (kvconform passes ``start``), the count is wrong after a crop.
 * ``Float32RotaryAtBf16``: rotary tables kept in float32 promote q and k while v stays bfloat16 / float16: every
   forward at those dtypes raises, the uncached one too — the model's fault, whatever the cache (its low-precision
   items skip once with that reason; float32 and float64 are exact).
@@ -222,6 +224,39 @@ class LengthFromContents(TinyDecoder):
                 if name in layer:
                     layer[name][:, :, max(held - n, 0):held] = 0
         return cache
+
+
+# ------------------------------------------------------------------------------------------ length counter
+class LengthCounterNotRewound(TinyMasklessDecoder):
+    """A cache that counts its tokens in a counter its ``crop`` forgets (module docstring)."""
+
+    name = "counter_not_rewound"
+    caches = {"CountedCache": {}}
+
+    def new_cache(self, model, batch_size, max_len):
+        return {"blocks": [{} for _ in model.blocks], "n": 0}
+
+    def forward(self, model, ids, cache, start, mask=None):
+        logits = model(ids, cache["blocks"], start, None)
+        cache["n"] += ids.shape[1]
+        return logits, cache
+
+    def crop(self, cache, n):
+        super().crop(cache["blocks"], n)  # BUG: cache["n"] is not rewound
+        return cache
+
+    def select(self, cache, rows):
+        super().select(cache["blocks"], rows)
+        return cache
+
+    def seq_length(self, cache):
+        return cache["n"]
+
+    def capacity(self, cache):
+        return -1  # it grows
+
+    def poison(self, cache, start, value):
+        return 0  # no unused slot
 
 
 # ------------------------------------------------------------------------------------------ float32 rotary

@@ -173,3 +173,16 @@ def test_a_model_that_fails_at_a_dtype_whatever_the_cache_is_reported_as_the_mod
     # float32 items are judged as usual, and the correct example runs its low-precision items
     assert any(i.skip is None for i in items if i.case.dtype == "float32")
     assert scratch.dtype_problem(f"{EXAMPLE}:TinyMasklessDecoder", "bfloat16") is None
+
+
+def test_length_bookkeeping_runs_on_an_adapter_that_reports_its_length():
+    from kvconform.api import check_cache
+
+    good = check_cache([], models=[f"{EXAMPLE}:TinyMasklessDecoder"], checks=["check_length_bookkeeping"])
+    assert [r.outcome for r in good] == ["passed"], [(r.outcome, r.message) for r in good]
+    (bad,) = check_cache([], models=[f"{FAULTY}:LengthCounterNotRewound"], checks=["check_length_bookkeeping"])
+    assert bad.outcome == "failed", bad
+    assert "seq_length(cache) = 11, but the cache should hold 9 tokens" in bad.message, bad.message
+    assert "get_mask_sizes" not in bad.message and "get_seq_length" not in bad.message, bad.message
+    (none,) = check_cache([], models=[f"{EXAMPLE}:TinyDecoder"], checks=["check_length_bookkeeping"])
+    assert none.outcome == "skipped" and "defines no seq_length(cache)" in none.message, none
