@@ -186,3 +186,12 @@ def test_length_bookkeeping_runs_on_an_adapter_that_reports_its_length():
     assert "get_mask_sizes" not in bad.message and "get_seq_length" not in bad.message, bad.message
     (none,) = check_cache([], models=[f"{EXAMPLE}:TinyDecoder"], checks=["check_length_bookkeeping"])
     assert none.outcome == "skipped" and "defines no seq_length(cache)" in none.message, none
+
+
+def test_the_header_lists_only_the_subjects_that_run_on_the_models_of_the_run():
+    from kvconform.session import build_session
+
+    session = build_session(models=[f"{EXAMPLE}:TinyMasklessDecoder"], runs_items=False)
+    (line,) = [x for x in session.header_lines() if x.startswith("kvconform subjects:")]
+    assert line.startswith("kvconform subjects: TinyMasklessCache (") and "DynamicCache" not in line, line
+    assert "other subjects run on none of these models" in line, line
