@@ -195,3 +195,10 @@ def test_the_header_lists_only_the_subjects_that_run_on_the_models_of_the_run():
     (line,) = [x for x in session.header_lines() if x.startswith("kvconform subjects:")]
     assert line.startswith("kvconform subjects: TinyMasklessCache (") and "DynamicCache" not in line, line
     assert "other subjects run on none of these models" in line, line
+
+
+def test_the_reproduce_line_selects_with_the_fewest_words():
+    from kvconform.api import check_cache
+
+    (bad,) = check_cache([], models=[f"{FAULTY}:LengthCounterNotRewound"], checks=["check_length_bookkeeping"])
+    assert '-k "length_bookkeeping and CountedCache"' in bad.message, bad.message
