@@ -488,10 +488,22 @@ def _load_case(path: str, index: int, raw: dict, defaults: dict, known_checks) -
         if required not in raw:
             _fail(path, case_id, required, "missing (required)")
     merged = {**defaults, **raw}
+    problems: list[str] = []  # every key's problem and every malformed op of the case, at once
     for key, value in merged.items():
-        _validate(path, case_id, key, value, known_checks)
+        try:
+            _validate(path, case_id, key, value, known_checks)
+        except CaseFileError as exc:
+            problems.append(str(exc))
+    ops = []
+    for op in merged.get("ops", ()) if isinstance(merged.get("ops", ()), list) else ():
+        try:
+            ops.append(_parse_op(path, case_id, op))
+        except CaseFileError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise CaseFileError("\n  ".join(problems))
     _validate_scope(path, case_id, merged)
-    merged["ops"] = tuple(_parse_op(path, case_id, op) for op in merged.get("ops", ()))
+    merged["ops"] = tuple(ops)
     merged["models"] = tuple(_model_entry(path, case_id, m) for m in merged.get("models", ()))
     merged["requires"] = tuple(merged.get("requires", ()))
     if "models_full" in merged:

@@ -57,20 +57,24 @@ class OpsTrail:
         at: the label of the step it failed or raised at (``"chunk(3)"``, ``"decode 1 after crop"``), or None.
         verb: ``"failed"``, ``"raised"`` or ``"at"`` (rendered ``[failed at X]``, ``[raised at X]``, ``[at X]``).
         note: what follows the trail after ``"; "`` (how positions were given), or None.
+        op_index: the index in ``ops`` of the op it failed or raised in (``"decode 1"`` names a step of one of
+            several decode ops), or None where not measured.
     """
 
     ops: tuple = ()
     at: str | None = None
     verb: str = "failed"
     note: str | None = None
+    op_index: int | None = None
 
     @classmethod
     def of_case(cls, case, at: str | None = None, verb: str = "failed", note: str | None = None,
-                text: str | None = None) -> OpsTrail:
+                text: str | None = None, op_index: int | None = None) -> OpsTrail:
         """The trail of ``case`` (a ``Case``: its ``ops``); ``text``, when given, replaces the case's ops label
-        (a check that ran other ops than the case lists) and is kept as one untyped entry."""
+        (a check that ran other ops than the case lists) and is kept as one untyped entry (``op_index`` then
+        dropped: it indexes the case's ops)."""
         ops = ((None, text),) if text else tuple((op.name, op.label) for op in case.ops)
-        return cls(ops, at, verb, note)
+        return cls(ops, at, verb, note, None if text else op_index)
 
     @property
     def label(self) -> str:

@@ -207,6 +207,17 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
     return subject.applies_to is None or subject.applies_to(model) is None
 
 
+def serves(subject, model: ModelInfo) -> bool:
+    """Whether ``subject`` has items on ``model`` at all, whatever the case (``in_scope``'s subject rules): a
+    from-scratch model's own caches only on it, and only they; the subject's ``applies_to``."""
+    from kvconform import scratch
+
+    adapter = model.spec if scratch.is_scratch_spec(model.spec) else None
+    if (getattr(subject, "adapter_spec", None) or None) != adapter:
+        return False
+    return subject.applies_to is None or subject.applies_to(model) is None
+
+
 _ZOO_FEATURES: dict = MEMO.table("plan.zoo_features")
 
 

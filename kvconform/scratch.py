@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import re
 import weakref
@@ -540,6 +541,16 @@ def scratch_cache_class():
 
         get_max_cache_shape = get_max_length
 
+        @property
+        def kvconform_poison(self):
+            """The poisoned-capacity hook (``checks/poison.py``) when the adapter defines ``poison(cache, start,
+            value) -> int`` (fill every slot the cache holds no token in, past the ``start`` tokens it holds, with
+            ``value``; return how many token slots, rows × blocks, it filled), else None (no hook)."""
+            own = getattr(self.adapter, "poison", None)
+            if not callable(own):
+                return None
+            return lambda value: own(self.state, self.held, value)
+
         def crop(self, max_length: int):
             from kvconform.compat import crop_tokens_to_remove
 
@@ -809,8 +820,6 @@ NOT_APPLICABLE = {
     "check_encoder_decoder_subcaches": "transformers' EncoderDecoderCache",
     "check_offloaded_matches": "transformers' offloaded caches",
     "check_cache_implementation": "transformers' generate(cache_implementation=...)",
-    "check_length_bookkeeping": "transformers' get_mask_sizes and per-layer update() bookkeeping (a from-scratch "
-                                "model builds its own masks)",
     "check_speed_compiled_static": "the compiled StaticCache is timed against transformers' DynamicCache eager on "
                                    "the same model, a cache a from-scratch model does not take",
     "speculative": "transformers' candidate generators (prompt lookup, a draft model) run inside transformers' "
@@ -832,13 +841,62 @@ def not_applicable(check, case, spec: str | None = None) -> str | None:
     if reason:
         return f"not for a model outside transformers: {reason}"
     if case.params.get("padding") and spec is not None and not takes_mask(load_adapter(spec)):
-        return ("the model adapter declares takes_mask = False: its forward takes no padding mask (the case's "
-                "unpadded twin runs instead; a forward taking mask [B, start + T], 1 real / 0 left pad, runs this "
-                "one too)")
+        twin = unpadded_twin(case.id)
+        return ("the model adapter declares takes_mask = False: its forward takes no padding mask ("
+                + (f"its unpadded twin {twin} runs instead" if twin else "this case checks left-padded rows "
+                   "themselves and has no unpadded twin")
+                + "; a forward taking mask [B, start + T], 1 real / 0 left pad, runs this one too)")
+    if check.name == "check_length_bookkeeping" and spec is not None \
+            and not callable(getattr(load_adapter(spec), "seq_length", None)):
+        return ("the model adapter defines no seq_length(cache): kvconform would compare its own count of tokens "
+                "fed with itself — define seq_length(cache) (the tokens your cache says it holds) to have it checked "
+                "after every op, with capacity(cache) stable over the cache's life (transformers' get_mask_sizes / "
+                "update() bookkeeping has no counterpart in an adapter)")
+    if spec is not None and case.dtype in ("bfloat16", "float16") and (problem := dtype_problem(spec, case.dtype)):
+        return problem
     if case.position_ids == "explicit":
         return ("not for a model outside transformers: its positions come from the start offset the adapter is "
                 "given, not from position_ids (nothing for the adapter to add: the implicit-positions twin runs)")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_problem(spec: str, dtype: str) -> str | None:
+    """Why the adapter's model cannot run at ``dtype`` (``"bfloat16"`` / ``"float16"``) whatever the cache, or None:
+    ``build(dtype, "cpu")`` or its uncached forward of 2 rows × 6 tokens (no cache, no mask) raises or returns
+    NaN/inf. Measured once per model and dtype when the plan is made; the items at that dtype skip with this reason,
+    the model's, instead of failing on every cache."""
+    torch = _torch()
+    adapter = load_adapter(spec)
+    what = type(adapter).__name__
+    try:
+        net = adapter.build(dtype=getattr(torch, dtype), device="cpu")
+        ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
+        with torch.no_grad():
+            logits = adapter.forward_uncached(net, ids)
+    except Exception as exc:  # noqa: BLE001 - the model's own failure: the reason
+        return (f"the model fails at {dtype} whatever the cache: its uncached forward (forward_uncached, no cache) "
+                f"at {dtype} raised {type(exc).__name__}: {str(exc)[:200]} — the model's fault, judged on no cache "
+                f"(make every dtype inside {what}'s forward follow the weights', e.g. rotary tables cast to the "
+                f"input's dtype)")
+    if isinstance(logits, torch.Tensor) and logits.is_floating_point() and not bool(torch.isfinite(logits).all()):
+        return (f"the model fails at {dtype} whatever the cache: its uncached forward (forward_uncached, no cache) "
+                f"at {dtype} returns NaN/inf logits — the model's fault, judged on no cache")
+    return None
+
+
+def unpadded_twin(case_id: str) -> str | None:
+    """The id of the built-in unpadded twin of the left-padded case ``case_id`` (``reorder_padded`` →
+    ``reorder_unpadded``, ``bf16_long_decode`` → ``bf16_long_decode_unpadded``), or None when there is none."""
+    twin = case_id.removesuffix("_padded") + "_unpadded"
+    return twin if twin in _builtin_case_ids() else None
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_case_ids() -> frozenset:
+    from kvconform.cases import load_cases
+
+    return frozenset(case.id for case in load_cases())
 
 
 # ------------------------------------------------------------------------------------------ messages in its terms
@@ -851,11 +909,28 @@ _CROP, _RESET = ("crop",), ("reset",)
 
 _CAUSES = (
     # (check name, or "*"; words of the op label the step failed or raised at; cause in the model's terms)
+    ("check_length_bookkeeping", _ANY,
+     "your seq_length(cache) does not count the tokens the cache holds after that op: a counter your forward, crop, "
+     "select or reset forgets to update (kvconform passes positions as start, so the logits stay right; code that "
+     "reads your count — your own generation loop — continues at the wrong position)"),
+    ("check_poisoned_capacity", _ANY,
+     "your model reads slots your poison(cache, start, value) filled — slots the cache holds no token in: it attends "
+     "a buffer past the start tokens it holds, or derives how many tokens it holds (where it writes next) from the "
+     "buffer's contents (nonzero slots) rather than from start or a counter"),
     ("*", ("chunk(",),
      "your cached forward, given T > 1 new tokens while the cache already holds some (start > 0), attends them "
      "wrongly while single tokens and the prefill are right: look for a causal mask applied only when the queries "
      "are as long as the keys (a warm-cache chunk then attends its own later tokens), or a ring buffer written "
      "before it is read (a chunk that wraps overwrites keys its own earlier queries still need)"),
+    ("check_multi_turn", _ANY,
+     "your cache does not continue the first turn: kvconform fed your forward the turn-1 prompt, then one token per "
+     "step, and feeds the second turn's tokens it does not hold yet (turn 1's last token and the new ones) as one "
+     "chunk at start = the tokens held — a cached forward wrong on several new tokens into a warm cache (see the "
+     "chunk items), or a cache that holds something else than the tokens it was fed"),
+    ("check_prefix_generate", _ANY,
+     "your cache does not continue the prefix: kvconform fed your forward the prefix, then the prompt's tokens past "
+     "it as one chunk at start = the prefix's length, then one token per step — a cached forward wrong on several "
+     "new tokens into a warm cache (see the chunk items), or a cache that lost or changed the prefix"),
     ("check_prefix_fork", _ANY,
      "fork(cache) (default copy.deepcopy) leaves the copy and the original sharing state: a forward on one "
      "changed the other — a list of per-block dicts copied shallowly (list(cache), cache.copy(), dict(layer)) keeps "
@@ -886,6 +961,8 @@ def likely_cause(check_name: str, ops: OpsTrail | None, failed_at: str | None = 
         if check not in ("*", check_name):
             continue
         by_ops = words in (_CROP, _RESET) or (words == _BATCH_WORDS and not at.startswith("prefill"))
+        if by_ops and ops is not None and ops.op_index is not None:  # measured: only the ops before the failing one
+            ran = " → ".join(label for _, label in ops.ops[:ops.op_index])
         if check != "*" or _names(at, words) or (by_ops and _names(ran, words) and at):
             return cause
     return None
@@ -900,21 +977,56 @@ def _names(text: str, words) -> bool:
     return any(w in text for w in words)
 
 
-def adapter_lines(check_name: str, lines: list, failed_at: str | None = None) -> list:
+def adapter_lines(check_name: str, lines: list, failed_at: str | None = None, raised: bool = False) -> list:
     """A failure's body (``Failure.body``: strings, an ``OpsTrail``, a ``Cause``) for an item of a from-scratch
     model: the likely cause said in the adapter's terms (``likely_cause``; the generic reading kept after it, the
     cause's id and facts kept), positions described as the start offset it is given (the trail's note).
-    ``failed_at``: the step label a failure without an ops trail failed at (a fuzz program's), or None."""
+    ``failed_at``: the step label a failure without an ops trail failed at (a fuzz program's), or None; ``raised``:
+    the item failed on an exception (the generic cause then says so)."""
     ops = next((x for x in lines if isinstance(x, OpsTrail)), None)
     cause = likely_cause(check_name, ops, failed_at)
     out: list = []
     for line in lines:
+        if isinstance(line, str) and line.startswith("likely cause: "):  # a check's plain cause line: typed here
+            line = Cause(line.removeprefix("likely cause: "))
         if isinstance(line, OpsTrail) and line.note:
             line = dataclasses.replace(line, note=_POSITIONS)
-        if cause and isinstance(line, Cause):
-            line = line.with_text(f"{cause} (kvconform's reading: {line.text})")
-            cause = None
+        if isinstance(line, Cause):
+            foreign = _foreign(line.text)
+            if cause:
+                line = line.with_text(cause if foreign else f"{cause} (kvconform's reading: {line.text})")
+                cause = None
+            elif foreign:
+                line = line.with_text(_generic_cause(ops, failed_at, raised))
         out.append(line)
     if cause:
         out.append(Cause(cause, "adapter"))
     return out
+
+
+_FOREIGN = ("get_seq_length", "generate()", "generate calls", "update(", "reorder_cache", "batch_repeat_interleave",
+            "batch_select_indices", "repeat_interleave", "__deepcopy__", "get_mask_sizes", "is_croppable",
+            "kvconform_poison", "DynamicCache", "StaticCache", "DynamicLayer", "StaticLayer", "cache_implementation",
+            "get_max_length", "get_max_cache_shape")
+"""Words of kvconform's generic causes that name transformers' cache API (or kvconform's hook for it): a cause that
+holds one is not said to a from-scratch model, whose adapter has none of them."""
+
+
+def _foreign(text: str) -> str | None:
+    """The first word of ``_FOREIGN`` in ``text``, or None."""
+    return next((w for w in _FOREIGN if w in text), None)
+
+
+def _generic_cause(ops: OpsTrail | None, failed_at: str | None, raised: bool = False) -> str:
+    """The cause said to an adapter where no cause in its terms applies and kvconform's names transformers' API:
+    where it failed, and the ops that ran before it (measured: ``OpsTrail.op_index``)."""
+    at = (ops.at if ops is not None else None) or failed_at
+    before = ""
+    if ops is not None and ops.op_index:
+        before = " → ".join(label for _, label in ops.ops[:ops.op_index])
+    if raised or (ops is not None and ops.verb == "raised"):
+        return ("your adapter's code raised" + (f" at {at}" if at else "") + (f", after {before}" if before else "")
+                + " (see the exception and its line): the cache cannot take this call in the state those ops left")
+    return ("your cached forward" + (f" at {at}" if at else "") + " differs from your uncached forward of the same "
+            "tokens" + (f", after {before}" if before else "") + ": the cache held something else than the tokens "
+            "kvconform fed it, or your forward reads them at the wrong positions")

@@ -382,7 +382,7 @@ class KVSession:
         return [
             f"kvconform {env['kvconform']}: transformers {env['transformers']}, torch {env['torch']}, "
             f"device {self.device}, known faults {'fail (strict)' if self.strict else 'xfail'}",
-            f"kvconform subjects: {', '.join(s.name for s in self.subjects)}",
+            self._subjects_line(),
             f"kvconform models: {', '.join(m.name for m in self.models)}; cases: {len(self.cases)}"
             + ("" if self.full else f" (full tier, not run: {sum(c.tier == 'full' for c in self.cases)} cases, "
                                     f"{sum(c.models_full is not None for c in self.cases)} on more models"
@@ -395,6 +395,18 @@ class KVSession:
             *self.notes,
             *self._architecture_lines(),
         ]
+
+    def _subjects_line(self) -> str:
+        """``kvconform subjects: ...``: the subjects that have items on the models of the run (``plan.serves``),
+        and how many others there are (built-in caches that never run on a model written from scratch, a
+        ``QuantizedCache`` on models with other layers than full attention)."""
+        from kvconform.plan import serves
+
+        running = [s.name for s in self.subjects if any(serves(s, m) for m in self.models)]
+        others = len(self.subjects) - len(running)
+        return (f"kvconform subjects: {', '.join(running) or 'none'}"
+                + (f" ({others} other subject{'s run' if others != 1 else ' runs'} on none of these models)"
+                   if others else ""))
 
     def _architecture_lines(self) -> list[str]:
         """Per ``transformers:PATTERN`` spec: how many architectures were built and checked, then one line per

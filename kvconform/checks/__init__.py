@@ -163,7 +163,11 @@ class CheckContext:
     def reproduce(self) -> str:
         name = self.check_name.removeprefix("check_")
         model = self.model.name if self.model.source == "zoo" else self.model.source
-        return reproduce_line(self.subject, model, f"{name} and {self.case.id} and {self.subject.name}",
+        # the fewest words that select the item: a check name inside the case id (case length_bookkeeping of
+        # check_length_bookkeeping) says nothing the case id does not
+        words = [self.case.id, self.subject.name] if name in self.case.id else [name, self.case.id,
+                                                                                  self.subject.name]
+        return reproduce_line(self.subject, model, " and ".join(dict.fromkeys(words)),
                               self.reproduce_args)
 
     def fail(self, lines, metrics=None, measured=None) -> NoReturn:
@@ -179,7 +183,7 @@ class CheckContext:
             from kvconform.scratch import adapter_lines
 
             failed_at = None if self.metrics.get("raised") else self.metrics.get("failed_at")
-            body = adapter_lines(self.check_name, body, failed_at)
+            body = adapter_lines(self.check_name, body, failed_at, bool(self.metrics.get("raised")))
         if self.known_fault:
             short = self.known_fault if len(self.known_fault) <= 220 else self.known_fault[:217] + "..."
             body.append(f"known upstream fault: {short}")

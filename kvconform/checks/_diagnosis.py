@@ -101,7 +101,8 @@ def fail_verdict(ctx, verdict: Verdict, cause_fn, position_mode=None, ops_text=N
                                f"(its compression error, for scale): "
                                f"{own:.1e}",
         f"worst at batch={b} step={step.index} position={position}",
-        OpsTrail.of_case(ctx.case, at=step.label, note=positions_label(ctx), text=ops_text),
+        OpsTrail.of_case(ctx.case, at=step.label, note=positions_label(ctx), text=ops_text,
+                         op_index=getattr(step, "op_index", None)),
         f"measured in the cache at {step.label}: {step.nonfinite}" if getattr(step, "nonfinite", None) else "",
         ref_line,
         _verdict_cause(ctx, verdict, step, cmp, cause_fn, model_at_fault),
@@ -250,7 +251,7 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str | Cause, ops_text=None):
         cause = _count_in_model_dtype(ctx, cause)
     ctx.fail([
         f"the subject raised {describe_raise(exc)}",
-        OpsTrail.of_case(ctx.case, at=exc.where, verb="raised", text=ops_text),
+        OpsTrail.of_case(ctx.case, at=exc.where, verb="raised", text=ops_text, op_index=exc.op_index),
         cause if isinstance(cause, Cause) else Cause(cause),
     ], {"raised": type(exc.cause).__name__, "failed_at": exc.where})
 

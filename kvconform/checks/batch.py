@@ -46,9 +46,36 @@ def _run_batch_case(ctx, names):
         def cause(step, cmp):
             if step.op_index < op_index:
                 return "the batch is wrong before the op: rows or padding are not kept apart (see the logits family)"
+            if spec.name == "repeat" and _copies_share_storage(ctx, op_index):
+                return (f"{method}() left the copies of each row sharing storage (a page, a block or a buffer taken "
+                        f"by reference, without copy-on-write): measured, a decode that feeds every copy of a row "
+                        f"the same token right after it is exact, so the rows were repeated right; the copies go "
+                        f"wrong once they write different tokens into what they share")
             return cause_text
 
         fail_verdict(ctx, verdict, cause)
+
+
+def _copies_share_storage(ctx, op_index: int) -> bool:
+    """Whether the case's ops up to its ``repeat`` (at ``op_index``), then one decode feeding every copy of a row
+    the same token, equal the oracle (measured on a fresh cache): the repeat itself was right, and a failure after
+    it comes from copies that share what they write (a raise or a failure here: False)."""
+    import torch
+
+    from kvconform.checks._drive import SubjectRaised as Raised
+    from kvconform.checks._interpreter import Runner
+
+    ops = ctx.case.ops[:op_index + 1]
+    repeats = int(ops[-1].n or 1)
+    runner = Runner(ctx, ctx.new_cache())
+    try:
+        runner.run(ops, parked=False)
+        groups = runner.batch // max(repeats, 1)
+        tokens = ((torch.arange(groups) * 7 + 3) % ctx.model.vocab_size).repeat_interleave(repeats)[:, None]
+        runner.feed(1, "decode (each row's copies fed one token)", tokens=tokens.to(torch.long))
+    except Raised:
+        return False
+    return bool(judge(ctx, runner.steps).passed)
 
 
 def _raised_cause(ctx, exc, op_index, method) -> str:

@@ -39,18 +39,38 @@ UNJUDGED = {
 """Why a check of this family skips a lossy subject it does not judge: what judges its generate() instead."""
 
 
+def raised_cause(exc: BaseException, cache, caller: str = "generate()") -> str:
+    """The likely cause of ``exc``, raised while ``caller`` ran with ``cache``, from where it was raised (measured
+    on its traceback): inside a method of the cache or of one of its layers (its ``self`` is one of them: "the
+    cache's own update() raised ..."), or elsewhere (the caller reached for something the cache lacks or gave it a
+    state it cannot take)."""
+    owners = {id(cache)} | {id(layer) for layer in (getattr(cache, "layers", None) or ())}
+    tb, inside = exc.__traceback__, None
+    while tb is not None:
+        if id(tb.tb_frame.f_locals.get("self")) in owners:
+            inside = tb  # the innermost frame of the cache's own code
+        tb = tb.tb_next
+    if inside is not None:
+        code = inside.tb_frame.f_code
+        where = f"{code.co_name}() at {code.co_filename.rsplit('/', 1)[-1]}:{inside.tb_lineno}"
+        return (f"the cache's own {where} raised on what {caller} passed it (see the exception): its code fails "
+                f"on this call, not a method {caller} looks for and the cache lacks")
+    return f"the cache lacks something {caller} calls (see the exception)"
+
+
 @register("generate", cost=1.5, needs=("generate",), ops=IGNORES_OPS, judges=(EXACT,), unjudged=UNJUDGED)
 def check_generate_greedy(ctx):
     """Greedy ``generate(cache=subject)`` equals ``generate(use_cache=False)`` token for token; its step logits
     equal the oracle's."""
     model, case = ctx.model, ctx.case
+    cache = ctx.new_cache()
     try:
-        prompt, seq, logits = _generate(ctx, compat.generate_cache_kwargs(ctx.new_cache(), ctx.model.model))
+        prompt, seq, logits = _generate(ctx, compat.generate_cache_kwargs(cache, ctx.model.model))
     except Exception as exc:  # noqa: BLE001
         err = SubjectRaised("generate", exc)
         ctx.fail([f"generate(cache=subject) raised {describe_raise(err)}",
                   f"ops: generate(prompt {case.prompt}, max_new_tokens={case.max_new_tokens})",
-                  "likely cause: the cache lacks something generate() calls (see the exception)"],
+                  "likely cause: " + raised_cause(exc, cache)],
                  {"raised": type(exc).__name__})
     _, ref_seq, _ = _generate(ctx, {"use_cache": False})
     n = case.max_new_tokens
@@ -95,10 +115,11 @@ def check_generate_vs_twin(ctx):
     from kvconform.quant import quality_metrics
 
     case = ctx.case
+    cache = ctx.new_cache()
     try:
-        prompt, seq, logits = _generate_with(ctx, ctx.new_cache())
+        prompt, seq, logits = _generate_with(ctx, cache)
     except Exception as exc:  # noqa: BLE001
-        fail_subject_raised(ctx, SubjectRaised("generate", exc), "the cache lacks something generate() calls")
+        fail_subject_raised(ctx, SubjectRaised("generate", exc), raised_cause(exc, cache))
     _, twin_seq, twin_logits = _generate_with(ctx, ctx.new_cache(twin_spec(ctx)))
     first = prompt.shape[1] - 1
     sl = slice(first, first + case.max_new_tokens)
@@ -192,7 +213,7 @@ def check_generate_self_consistent(ctx):
         message = random_tokens(gen, case.batch, user, ctx.model.vocab_size)
         seq2, logits2, _ = generate(ctx.model, torch.cat([seq1, message], dim=1), n, kwargs)
     except Exception as exc:  # noqa: BLE001
-        fail_subject_raised(ctx, SubjectRaised("generate", exc), "the cache lacks something generate() calls")
+        fail_subject_raised(ctx, SubjectRaised("generate", exc), raised_cause(exc, cache))
     P, L1 = prompt.shape[1], seq1.shape[1]
     turns = [(prompt, seq1[:, P:]), (torch.cat([seq1[:, -1:], message], dim=1), seq2[:, L1 + user:])]
     try:

@@ -142,6 +142,11 @@ def can_poison(cache, value: float, padded: bool = False) -> str | None:
     if any(callable(getattr(layer, HOOK, None)) for layer in layers):
         return None
     name = type(cache).__name__
+    adapter = getattr(target, "adapter", None)
+    if adapter is not None and hasattr(target, "state"):  # a model adapter's cache: say it in its terms
+        return (f"the model adapter {type(adapter).__name__} defines no poison(cache, start, value) method: kvconform "
+                f"cannot reach an adapter's unused slots without it (fill every slot the cache holds no token in, "
+                f"e.g. a preallocated buffer's tail past start, with value; return how many slots, rows × blocks)")
     if not math.isfinite(value):
         return (f"{name} has no {HOOK}(value) hook: NaN goes only where a cache promises never to read "
                 f"(transformers' static layers are read under a mask, where NaN × 0 is NaN); the finite-value "

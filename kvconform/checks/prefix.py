@@ -146,6 +146,10 @@ def check_prefix_fork(ctx):
                 return ("the copy and the original share storage the deep copy did not copy (a pool or a page both "
                         "write): the same ops pass when each runs to its end before the other (measured), and fail "
                         "when they decode in turns, where each reads what the other wrote")
+            if "chunk(" in step.label and _fails_without_fork(ctx):
+                return ("a chunk of several tokens into a warm cache is wrong without any copy: the same ops without "
+                        "the fork (prefix, then the suffix on the one cache) fail too — a chunk fault (see the "
+                        "chunked-continuation items), not the fork")
             if step.label.startswith("original"):
                 return "the original no longer holds the prefix after its copies were extended (shared state)"
             copy_len, orig_len = info.get("copy_length"), info.get("original_length")
@@ -171,6 +175,18 @@ def _passes_one_after_the_other(ctx) -> bool:
         return judge(ctx, one_after_the_other(ctx, ctx.new_cache()), driver=one_after_the_other).passed
     except SubjectRaised:
         return False
+
+
+def _fails_without_fork(ctx) -> bool:
+    """Whether the fork case's prefix ops followed by its suffix ops, on one fresh cache and no fork, fail against
+    the oracle too (measured: a fault of those ops, not of the copy). A raise counts as failing."""
+    prefix_ops, suffix_ops = _split_at_fork(ctx.case)
+    runner = Runner(ctx, ctx.new_cache())
+    try:
+        runner.run([*prefix_ops, *suffix_ops], parked=False)
+    except SubjectRaised:
+        return True
+    return not judge(ctx, runner.steps).passed
 
 
 # ------------------------------------------------------------------------------------------------ generate

@@ -224,6 +224,18 @@ class TinyDecoder:
         prefill (the eager ``forward``) allocated them."""
         return model.decode(ids, cache, pos), cache
 
+    def poison(self, cache, start: int, value: float) -> int:
+        """Fill every slot the cache holds no token in (a static buffer's tail past the ``start`` tokens it holds)
+        with ``value``; returns how many token slots (rows × blocks) it filled. Only kvconform's poisoned-capacity
+        cases call it: a promise that those slots are never read (a growing dict cache has none: 0)."""
+        filled = 0
+        for layer in cache:
+            if "capacity" in layer and "key" in layer:
+                layer["key"][:, :, start:] = value
+                layer["value"][:, :, start:] = value
+                filled += layer["key"].shape[0] * max(layer["key"].shape[2] - start, 0)
+        return filled
+
     def capacity(self, cache) -> int:
         """The most tokens per row the cache holds: a static cache's ``max_len``, else -1 (it grows)."""
         return int(cache[0].get("capacity", -1)) if cache else -1
@@ -257,6 +269,10 @@ class TinyMasklessDecoder(TinyDecoder):
     name = "tiny_maskless_decoder"
     takes_mask = False
     caches = {"TinyMasklessCache": {}}
+
+    def seq_length(self, cache) -> int:
+        """The tokens per row the cache holds: the length of its first block's keys (0 before the first forward)."""
+        return int(cache[0]["key"].shape[2]) if cache and "key" in cache[0] else 0
 
     def forward(self, model, ids, cache, start: int, mask=None):
         """Cached forward of ``ids`` ``[B, T]`` at offsets ``start ..`` (``mask`` is never given)."""

@@ -12,6 +12,14 @@ adapter. Each is caught by name (``tests/subjects/test_scratch.py``)::
 * ``AliasedFork``: ``fork`` copies the list of per-block dicts, not the dicts: the fork and the original share them.
 * ``StaticSetupOnce``: a preallocated (static) cache whose setup returns early when buffers exist: reused (its own
   ``reset``) for a smaller batch, it keeps the old batch and the forward raises a shape error.
+* ``LengthFromContents``: a static cache that counts the tokens it holds as its nonzero slots (no counter to keep
+  in sync; its crop zeroes the slots it drops): right on every case until the unused slots hold anything else —
+  the poisoned-capacity cases fill them (the worked example's ``poison``) and its next write lands past them.
+* ``LengthCounterNotRewound``: a maskless model whose cache counts its tokens in a counter (``seq_length``) that its
+  ``crop`` forgets to rewind: the logits stay right (kvconform passes ``start``), the count is wrong after a crop.
+* ``Float32RotaryAtBf16``: rotary tables kept in float32 promote q and k while v stays bfloat16 / float16: every
+  forward at those dtypes raises, the uncached one too — the model's fault, whatever the cache (its low-precision
+  items skip once with that reason; float32 and float64 are exact).
 * ``SelectIgnoresRows``: a model without a padding mask (``takes_mask = False``) whose ``select`` keeps as many rows
   as asked but the first ones, in their old order ("the beams stay in order"): a reorder or a select then decodes
   the wrong rows' history (only the unpadded batch cases reach such a model).
@@ -177,6 +185,96 @@ class StaticSetupOnce(TinyDecoder):
 
     def tensors(self, cache):
         return {f"{i}.{n}": layer[n] for i, layer in enumerate(cache) for n in ("key", "value") if n in layer}
+
+
+# ------------------------------------------------------------------------------------ length read from contents
+def _filled(layer) -> int:
+    """The slots of a static buffer that hold a token, counted as its nonzero key rows (row 0, head 0)."""
+    return int((layer["key"][0, 0].abs().sum(-1) != 0).sum()) if "key" in layer else 0
+
+
+class _CountingStaticModel(TinyDecoderModel):
+    def store(self, layer_cache, k, v, start):
+        if "capacity" not in layer_cache:
+            return super().store(layer_cache, k, v, start)
+        b, h, t, d = k.shape
+        if "key" not in layer_cache:
+            layer_cache["key"] = k.new_zeros(b, h, layer_cache["capacity"], d)
+            layer_cache["value"] = v.new_zeros(b, h, layer_cache["capacity"], d)
+        held = _filled(layer_cache)  # BUG: "no counter to keep in sync": the tokens held are the nonzero slots
+        layer_cache["key"][:, :, held:held + t] = k
+        layer_cache["value"][:, :, held:held + t] = v
+        n = held + t
+        return layer_cache["key"][:, :, :n], layer_cache["value"][:, :, :n], torch.arange(n)
+
+
+class LengthFromContents(TinyDecoder):
+    """A static cache that counts the tokens it holds as its nonzero slots (module docstring)."""
+
+    name = "length_from_contents"
+    caches = {"NonzeroStaticCache": {"static": True}}
+
+    def build(self, dtype, device, seed: int = 0):
+        return _rebuild(super().build(dtype, device, seed), _CountingStaticModel)
+
+    def crop(self, cache, n):
+        for layer in cache:  # zero the dropped slots, so the count stays right
+            held = _filled(layer)
+            for name in ("key", "value"):
+                if name in layer:
+                    layer[name][:, :, max(held - n, 0):held] = 0
+        return cache
+
+
+# ------------------------------------------------------------------------------------------ length counter
+class LengthCounterNotRewound(TinyMasklessDecoder):
+    """A cache that counts its tokens in a counter its ``crop`` forgets (module docstring)."""
+
+    name = "counter_not_rewound"
+    caches = {"CountedCache": {}}
+
+    def new_cache(self, model, batch_size, max_len):
+        return {"blocks": [{} for _ in model.blocks], "n": 0}
+
+    def forward(self, model, ids, cache, start, mask=None):
+        logits = model(ids, cache["blocks"], start, None)
+        cache["n"] += ids.shape[1]
+        return logits, cache
+
+    def crop(self, cache, n):
+        super().crop(cache["blocks"], n)  # BUG: cache["n"] is not rewound
+        return cache
+
+    def select(self, cache, rows):
+        super().select(cache["blocks"], rows)
+        return cache
+
+    def seq_length(self, cache):
+        return cache["n"]
+
+    def capacity(self, cache):
+        return -1  # it grows
+
+    def poison(self, cache, start, value):
+        return 0  # no unused slot
+
+
+# ------------------------------------------------------------------------------------------ float32 rotary
+class _Float32RotaryModel(TinyDecoderModel):
+    def attend(self, q, k, v, slots, start, mask):
+        up = torch.promote_types(q.dtype, torch.float32)  # BUG: rotary tables kept in float32 promote q and k
+        return super().attend(q.to(up), k.to(up), v, slots, start, mask)
+
+
+class Float32RotaryAtBf16(TinyDecoder):
+    """A model whose rotary tables promote q and k to float32 while v stays in the weights' dtype (module
+    docstring)."""
+
+    name = "float32_rotary"
+    caches = {"Fp32RotaryDictCache": {}, "Fp32RotaryStaticCache": {"static": True}}
+
+    def build(self, dtype, device, seed: int = 0):
+        return _rebuild(super().build(dtype, device, seed), _Float32RotaryModel)
 
 
 # ------------------------------------------------------------------------------------------ select ignores rows

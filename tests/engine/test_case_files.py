@@ -314,3 +314,15 @@ def test_every_bad_case_of_a_file_is_reported_at_once(tmp_path):
     lines = str(info.value).splitlines()
     assert lines[0].startswith(f"{path}: case 'a': key 'ops'") and "(3 cases with errors)" in lines[0], lines
     assert len(lines) == 3 and "case 'b'" in lines[1] and "case 'c'" in lines[2] and "batchh" in lines[2], lines
+
+
+def test_every_problem_of_a_bad_case_is_reported_at_once(tmp_path):
+    # one case with a bad dtype, a bad batch and a malformed op: the three problems in one message
+    path = tmp_path / "mine.toml"
+    path.write_text('[[case]]\nid = "a"\ncheck = "check_prefill_then_decode"\nops = ["prefill 0", "decode 2"]\n'
+                    'dtype = "float8"\nbatch = 0\n')
+    with pytest.raises(CaseFileError) as info:
+        load_case_file(path)
+    text = str(info.value)
+    assert "key 'dtype': 'float8' is not allowed" in text and "key 'batch': must be ≥ 1, got 0" in text, text
+    assert "op 'prefill 0' needs one positive count" in text and len(text.splitlines()) == 3, text

@@ -20,6 +20,10 @@ class LitGPT:
     takes_mask = False
     caches = {"LitGPTKVCache": {}}
     kv_layout = {"layers": 2, "kv_heads": 2, "head_dim": 8}
+    # litgpt's RMSNorm computes in float32 whatever the input (x.float(), litgpt/model.py in 0.5.13): kvconform's
+    # float64 oracle would be capped at float32 and refuses it (LitGPTRMSNorm below); torch's LayerNorm follows the
+    # input's dtype
+    norm = "LayerNorm"
 
     def build(self, dtype, device):
         from litgpt.config import Config
@@ -27,7 +31,7 @@ class LitGPT:
 
         config = Config(n_layer=2, n_head=4, n_embd=32, block_size=640, vocab_size=128, padded_vocab_size=128,
                         n_query_groups=2, bias=False, rotary_percentage=1.0, parallel_residual=False,
-                        norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64)
+                        norm_class_name=self.norm, mlp_class_name="LLaMAMLP", intermediate_size=64)
         state = torch.random.get_rng_state()
         torch.manual_seed(0)
         model = GPT(config)
@@ -45,7 +49,11 @@ class LitGPT:
         for block, kv in zip(model.transformer.h, cache["blocks"]):  # the caches live in the model: put ours there
             block.attn.kv_cache = kv
         pos = torch.arange(start, start + ids.shape[1], device=ids.device)
-        return model(ids, input_pos=pos), cache
+        try:
+            return model(ids, input_pos=pos), cache
+        finally:  # and take them off again (docs/from-scratch.md: a cache that lives inside the model)
+            for block in model.transformer.h:
+                block.attn.kv_cache = None
 
     def forward_uncached(self, model, ids, mask=None):
         return model(ids)
@@ -60,3 +68,11 @@ class LitGPT:
 
     def capacity(self, cache):
         return cache["max_len"]
+
+
+class LitGPTRMSNorm(LitGPT):
+    """The same adapter with litgpt's llama ``RMSNorm``: refused before any item runs, naming the module whose float64
+    forward computes in float32 (``transformer.h.0.norm_1``)."""
+
+    name = "litgpt_rmsnorm"
+    norm = "RMSNorm"

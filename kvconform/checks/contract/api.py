@@ -264,6 +264,14 @@ class Bookkeeping:
         self.ctx, self.cache, self.skipped = ctx, cache, skipped
         self.spy = UpdateSpy(cache)
         self.layers, self.windows = _attention_layers(ctx), _windows(ctx)
+        # a model adapter's cache (kvconform.scratch): its own seq_length(cache) and capacity(cache) are checked
+        # after every op; it has no get_mask_sizes / update() to compare (the model builds its own masks)
+        self.adapter = getattr(getattr(ctx.model, "model", None), "adapter", None)
+        self.counts = bool(self.layers) or self.adapter is not None
+        if self.adapter is not None:
+            self.layers = []
+        self.len_name = "seq_length(cache)" if self.adapter is not None else "get_seq_length()"
+        self.max_name = "capacity(cache)" if self.adapter is not None else "get_max_length()"
         self.problems, self.trail = [], []
         self.max_first = None
         self.held, self.predicted = 0, {}
@@ -303,15 +311,15 @@ class Bookkeeping:
         """``get_seq_length()`` against the tokens held, ``get_max_length()`` stable; stop at the first problem."""
         cache, trail, problems = self.cache, self.trail, self.problems
         trail.append(op.label)
-        if self.layers:
+        if self.counts:
             try:
                 reported = int(cache.get_seq_length())
             except Exception as exc:  # noqa: BLE001
-                problems.append(f"after {' → '.join(trail)}: get_seq_length() raised {describe_exception(exc)}")
+                problems.append(f"after {' → '.join(trail)}: {self.len_name} raised {describe_exception(exc)}")
                 raise StopRun from exc
             if reported != runner.length:
-                stored = stored_tokens(cache)
-                problems.append(f"after {' → '.join(trail)}: get_seq_length() = {reported}, but the cache should "
+                stored = None if self.adapter is not None else stored_tokens(cache)
+                problems.append(f"after {' → '.join(trail)}: {self.len_name} = {reported}, but the cache should "
                                 f"hold {runner.length} tokens"
                                 + (f" (its unbounded attention layers store {stored})" if stored is not None else ""))
                 if self.length_fault is None:
@@ -319,14 +327,14 @@ class Bookkeeping:
         try:
             value = compat.max_length(cache)
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"after {' → '.join(trail)}: get_max_length() raised {describe_exception(exc)}")
+            problems.append(f"after {' → '.join(trail)}: {self.max_name} raised {describe_exception(exc)}")
             raise StopRun from exc
         if self.max_first is None:
             self.max_first = value
             if value == 0 or value < -1:
-                problems.append(f"get_max_length() = {value}: should be -1 (unbounded) or the capacity")
+                problems.append(f"{self.max_name} = {value}: should be -1 (unbounded) or the capacity")
         elif value != self.max_first:
-            problems.append(f"after {' → '.join(trail)}: get_max_length() = {value}, was {self.max_first}")
+            problems.append(f"after {' → '.join(trail)}: {self.max_name} = {value}, was {self.max_first}")
         if problems:
             raise StopRun
 
