@@ -7,11 +7,17 @@ The session (``kvconform.session``) builds the plan from these; nothing here bui
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvconform import zoo
 from kvconform.memo import MEMO
 from kvconform.ops import tokens_held
 from kvconform.outcomes import UsageError
+
+if TYPE_CHECKING:  # PlanItem's field types, without importing the checks or torch at run time
+    from kvconform.cases import Case
+    from kvconform.checks import CheckInfo
+    from kvconform.subjects import CacheSpec
 
 
 @dataclass(frozen=True)
@@ -143,10 +149,10 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
 class PlanItem:
     """One item: subject × model × check × case, with the reason it is skipped or expected to fail."""
 
-    subject: object
+    subject: CacheSpec
     model: ModelInfo
-    check: object
-    case: object
+    check: CheckInfo
+    case: Case
     skip: str | None = None
     xfail: str | None = None
 

@@ -24,7 +24,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
-MODES = ("off", "sampled", "full")
+from kvconform.run_options import POWER_MODES as MODES  # noqa: F401 - the one list (re-exported)
 """``--kvconform-power``: no power pass; the sampled pass (the default: subjects that are not kvconform's own, the
 first ``SAMPLE`` candidate items per subject × family × mutant, by estimated cost then item id, until one kills it);
 the full pass (every passing candidate item, built-in subjects too)."""
