@@ -11,6 +11,7 @@ _LAZY = {
     "check_cache": "kvconform.api",
     "parametrize_with_checks": "kvconform.api",
     "CheckResult": "kvconform.api",
+    "RunOptions": "kvconform.run_options",
     "CacheSpec": "kvconform.subjects",
     "Budget": "kvconform.subjects",
     "ReferenceCache": "kvconform.reference",

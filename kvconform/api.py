@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvconform.run_options import RunOptions
+
 
 @dataclass(frozen=True)
 class CheckResult:
@@ -36,21 +38,21 @@ class CheckResult:
     batch: int = 0
 
 
-def _session(caches, models, checks, cases, strict, device, full):
+def _session(caches, models, checks, cases, options, run_options):
     from kvconform.session import build_session
 
-    session = build_session(caches=list(caches), models=models, strict=strict, device=device, full=full,
-                            builtin=False, checks=checks, case_ids=cases)
-    session.power = "off"  # no power table without the plugin's report (pytest --kvconform --kvconform-power)
-    return session
+    # no power table without the plugin's report (pytest --kvconform --kvconform-power)
+    options = RunOptions.of(options or RunOptions(power="off"), **run_options)
+    return build_session(caches=list(caches), models=models, builtin=False, checks=checks, case_ids=cases,
+                         options=options)
 
 
 def _as_list(obj):
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
-def check_cache(cache, models=None, checks=None, cases=None, strict=False, device="cpu", full=False,
-                raise_on_failure=False) -> list[CheckResult]:
+def check_cache(cache, models=None, checks=None, cases=None, *, raise_on_failure=False,
+                options: RunOptions | None = None, **run_options) -> list[CheckResult]:
     """Run every applicable conformance item on ``cache`` and return the results (no pytest needed).
 
     Args:
@@ -61,16 +63,21 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
             caches are the subjects then, so ``cache`` may be ``[]``.
         checks: check names to run (default: all), e.g. ``["check_prefill_then_decode"]``.
         cases: case ids to run (default: all).
-        strict: known upstream faults count as failures.
         raise_on_failure: raise ``ConformanceError`` with every failure message after running everything.
+        options: the run's options as one ``RunOptions`` (``kvconform.RunOptions``; default: the defaults, with no
+            power pass).
+        run_options: the same options by keyword, applied over ``options`` and validated as the command line's
+            flags are: ``strict=True`` (known upstream faults count as failures), ``full=True`` (the heavier
+            tier), ``device="cuda"``, ``fuzz_seed=7``, ``power="sampled"``, ``trust_remote_code=True``.
 
     Raises:
-        kvconform.subjects.SpecError / ValueError: bad input (spec, model, check or case name).
+        kvconform.outcomes.UsageError: bad input — an unknown run option or a bad value (naming it), a spec, model,
+            check or case name (``SpecError``).
         kvconform.checks.ConformanceError: when ``raise_on_failure`` and an item failed.
     """
     from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown, KVConformInternalError, Unexcused
 
-    session = _session(_as_list(cache), models, checks, cases, strict, device, full)
+    session = _session(_as_list(cache), models, checks, cases, options, run_options)
     results = []
     for item in session.items():
         base = item.record()
@@ -100,8 +107,8 @@ def check_cache(cache, models=None, checks=None, cases=None, strict=False, devic
     return results
 
 
-def parametrize_with_checks(caches, models=None, checks=None, cases=None, strict=False, device="cpu",
-                            full=False):
+def parametrize_with_checks(caches, models=None, checks=None, cases=None, *, options: RunOptions | None = None,
+                            **run_options):
     """A ``pytest.mark.parametrize`` over every conformance item of ``caches``, for a cache author's own tests::
 
         from kvconform import parametrize_with_checks
@@ -111,10 +118,14 @@ def parametrize_with_checks(caches, models=None, checks=None, cases=None, strict
             kv_runner(kv_item)
 
     ``kv_runner`` is a fixture of kvconform's plugin. Skips and expected failures (``CacheSpec
-    .expected_failures``, known upstream faults) become skip / xfail marks. Arguments as in ``check_cache``.
+    .expected_failures``, known upstream faults) become skip / xfail marks. Arguments (``options`` and the run
+    options by keyword too) as in ``check_cache``.
+
+    Raises:
+        kvconform.outcomes.UsageError: as ``check_cache``.
     """
     import pytest
 
-    session = _session(_as_list(caches), models, checks, cases, strict, device, full)
+    session = _session(_as_list(caches), models, checks, cases, options, run_options)
     params = [pytest.param(item, id=item.id, marks=item.marks(pytest)) for item in session.items()]
     return pytest.mark.parametrize("kv_item", params)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import pytest
 
 from kvconform.outcomes import UsageError, with_article
+from kvconform.run_options import POWER_MODES, RunOptions
 
 OPTIONS: list[Option] = []
 """Every option, in ``pytest --help`` order (each ``Option`` appends itself)."""
@@ -297,18 +298,38 @@ def check_usage(config) -> None:
 
 def power_mode(config) -> str:
     """``--kvconform-power`` (or its ini twin): ``"off"``, ``"sampled"`` (the default) or ``"full"``
-    (``checks._power.MODES``).
+    (``run_options.POWER_MODES``).
 
     Raises:
         pytest.UsageError: another value, naming it and the allowed ones.
     """
-    from kvconform.checks._power import MODES
-
     value = str(opt(config, POWER) or "sampled").strip().lower()
-    if value not in MODES:
-        raise pytest.UsageError(f"kvconform: --kvconform-power {value!r}: must be one of {', '.join(MODES)} "
+    if value not in POWER_MODES:
+        raise pytest.UsageError(f"kvconform: --kvconform-power {value!r}: must be one of {', '.join(POWER_MODES)} "
                                 f"(sampled: the default; full: every candidate item, built-in subjects too)")
     return value
+
+
+def run_options(config) -> RunOptions:
+    """This pytest run's ``RunOptions``: every option of the table read once (command line, else its ini twin;
+    ``check_usage`` has judged them), the fuzz seed and the shard resolved, the reproduce line's flags; every option
+    also by its short name in ``flags``, so that code below the plugin reads a new flag as
+    ``options.get("foo_bar")`` with nothing but its ``Option`` entry added. ``--kvconform-selftest`` runs no power
+    pass.
+
+    Raises:
+        pytest.UsageError: a bad value (exit 4).
+    """
+    seed = read_fuzz_seed(config)
+    try:
+        return RunOptions(
+            strict=bool(opt(config, STRICT)), full=bool(opt(config, FULL)), device=opt(config, DEVICE) or "cpu",
+            timeout=timeout_s(config), fuzz_seed=seed, power="off" if opt(config, SELFTEST) else power_mode(config),
+            trust_remote_code=bool(opt(config, TRUST)), shard=read_shard(config),
+            reproduce_args=reproduce_args(config, seed),
+            flags=tuple((o.dest.removeprefix("kvconform_"), opt(config, o)) for o in OPTIONS))
+    except UsageError as exc:
+        raise pytest.UsageError(f"kvconform: {exc}") from None
 
 
 def refuse_mistyped_specs(config) -> None:
@@ -474,7 +495,7 @@ def hooked_specs(config) -> list:
         pytest.UsageError: an implementation returned something else than a list (or tuple) — e.g. one CacheSpec
             instead of ``[CacheSpec(...)]`` — naming the plugin (the conftest.py) that did.
     """
-    out = []
+    out: list = []
     impls = config.pluginmanager.hook.pytest_kvconform_caches.get_hookimpls()
     for impl in reversed(impls):  # pluggy's call order
         specs = impl.function(**({"config": config} if "config" in impl.argnames else {}))

@@ -7,11 +7,17 @@ The session (``kvconform.session``) builds the plan from these; nothing here bui
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvconform import zoo
 from kvconform.memo import MEMO
 from kvconform.ops import tokens_held
 from kvconform.outcomes import UsageError
+
+if TYPE_CHECKING:  # PlanItem's field types, without importing the checks or torch at run time
+    from kvconform.cases import Case
+    from kvconform.checks import CheckInfo
+    from kvconform.subjects import CacheSpec
 
 
 @dataclass(frozen=True)
@@ -147,10 +153,10 @@ SKIPPED_COST = 0.02
 class PlanItem:
     """One item: subject × model × check × case, with the reason it is skipped or expected to fail."""
 
-    subject: object
+    subject: CacheSpec
     model: ModelInfo
-    check: object
-    case: object
+    check: CheckInfo
+    case: Case
     skip: str | None = None
     xfail: str | None = None
 

@@ -18,11 +18,10 @@ import pytest
 
 from kvconform.families import FAMILIES
 from kvconform.outcomes import UsageError
-from kvconform.options import (CACHE, CASES, DEVICE, DURATIONS, FAULTS, FULL, HTML, JSON, MODEL, SELFTEST, STRICT,
-                               SUBJECT, TRUST, add_options, check_usage, hooked_specs, is_active, opt, power_mode,
-                               read_fuzz_seed, read_shard,
-                               refuse_bad_subjects, refuse_flags_without_kvconform, refuse_mistyped_specs,
-                               reproduce_args, timeout_s)
+from kvconform.options import (CACHE, CASES, DURATIONS, FAULTS, HTML, JSON, MODEL, SELFTEST, SUBJECT, add_options,
+                               check_usage, hooked_specs, is_active, opt, refuse_bad_subjects,
+                               refuse_flags_without_kvconform, refuse_mistyped_specs, run_options, timeout_s)
+from kvconform.run_options import RunOptions
 from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SESSION_KEY, await_digest,
                                crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
                                freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
@@ -91,8 +90,7 @@ def pytest_configure(config):
             refuse_mistyped_specs(config)
             if starts_workers(config):
                 refuse_bad_subjects(config)  # the workers would find it only after importing torch (~13 s)
-        seed = read_fuzz_seed(config)
-        build = functools.partial(_build_session, config, seed, read_shard(config), reproduce_args(config, seed))
+        build = functools.partial(_build_session, config, run_options(config))
         if not hasattr(config, "workerinput"):
             _lock_report(config)
         if starts_workers(config):
@@ -166,7 +164,7 @@ def _terminate_as_interrupt(config) -> None:
     config._kvconform_sigterm = True
 
 
-def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) -> None:
+def _build_session(config, options: RunOptions, runs_items=True) -> None:
     """Resolve the run's subjects (``--kvconform-cache`` and the ``pytest_kvconform_caches`` hook), models, cases and
     known faults (``session.build_session``) into the config's stash.
 
@@ -183,16 +181,11 @@ def _build_session(config, fuzz_seed, shard, reproduce_args, runs_items=True) ->
     try:
         session = build_session(
             caches=[*opt(config, CACHE), *hooked], models=opt(config, MODEL), extra_models=adapters,
-            case_paths=opt(config, CASES),
-            strict=bool(opt(config, STRICT)), device=opt(config, DEVICE) or "cpu",
-            full=bool(opt(config, FULL)), known_faults=opt(config, FAULTS),
-            only_subjects=opt(config, SUBJECT), trust_remote_code=bool(opt(config, TRUST)),
-            runs_items=runs_items,
+            case_paths=opt(config, CASES), known_faults=opt(config, FAULTS), only_subjects=opt(config, SUBJECT),
+            runs_items=runs_items, options=options,
         )
     except UsageError as exc:  # SpecError, CaseFileError, KnownFaultsError, a bad model or subject name
         raise pytest.UsageError(f"kvconform: {exc}") from None
-    session.fuzz_seed, session.shard, session.reproduce_args = fuzz_seed, shard, reproduce_args
-    session.power = "off" if opt(config, SELFTEST) else power_mode(config)
     config.stash[SESSION_KEY] = session
 
 
@@ -373,7 +366,7 @@ def kv_session(request):
         return request.config.stash[SESSION_KEY]
     from kvconform.session import build_session
 
-    return build_session(builtin=False)
+    return build_session(builtin=False, timeout=timeout_s(request.config))
 
 
 def _point_suite_node_ids_at_the_suite(config) -> bool:
@@ -431,7 +424,7 @@ def kv_runner(kv_session, request):
                 benchmark = request.getfixturevalue("benchmark")
         failure = skipped = xfailed = None
         try:
-            with item_timeout(timeout_s(request.config), item, kv_session.reproduce_args):
+            with item_timeout(kv_session.options.timeout, item, kv_session.options.reproduce_args):
                 metrics.update(kv_session.run(item, benchmark=benchmark))
         except CheckSkipped as exc:
             skipped = str(exc)
@@ -485,12 +478,12 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-def pytest_runtest_logreport(report):
+def _record_report(config, report) -> None:
+    """``pytest_runtest_logreport`` of an active run (``_RunHooks``): a kvconform item's report into the results."""
     props = dict(report.user_properties or ())
     if PROPERTY not in props:
         return
-    config = _CONFIG.get("config")
-    if config is None or RESULTS_KEY not in config.stash:
+    if RESULTS_KEY not in config.stash:
         return
     from kvconform.report import record_report
 
@@ -574,13 +567,29 @@ def _progress(config, results: dict, final: bool, exitstatus) -> dict:
     return run_progress(planned, finished, why)
 
 
-_CONFIG: dict = {}
+class _RunHooks:
+    """The hooks pytest calls without the config (an item's report, a crashed item), registered with the config of
+    an active run at session start (``RUN_HOOKS``) and unregistered at unconfigure: no module global holds it."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def pytest_runtest_logreport(self, report):
+        _record_report(self.config, report)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem, report, sched):
+        _handle_crashitem(self.config, crashitem, report)
+
+
+RUN_HOOKS = "kvconform-run-hooks"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     if is_active(session.config):
-        _CONFIG["config"] = session.config
+        if not session.config.pluginmanager.has_plugin(RUN_HOOKS):
+            session.config.pluginmanager.register(_RunHooks(session.config), RUN_HOOKS)
         # before any item runs: a report at this path now says that this run has not finished (a run killed before
         # its next write leaves that, not an earlier run's report, which would read as this run's)
         _write_json_progress(session.config, now=True)
@@ -659,7 +668,9 @@ def _write_html(config, exitstatus=None) -> None:
 
 
 def pytest_unconfigure(config):
-    _CONFIG.pop("config", None)
+    hooks = config.pluginmanager.get_plugin(RUN_HOOKS)
+    if hooks is not None:
+        config.pluginmanager.unregister(hooks, RUN_HOOKS)
     crash_teardown(config)
     lock = getattr(config, "_kvconform_lock", None)
     if lock is not None:
@@ -701,15 +712,11 @@ def pytest_xdist_make_scheduler(config, log):
     return model_scheduling(config, log)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_handlecrashitem(crashitem, report, sched):
-    """pytest-xdist: a worker died while running ``crashitem``. Turn xdist's bare "worker crashed" into the item's
-    kvconform failure, and remember the subject so that its other items fail at once (``workers.report_crash``)."""
-    config = _CONFIG.get("config")
-    if config is None or not is_active(config):
-        return None
+def _handle_crashitem(config, crashitem, report) -> None:
+    """pytest-xdist's ``pytest_handlecrashitem`` in an active run (``_RunHooks``): a worker died while running
+    ``crashitem``. Turn xdist's bare "worker crashed" into the item's kvconform failure, and remember the subject so
+    that its other items fail at once (``workers.report_crash``)."""
     report_crash(config, crashitem, report)
-    return None
 
 
 def _suite_items(items) -> list:

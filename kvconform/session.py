@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import platform
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvconform import scratch, zoo
 from kvconform.plan import (ModelInfo, PlanItem, in_scope, model_info, most_tokens_held,  # noqa: F401 - re-exported
@@ -19,6 +20,10 @@ from kvconform.plan import zoo_family as _zoo_family
 from kvconform.outcomes import UsageError, breadcrumb
 from kvconform.memo import MEMO
 from kvconform.digest import RunDigest, SubjectFacts
+from kvconform.run_options import RunOptions
+
+if TYPE_CHECKING:
+    from kvconform.known_faults import FaultIndex
 
 
 @dataclass
@@ -29,35 +34,39 @@ class KVSession:
     models: list
     cases: list
     checks: dict
-    strict: bool
-    device: str
     faults: list
-    full: bool = False
-    fuzz_seed: int | None = None
-    """``--kvconform-fuzz-seed``: other random op programs for the fuzz family (None: its fixed per-case seeds)."""
-    reproduce_args: tuple = ()
-    """The run's own flags (already shell-quoted) that a ``reproduce:`` line must repeat to reproduce an item:
-    ``--kvconform-cases``, ``--kvconform-strict``, ``--kvconform-full``, ``--kvconform-timeout``,
-    ``--kvconform-device``, ``--kvconform-known-faults`` (set by the plugin)."""
+    options: RunOptions = field(default_factory=RunOptions)
+    """The run's options (``RunOptions``: strict, full, device, fuzz seed, power, shard, the reproduce line's
+    flags, ...), passed on to each item's ``CheckContext``."""
     _built: dict = field(default_factory=dict)
-    shard: str | None = None
-    """``--kvconform-shard I/N`` (set by the plugin): this process runs share I of N of the items (``merge.py``)."""
     _fault_memo: dict = field(default_factory=dict)
-    _fault_index: object = None
+    _fault_index: FaultIndex | None = None
     notes: list = field(default_factory=list)
     architectures: list = field(default_factory=list)
     """``(spec, records)`` per ``transformers:PATTERN`` model spec: every architecture tried, built or not and
     why (``sweep.survey``); listed in the header and the JSON report."""
     """Extra header lines (a repository's own cache classes found, ``remote.py``)."""
     _oracles: dict = field(default_factory=dict)
-    power: str = "sampled"
-    """``--kvconform-power`` (``checks._power.MODES``): ``sampled`` (default) runs mutants on a sample of the items
-    of subjects that are not kvconform's own, ``full`` on every candidate item of every subject, ``off`` none."""
     power_scope: set | None = None
     """The ids of the items this process may run (after ``-k`` / ``-m`` / ``--kvconform-shard``; set by the plugin),
     the ones the sampled power pass samples from; None: every planned item."""
     _power_plan: dict | None = None
     _power_killed: set = field(default_factory=set)
+
+    @property
+    def strict(self) -> bool:
+        """``options.strict``: known upstream faults fail."""
+        return self.options.strict
+
+    @property
+    def device(self) -> str:
+        """``options.device``: the models' torch device."""
+        return self.options.device
+
+    @property
+    def full(self) -> bool:
+        """``options.full``: the heavier tier."""
+        return self.options.full
 
     def items(self) -> list[PlanItem]:
         out = []
@@ -111,8 +120,7 @@ class KVSession:
         zm = self.zoo_model(item.model, item.case.dtype)
         reference = None if scratch.is_scratch_spec(item.model.spec) else self.reference  # no ReferenceCache there
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=reference,
-                           known_fault=self.known_fault(item), full=self.full, benchmark=benchmark,
-                           reproduce_args=tuple(self.reproduce_args), fuzz_seed=self.fuzz_seed)
+                           known_fault=self.known_fault(item), benchmark=benchmark, options=self.options)
         try:
             metrics = run_check(item.check.name, ctx)
         except ConformanceError as exc:
@@ -141,10 +149,11 @@ class KVSession:
         process), less those an earlier item of this process already killed."""
         from kvconform.checks._power import SAMPLE, candidates, is_own
 
-        if self.power == "off" or (self.power != "full" and is_own(item.subject)):
+        power = self.options.power
+        if power == "off" or (power != "full" and is_own(item.subject)):
             return []
         found = candidates(item.subject, item.check, item.case)
-        if self.power == "full" or not found:
+        if power == "full" or not found:
             return found
         if self._power_plan is None:
             ranked: dict = {}
@@ -341,8 +350,8 @@ class KVSession:
                 "cuda_available": bool(torch.cuda.is_available()), "strict": self.strict,
                 # the run's orders (kvconform-merge keeps them) and its share of a sharded run
                 "subjects": [s.name for s in self.subjects], "models": [m.name for m in self.models],
-                "power": self.power,
-                **({"shard": self.shard} if self.shard else {}),
+                "power": self.options.power,
+                **({"shard": self.options.shard} if self.options.shard else {}),
                 **({"architectures": [r for _, records in self.architectures for r in records]}
                    if self.architectures else {})}
 
@@ -373,7 +382,8 @@ class KVSession:
         return RunDigest(
             header=self.header_lines(), environment=self.environment(), subjects=subjects,
             models=[m.name for m in self.models], model_specs={m.name: m.spec for m in self.models},
-            strict=self.strict, known_faults=faults, items=items, reproduce_args=list(self.reproduce_args), costs=costs,
+            strict=self.strict, known_faults=faults, items=items, reproduce_args=list(self.options.reproduce_args),
+            costs=costs,
             stale_faults=[{"id": f.id, "transformers": f.transformers, "source": f.source}
                           for f in self.stale_faults()])
 
@@ -389,8 +399,8 @@ class KVSession:
                                     + (f", the vision-language models {', '.join(zoo.VLM_NAMES)}"
                                        if not any(m.name in zoo.VLM_NAMES for m in self.models) else "")
                                     + "; add --kvconform-full)")
-            + ("" if self.fuzz_seed is None else f"; fuzz seed {self.fuzz_seed} (replay: --kvconform-fuzz-seed "
-                                                 f"{self.fuzz_seed})"),
+            + ("" if self.options.fuzz_seed is None else f"; fuzz seed {self.options.fuzz_seed} (replay: "
+                                                         f"--kvconform-fuzz-seed {self.options.fuzz_seed})"),
             *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
             *self.notes,
             *self._architecture_lines(),
@@ -510,12 +520,15 @@ def _import_backends_quietly(subjects) -> None:
                 pass
 
 
-def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu", full=False,
-                  builtin=True, checks=None, case_ids=None, known_faults=(), only_subjects=(),
-                  trust_remote_code=False, runs_items=True, extra_models=()) -> KVSession:
+def build_session(caches=(), models=(), case_paths=(), builtin=True, checks=None, case_ids=None, known_faults=(),
+                  only_subjects=(), runs_items=True, extra_models=(), options: RunOptions | None = None,
+                  **run_options) -> KVSession:
     """Resolve everything the user passed into a ``KVSession``.
 
     Args:
+        options, run_options: the run's ``RunOptions`` (default: the defaults), with ``run_options`` (its field
+            names: ``strict=True``, ``device="cuda"``, ``full=True``, ``trust_remote_code=True``, ...) applied
+            (``RunOptions.of``).
         caches: extra subjects — ``"module:attr"`` strings, ``CacheSpec`` objects, Cache subclasses or factories.
         models: zoo names / checkpoint folders (default: the whole zoo).
         case_paths: extra case files or folders.
@@ -525,8 +538,6 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         known_faults: extra known-faults files, read after the bundled ``known_faults.toml``.
         only_subjects: if given, keep only the subjects of these names (built-in or added); the reference cache
             still runs for the oracle line of each failure.
-        trust_remote_code: run the code of checkpoint folders that ship their own (``remote.py``); their own cache
-            classes become subjects. Without it such a folder is refused.
         extra_models: models added to ``models`` (or to the default ones): model adapters the
             ``pytest_kvconform_caches`` hook returned (``kvconform.scratch``).
         runs_items: False for a session that only plans and reports (a pytest-xdist controller, whose workers run
@@ -543,6 +554,8 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
 
     from kvconform.plan import spec_problem
 
+    options = RunOptions.of(options, **run_options)
+    device, full, trust_remote_code = options.device, options.full, options.trust_remote_code
     # a model adapter given as a Python object (check_cache, parametrize_with_checks): its module:Class spec
     models = [scratch.register_adapter(m) if not isinstance(m, str) else m for m in models or ()]
     # a mistyped model spec is a usage error before torch and transformers are imported (~5 s)
@@ -592,7 +605,7 @@ def build_session(caches=(), models=(), case_paths=(), strict=False, device="cpu
         cases = [c for c in cases if c.id in set(case_ids)]
     faults = load_all(known_faults, checks=set(registry), families={*FAMILIES, *(c.family for c in registry.values())},
                       models={*zoo.ALL_NAMES, *names, *_architecture_names()})
-    session = KVSession(subjects, infos, cases, registry, strict, device, faults, full)
+    session = KVSession(subjects, infos, cases, registry, faults, options)
     session.architectures = surveyed
     for info in infos:
         if scratch.is_scratch_spec(info.spec):  # a model written from scratch: its adapter's caches are subjects
@@ -744,9 +757,9 @@ def _refuse_unusable_checkpoint(session, info) -> None:
             f"encoder-decoder language model")
     from kvconform import sweep
 
-    gap = sweep.reference_gap(zm.config)
-    if gap:
-        raise UsageError(f"--kvconform-model {info.spec!r}: refused: {gap}")
+    refused = sweep.reference_gap(zm.config)
+    if refused:
+        raise UsageError(f"--kvconform-model {info.spec!r}: refused: {refused}")
 
 
 def run_selftest(session: KVSession, faulty) -> dict:

@@ -23,11 +23,14 @@ from kvconform.checks._registry import (BATCH_OPS, CHECKS, IGNORES_OPS, OP_PARAM
                                         register)
 from kvconform.digest import reproduce_line as digest_reproduce_line
 from kvconform.failure import Cause, OpsTrail
+from kvconform.run_options import RunOptions
 
 if TYPE_CHECKING:  # the types of CheckContext's fields, without importing torch-heavy modules at run time
     from kvconform.cases import Case
     from kvconform.oracle import Oracle
     from kvconform.subjects import CacheSpec, Kind
+    from torch import Tensor
+
     from kvconform.zoo import ZooModel
 
 
@@ -82,9 +85,12 @@ class CheckContext:
         metrics: filled by the check (JSON-serialisable), reported even on success.
         check_name: the running check's name (set by ``run_check``).
         known_fault: the bundled known-upstream-fault reason matching this item, if any (named in the message).
-        full: True under ``--kvconform-full`` (checks may then use their heavier profile).
-        reproduce_args: the run's flags a reproduce line repeats (``KVSession.reproduce_args``).
-        fuzz_seed: ``--kvconform-fuzz-seed``: mixed into the fuzz family's fixed seeds (None: the fixed seeds).
+        options: the run's ``RunOptions`` (``KVSession.options``): ``full`` (checks may then use their heavier
+            profile), ``fuzz_seed`` (mixed into the fuzz family's fixed seeds), the flags a reproduce line repeats,
+            and any flag by its short name (``options.get("foo_bar")``).
+        encoder_ids: an encoder-decoder model's encoder input ``[B, S_enc]`` (int64 token ids) of the run a driver
+            made last (``_interpreter``, ``_observe``, ``_lossy`` set it); None for a decoder-only model or before
+            any run.
         benchmark: the pytest-benchmark fixture for ``speed`` items when the plugin is installed, else None
             (``kvconform.timing`` then times with its own loop).
         measured: what the item measured (``Measured``), filled by the check and the op interpreter, shared by the
@@ -99,11 +105,25 @@ class CheckContext:
     metrics: dict = field(default_factory=dict)
     check_name: str = ""
     known_fault: str | None = None
-    full: bool = False
     benchmark: Any = None
-    reproduce_args: tuple = ()
-    fuzz_seed: int | None = None
+    options: RunOptions = field(default_factory=RunOptions)
     measured: Measured = field(default_factory=Measured)
+    encoder_ids: Tensor | None = None
+
+    @property
+    def full(self) -> bool:
+        """``options.full``: True under ``--kvconform-full``."""
+        return self.options.full
+
+    @property
+    def fuzz_seed(self) -> int | None:
+        """``options.fuzz_seed``: ``--kvconform-fuzz-seed`` (None: the fixed seeds)."""
+        return self.options.fuzz_seed
+
+    @property
+    def reproduce_args(self) -> tuple[str, ...]:
+        """``options.reproduce_args``: the run's flags a reproduce line repeats."""
+        return self.options.reproduce_args
 
     def tolerance(self):
         from kvconform.oracle import Tolerance, dtype_tolerance
@@ -124,8 +144,7 @@ class CheckContext:
 
     def replace(self, **changes) -> CheckContext:
         """A shallow copy of this context with ``changes`` (field name → value) applied; everything else is shared
-        with this one — ``metrics`` too unless given (``metrics={}`` for a run whose numbers are not the item's),
-        and the attributes a driver set on it (``encoder_ids``).
+        with this one — ``metrics`` too unless given (``metrics={}`` for a run whose numbers are not the item's).
 
         Raises:
             TypeError: a name that is no field of ``CheckContext``.

@@ -165,7 +165,7 @@ def consistency_targets(ctx, spec, steps) -> dict:
     """
     out, fresh = {}, None
     for step in sorted(steps, key=lambda s: s.index):
-        enc = step.encoder_ids if step.encoder_ids is not None else getattr(ctx, "encoder_ids", None)
+        enc = step.encoder_ids if step.encoder_ids is not None else ctx.encoder_ids
         chunks = list(step.chunks) if sum(step.chunks) == step.start else ([step.start] if step.start else [])
         if fresh is None or not fresh.holds(step, chunks, enc):
             batch = int(step.seq.shape[0])

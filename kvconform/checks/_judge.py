@@ -79,7 +79,7 @@ class PrefixOracle:
 
 
 def _encoder_of(ctx, step):
-    return step.encoder_ids if step.encoder_ids is not None else getattr(ctx, "encoder_ids", None)
+    return step.encoder_ids if step.encoder_ids is not None else ctx.encoder_ids
 
 
 def prefix_oracle(ctx, steps) -> PrefixOracle:

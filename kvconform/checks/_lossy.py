@@ -71,7 +71,7 @@ def oracle_slices(ctx, steps) -> dict:
     import torch
 
     def enc(s):
-        return s.encoder_ids if s.encoder_ids is not None else getattr(ctx, "encoder_ids", None)
+        return s.encoder_ids if s.encoder_ids is not None else ctx.encoder_ids
 
     last, last_enc = steps[-1].seq, enc(steps[-1])
     if all(torch.equal(s.seq, last[:, : s.seq.shape[1]]) and (last_enc is None or torch.equal(enc(s), last_enc))

@@ -24,7 +24,8 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
-MODES = ("off", "sampled", "full")
+from kvconform.ops import op_names
+from kvconform.run_options import POWER_MODES as MODES  # noqa: F401 - the one list (re-exported)
 """``--kvconform-power``: no power pass; the sampled pass (the default: subjects that are not kvconform's own, the
 first ``SAMPLE`` candidate items per subject × family × mutant, by estimated cost then item id, until one kills it);
 the full pass (every passing candidate item, built-in subjects too)."""
@@ -253,7 +254,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "cache object keeps its state from before each decode token)", (), None,
            ("decode",), (*_FEEDING, "contract"), True, True, _dropped, _BYTES_OR_REFUSALS),
     Mutant("reorder_ignored", "reorder_cache() ignores its indices (rows keep their order)", ("reorder",), None,
-           ("reorder", "swap_rows", "beam_fork"), ("batch", "generate"), True, True, _reorder_ignored),
+           op_names(rows="permute"), ("batch", "generate"), True, True, _reorder_ignored),
     Mutant("select_ignored", "batch_select_indices() ignores its indices (keeps the first rows)", ("batch_select",),
            None, ("select",), ("batch",), True, True, _select_ignored),
     Mutant("repeat_ignored", "batch_repeat_interleave() tiles the rows instead of interleaving them",

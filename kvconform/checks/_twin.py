@@ -39,7 +39,7 @@ def twin_targets(ctx, spec, steps, driver) -> dict:
     twin_spec = kind_of(spec).twin_spec()
     tctx = ctx.replace(subject=twin_spec, metrics={})
     twin_steps = driver(tctx, tctx.new_cache())
-    enc = getattr(tctx, "encoder_ids", None)
+    enc = tctx.encoder_ids
     out = {}
     for step in steps:
         twin = twin_steps[step.index] if step.index < len(twin_steps) else None

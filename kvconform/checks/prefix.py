@@ -409,7 +409,7 @@ def check_deepcopy_refused(ctx):
     new = torch.full((ctx.case.batch, 1), 5, dtype=torch.long)
     try:
         forward(ctx.model, clone, new, last.start + last.length, ctx.case.position_ids,
-                getattr(ctx, "encoder_ids", None))
+                ctx.encoder_ids)
     except Exception as exc:  # noqa: BLE001
         err = SubjectRaised("decode on the copy", exc)
         ctx.fail([f"copy.deepcopy(cache) succeeded, but decoding on the copy raised {describe_raise(err)}",

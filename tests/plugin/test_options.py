@@ -36,3 +36,41 @@ def test_a_kvconform_flag_without_kvconform_is_a_usage_error(pytester):
                                                 "--kvconform"):
         options.refuse_flags_without_kvconform(config)
     options.refuse_flags_without_kvconform(pytester.parseconfig())  # nothing given: nothing refused
+
+
+def test_one_run_options_value_is_read_from_the_table_and_validated(pytester):
+    from kvconform.run_options import RunOptions
+
+    config = pytester.parseconfig("--kvconform", "--kvconform-strict", "--kvconform-timeout", "12",
+                                  "--kvconform-fuzz-seed", "7", "--kvconform-power", "off",
+                                  "--kvconform-json", "r.json")
+    run = options.run_options(config)
+    assert (run.strict, run.full, run.device, run.timeout, run.fuzz_seed, run.power) == (True, False, "cpu", 12.0, 7,
+                                                                                         "off")
+    assert run.reproduce_args == options.reproduce_args(config, 7)
+    # every option of the table, also one with no field of its own, by its short name: a new flag needs no more
+    assert run.get("json") == "r.json" and run.get("strict") is True and run.get("no_such_flag", 3) == 3
+    assert RunOptions().get("json") is None
+    with pytest.raises(pytest.UsageError, match="--kvconform-power 'all'"):
+        options.run_options(pytester.parseconfig("--kvconform", "--kvconform-power", "all"))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"device": "gpu"}, "--kvconform-device 'gpu': kvconform runs on cpu, cuda or cuda:N"),
+    ({"timeout": -1}, "--kvconform-timeout -1: must be a number ≥ 0"),
+    ({"fuzz_seed": "7"}, "--kvconform-fuzz-seed '7'"),
+    ({"power": "all"}, "--kvconform-power 'all': must be one of off, sampled, full"),
+    ({"stict": True}, "unknown run option 'stict'; did you mean 'strict'"),
+])
+def test_a_bad_run_option_is_a_usage_error_naming_it(changes, message):
+    from kvconform import check_cache, parametrize_with_checks
+    from kvconform.outcomes import UsageError
+    from kvconform.run_options import RunOptions
+
+    with pytest.raises(UsageError, match=message):  # the same error from the value and from both entry points
+        RunOptions.of(**changes)
+    with pytest.raises(UsageError, match=message):
+        check_cache([], models=["llama"], **changes)
+    with pytest.raises(UsageError, match=message):
+        parametrize_with_checks([], models=["llama"], **changes)
+    assert RunOptions.of(RunOptions(strict=True), device="cuda:1") == RunOptions(strict=True, device="cuda:1")
