@@ -28,32 +28,27 @@ from kvconform.compat import layer_types_and_kwargs, tokens_removed_by_crop
 from kvconform.testing import FaultyCache
 
 
-class _StagedChunkLayer(DynamicLayer):
-    """A dynamic layer that writes the first token of a warm multi-token forward to its main buffer and keeps the
-    rest in a staging buffer, merged into the main buffer at the next update (a write-behind for chunked
-    continuation)."""
+class _SideBufferLayer(DynamicLayer):
+    """A dynamic layer with a side buffer (``side_keys`` / ``side_values``) held after its main buffer: counted in its
+    length and mask, merged into the main buffer by ``_merge``, emptied by ``reset``; its ``crop`` carries the bug the
+    two caches below share. Subclasses decide what goes to the side buffer (``update``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.staged_keys = self.staged_values = None
+        self.side_keys: Any = None
+        self.side_values: Any = None
+        self.keys: Any
+        self.values: Any
 
     def _merge(self):
-        if self.staged_keys is not None:
-            self.keys = torch.cat([self.keys, self.staged_keys], dim=-2)
-            self.values = torch.cat([self.values, self.staged_values], dim=-2)
-            self.staged_keys = self.staged_values = None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self._merge()
-        if not self.is_initialized or key_states.shape[-2] == 1:
-            return super().update(key_states, value_states, *args, **kwargs)
-        keys, values = super().update(key_states[..., :1, :], value_states[..., :1, :], *args, **kwargs)
-        self.staged_keys, self.staged_values = key_states[..., 1:, :].clone(), value_states[..., 1:, :].clone()
-        return torch.cat([keys, self.staged_keys], dim=-2), torch.cat([values, self.staged_values], dim=-2)
+        if self.side_keys is not None:
+            self.keys = torch.cat([self.keys, self.side_keys], dim=-2)
+            self.values = torch.cat([self.values, self.side_values], dim=-2)
+            self.side_keys = self.side_values = None
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        staged = 0 if self.staged_keys is None else self.staged_keys.shape[-2]
-        return (self.keys.shape[-2] if self.is_initialized else 0) + staged
+        side = 0 if self.side_keys is None else self.side_keys.shape[-2]
+        return (self.keys.shape[-2] if self.is_initialized else 0) + side
 
     def get_mask_sizes(self, query_length, *args, **kwargs):
         return self.get_seq_length() + query_length, 0
@@ -62,13 +57,26 @@ class _StagedChunkLayer(DynamicLayer):
         removed = tokens_removed_by_crop(argument, self.get_seq_length())
         if not removed or not self.is_initialized:
             return
-        # BUG: the rollback trims the main buffer only; the staged tail of the last chunk (where the rejected
-        # candidates are) survives, and accepted tokens are cut from the main buffer instead
+        # BUG: the rollback trims the main buffer only; the side buffer (a chunk's staged tail, or a decode tail:
+        # where rejected candidates are) survives, and accepted tokens are cut from the main buffer instead
         self.keys, self.values = self.keys[..., :-removed, :], self.values[..., :-removed, :]
 
     def reset(self) -> None:
         super().reset()
-        self.staged_keys = self.staged_values = None
+        self.side_keys = self.side_values = None
+
+
+class _StagedChunkLayer(_SideBufferLayer):
+    """Writes the first token of a warm multi-token forward to its main buffer and keeps the rest in the side buffer,
+    merged into the main buffer at the next update (a write-behind for chunked continuation)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._merge()
+        if not self.is_initialized or key_states.shape[-2] == 1:
+            return super().update(key_states, value_states, *args, **kwargs)
+        keys, values = super().update(key_states[..., :1, :], value_states[..., :1, :], *args, **kwargs)
+        self.side_keys, self.side_values = key_states[..., 1:, :].clone(), value_states[..., 1:, :].clone()
+        return torch.cat([keys, self.side_keys], dim=-2), torch.cat([values, self.side_values], dim=-2)
 
 
 class StagedChunkCache(Cache):
@@ -79,52 +87,20 @@ class StagedChunkCache(Cache):
         super().__init__(layers=[_StagedChunkLayer() for _ in types])
 
 
-class _DecodeTailLayer(DynamicLayer):
-    """A dynamic layer that appends single-token writes to a tail buffer, merged into the main buffer at the next
-    multi-token update (a write-combining decode tail)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tail_keys: Any = None
-        self.tail_values: Any = None
-        self.keys: Any
-        self.values: Any
-
-    def _flush(self):
-        if self.tail_keys is not None:
-            self.keys = torch.cat([self.keys, self.tail_keys], dim=-2)
-            self.values = torch.cat([self.values, self.tail_values], dim=-2)
-            self.tail_keys = self.tail_values = None
+class _DecodeTailLayer(_SideBufferLayer):
+    """Appends single-token writes to the side buffer (a write-combining decode tail), merged into the main buffer
+    at the next multi-token update."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized or key_states.shape[-2] != 1:
-            self._flush()
+            self._merge()
             return super().update(key_states, value_states, *args, **kwargs)
-        if self.tail_keys is None:
-            self.tail_keys, self.tail_values = key_states, value_states
+        if self.side_keys is None:
+            self.side_keys, self.side_values = key_states, value_states
         else:
-            self.tail_keys = torch.cat([self.tail_keys, key_states], dim=-2)
-            self.tail_values = torch.cat([self.tail_values, value_states], dim=-2)
-        return torch.cat([self.keys, self.tail_keys], dim=-2), torch.cat([self.values, self.tail_values], dim=-2)
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        tail = 0 if self.tail_keys is None else self.tail_keys.shape[-2]
-        return (self.keys.shape[-2] if self.is_initialized else 0) + tail
-
-    def get_mask_sizes(self, query_length, *args, **kwargs):
-        return self.get_seq_length() + query_length, 0
-
-    def crop(self, argument: int) -> None:
-        removed = tokens_removed_by_crop(argument, self.get_seq_length())
-        if not removed or not self.is_initialized:
-            return
-        # BUG: the rollback trims the main buffer only; the decode tail (where a draft's rejected candidates are)
-        # survives, and accepted tokens are cut from the main buffer instead
-        self.keys, self.values = self.keys[..., :-removed, :], self.values[..., :-removed, :]
-
-    def reset(self) -> None:
-        super().reset()
-        self.tail_keys = self.tail_values = None
+            self.side_keys = torch.cat([self.side_keys, key_states], dim=-2)
+            self.side_values = torch.cat([self.side_values, value_states], dim=-2)
+        return torch.cat([self.keys, self.side_keys], dim=-2), torch.cat([self.values, self.side_values], dim=-2)
 
 
 class DecodeTailCache(Cache):
