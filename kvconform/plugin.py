@@ -255,7 +255,7 @@ def pytest_collection_modifyitems_shard(session, config, items):
     items left (after -k / -m and the shard) are the ones the sampled power pass samples from
     (``KVSession.power_scope``)."""
     kv_session = config.stash.get(SESSION_KEY, None) if is_active(config) else None
-    shard = getattr(kv_session, "shard", None)
+    shard = kv_session.options.shard if kv_session is not None else None
     if shard:
         from kvconform.merge import read_durations, select_shard
 
