@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from kvconform.options import CACHE, is_active, opt
+from kvconform.plan import SKIPPED_COST
 from kvconform.digest import BUILD_ERROR_FILE, DIGEST_FILE, RunDigest, USAGE_ERROR_FILE, item_id, reproduce_line
 from kvconform.outcomes import close_breadcrumbs, open_breadcrumbs, read_breadcrumbs
 
@@ -121,8 +122,8 @@ def model_scheduling(config, log):
             record = self._items.get(item_id(nodeid))
             if record is None:
                 return nodeid
-            if record["family"] in STARTED_FIRST:
-                return f"{record['family']} {record['model']}"
+            if record["family"] in STARTED_FIRST and self._costs.get(item_id(nodeid), 0.0) > SKIPPED_COST:
+                return f"{record['family']} {record['model']}"  # a compile item that runs (a skip stays with its model)
             return "model " + record["model"]
 
         def _assign_work_unit(self, node):
