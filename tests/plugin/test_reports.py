@@ -253,8 +253,12 @@ def _start(tmp_path, *args, env=None):
     cmd = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly",
            "--kvconform-model", "llama", "--kvconform-cache", "slow.py:SlowCache", "--kvconform-subject", "SlowCache",
            "--kvconform-power", "off", *args]
+    # SIGINT back to its default in the child: a suite started in the background by a non-interactive shell
+    # (`pytest tests &`) ignores SIGINT, children inherit that, and Python then installs no KeyboardInterrupt handler,
+    # so the Ctrl-C test's signal would do nothing
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or _env(KVCONFORM_WORKERS="0"))
+                            env=env or _env(KVCONFORM_WORKERS="0"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(predicate, timeout=300, proc=None):
