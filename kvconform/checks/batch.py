@@ -214,9 +214,10 @@ def _beam_prompts(ctx):
 
     case, model = ctx.case, ctx.model
     gen = case_generator(case, model.name)
-    if encoder_features(model) is not None:
-        mel, frames = encoder_features(model)
-        return encoder_input(model, gen, case.batch, case.encoder_len), None, f"encoder features {mel}x{frames}"
+    features = encoder_features(model)
+    if features is not None:
+        return (encoder_input(model, gen, case.batch, case.encoder_len), None,
+                f"encoder features {features[0]}x{features[1]}")
     length = case.encoder_len if model.is_encoder_decoder else case.prompt
     prompt = random_tokens(gen, case.batch, length, model.vocab_size)
     mask = torch.ones_like(prompt)
