@@ -1,4 +1,5 @@
-"""The model zoo: 14 tiny text model families and 3 tiny vision-language models built offline from configs, plus
+"""The model zoo: 14 tiny text model families, 3 tiny vision-language models, a tiny MTP model and a tiny whisper
+(an encoder-decoder whose encoder takes float audio features, ``AUDIO_NAMES``) built offline from configs, plus
 loading a local checkpoint.
 
 Every zoo model has hidden size 64, 2 layers, 4 attention heads (2 KV heads where the family has GQA) and a
