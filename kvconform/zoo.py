@@ -189,6 +189,15 @@ class ZooModel:
         stride = int(encoder.conv1.stride[0]) * int(encoder.conv2.stride[0])
         return int(self.config.num_mel_bins), int(self.config.max_source_positions) * stride
 
+    def encoder_states(self, encoder_len: int) -> int:
+        """How many encoder states (tokens) an encoder-decoder's cross-attention holds for a case whose
+        ``encoder_len`` is given: ``encoder_len`` where the encoder takes that many token ids (t5, bart), the number
+        its forward fixes where it takes float features (whisper: ``max_source_positions``, 10 in the zoo, 1,500 in
+        a real checkpoint), whatever the case says."""
+        if self.encoder_features is None:
+            return encoder_len
+        return int(self.config.max_source_positions)
+
     @property
     def has_linear_attention(self) -> bool:
         """True if any layer holds a linear-attention (conv / recurrent) state."""

@@ -32,6 +32,8 @@ def test_whisper_takes_seeded_float_features_in_the_weights_dtype(whisper):
 
     assert "whisper" in zoo.ALL_NAMES and "whisper" not in zoo.ZOO_NAMES  # full tier only
     assert whisper.is_encoder_decoder and whisper.encoder_features == (8, 20)
+    # its cross-attention holds the 10 states its forward fixes, whatever a case's encoder_len says
+    assert whisper.encoder_states(10) == 10 and whisper.encoder_states(4) == 10
     first = encoder_input(whisper, torch.Generator().manual_seed(3), 2, 10)
     again = encoder_input(whisper, torch.Generator().manual_seed(3), 2, 10)
     assert first.dtype == torch.float64 and tuple(first.shape) == (2, 8, 20) and torch.equal(first, again)
@@ -41,7 +43,7 @@ def test_whisper_takes_seeded_float_features_in_the_weights_dtype(whisper):
     # t5 keeps its token ids, drawn as before
     t5 = zoo.build_zoo_model("t5")
     ids = encoder_input(t5, torch.Generator().manual_seed(3), 2, 10)
-    assert ids.dtype == torch.int64 and tuple(ids.shape) == (2, 10)
+    assert ids.dtype == torch.int64 and tuple(ids.shape) == (2, 10) and t5.encoder_states(4) == 4
     assert list(compat.encoder_kwargs(t5.model, ids)) == ["input_ids"]
 
 
