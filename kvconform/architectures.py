@@ -267,14 +267,19 @@ def tiny_config(model_type: str, extra: dict | None = None):
 
 def auto_model_class(config, prefer_vision: bool = False):
     """The transformers auto class that builds a language model of ``config``: ``AutoModelForSeq2SeqLM`` for an
-    encoder-decoder, ``AutoModelForImageTextToText`` for a vision-language config that the image-text-to-text mapping
-    maps and the causal-LM mapping does not (LLaVA, Idefics3), else ``AutoModelForCausalLM`` (which may not map it
+    encoder-decoder (``AutoModelForSpeechSeq2Seq`` for one only that mapping maps: whisper),
+    ``AutoModelForImageTextToText`` for a vision-language config that the image-text-to-text mapping maps and the
+    causal-LM mapping does not (LLaVA, Idefics3), else ``AutoModelForCausalLM`` (which may not map it
     either: the caller refuses that). ``prefer_vision``: the image-text-to-text class wherever that mapping maps the
     config, also when the causal-LM mapping does (Gemma3's multimodal config maps to the same class in both): a
     checkpoint folder with a vision tower is checked with images in its prompts."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+    from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM,
+                              AutoModelForSpeechSeq2Seq)
 
     if getattr(config, "is_encoder_decoder", False):
+        if type(config) not in AutoModelForSeq2SeqLM._model_mapping and \
+                type(config) in AutoModelForSpeechSeq2Seq._model_mapping:
+            return AutoModelForSpeechSeq2Seq  # a speech encoder-decoder (whisper): float features in
         return AutoModelForSeq2SeqLM
     if type(config) in AutoModelForImageTextToText._model_mapping and \
             (prefer_vision or type(config) not in AutoModelForCausalLM._model_mapping):

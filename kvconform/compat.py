@@ -87,6 +87,17 @@ def cache_kwarg(model) -> str:
     raise TypeError(f"{type(model).__name__}.forward takes none of {_CACHE_KWARGS}: it cannot use a cache")
 
 
+def encoder_kwargs(model, encoder_input) -> dict:
+    """The keyword argument that gives ``model`` (a transformers encoder-decoder) its encoder input, on its device:
+    token ids ``[B, S_enc]`` (int64) as ``input_ids``; float features (whisper's ``[B, mel, frames]``) under the
+    model's ``main_input_name`` (``input_features``) in the dtype of its weights — float64 for the oracle's model,
+    the case dtype for the cached run."""
+    param = next(model.parameters())
+    if encoder_input.is_floating_point():
+        return {getattr(model, "main_input_name", "input_features"): encoder_input.to(param.device, param.dtype)}
+    return {"input_ids": encoder_input.to(param.device)}
+
+
 def accepts_position_ids(model) -> bool:
     """Whether the model's forward accepts ``position_ids`` counted from 0 (t5 and bart take none; RoBERTa-style
     models count positions from ``padding_idx + 1``, so explicit 0-based positions are another input than the

@@ -187,7 +187,7 @@ class Oracle:
         device = next(model.parameters()).device
         kwargs = {"use_cache": False}
         if self.zoo_model.is_encoder_decoder:
-            kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=tokens.to(device))
+            kwargs.update(compat.encoder_kwargs(model, encoder_ids), decoder_input_ids=tokens.to(device))
         else:
             kwargs["input_ids"] = tokens.to(device)
             if attention_mask is not None:

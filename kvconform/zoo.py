@@ -1,4 +1,5 @@
-"""The model zoo: 14 tiny text model families and 3 tiny vision-language models built offline from configs, plus
+"""The model zoo: 14 tiny text model families, 3 tiny vision-language models, a tiny MTP model and a tiny whisper
+(an encoder-decoder whose encoder takes float audio features, ``AUDIO_NAMES``) built offline from configs, plus
 loading a local checkpoint.
 
 Every zoo model has hidden size 64, 2 layers, 4 attention heads (2 KV heads where the family has GQA) and a
@@ -39,7 +40,14 @@ when ``generate(use_mtp=True)`` starts, so the speculative family writes a seede
 Like the VLMs they are not in the default run: ``--kvconform-full`` adds them, ``--kvconform-model glm4_mtp`` runs
 one. Built only where the installed transformers has MTP (``MtpCache``, 5.25)."""
 
-ALL_NAMES = ZOO_NAMES + VLM_NAMES + MTP_NAMES
+AUDIO_NAMES = ("whisper",)
+"""The tiny encoder-decoders whose encoder input is not token ids: whisper (``WhisperForConditionalGeneration``), whose
+encoder takes float log-mel features ``[B, num_mel_bins, frames]`` (``ZooModel.encoder_features``; the checks draw
+them seeded, ``checks._drive.encoder_input``). ``max_source_positions`` is 10, the cases' ``encoder_len``, so its
+cross-attention holds as many states as t5's and bart's. Full tier only (``--kvconform-full``, or
+``--kvconform-model whisper``), like the VLMs."""
+
+ALL_NAMES = ZOO_NAMES + VLM_NAMES + MTP_NAMES + AUDIO_NAMES
 """Every name ``--kvconform-model`` and case files accept as a zoo model."""
 
 SLIDING_WINDOW = 8
@@ -79,6 +87,13 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
     "bart": ("bart", dict(vocab_size=VOCAB_SIZE, d_model=64, encoder_layers=2, decoder_layers=3,
                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                           decoder_ffn_dim=128, max_position_embeddings=512, init_std=0.1)),
+    # 8 mel bins x 20 frames (two convolutions, the second of stride 2: 10 encoder states); no token suppressed
+    # (the default config suppresses ids 220 and 50256, outside the tiny vocabulary)
+    "whisper": ("whisper", dict(vocab_size=VOCAB_SIZE, d_model=64, encoder_layers=2, decoder_layers=3,
+                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                decoder_ffn_dim=128, num_mel_bins=8, max_source_positions=10,
+                                max_target_positions=512, init_std=0.1, begin_suppress_tokens=None,
+                                suppress_tokens=None)),
     # MoE (4 routed experts, 2 a token, one shared; the first layer dense) with two MTP layers (MTP_NAMES)
     "glm4_mtp": ("glm4_moe", dict(_COMMON, moe_intermediate_size=32, num_experts_per_tok=2, n_shared_experts=1,
                                   n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
@@ -123,7 +138,7 @@ class ZooModel:
         model: the ``PreTrainedModel`` in eval mode, weights in ``dtype`` on ``device``.
         config: its config (the full config; ``config.get_text_config(decoder=True)`` for the decoder).
         dtype: the case dtype of ``model`` (``torch.float32`` by default).
-        is_encoder_decoder: True for t5 / bart (the cache is an ``EncoderDecoderCache``).
+        is_encoder_decoder: True for t5 / bart / whisper (the cache is an ``EncoderDecoderCache``).
         layer_types: the decoder's cache layer types, e.g. ``("sliding_attention", "full_attention")``.
         sliding_window: the smallest sliding window of any layer, or None.
         source: ``"zoo"`` or the checkpoint path.
@@ -161,6 +176,27 @@ class ZooModel:
         decoder = self.model.get_decoder() if self.is_encoder_decoder else self.model
         found = [mod.layer_idx for mod in decoder.modules() if isinstance(getattr(mod, "layer_idx", None), int)]
         return max(found) + 1 if found else None
+
+    @property
+    def encoder_features(self) -> tuple[int, int] | None:
+        """``(num_mel_bins, frames)`` of an encoder that takes float features (``main_input_name`` is
+        ``input_features``: whisper) — its input is ``[B, num_mel_bins, frames]``, ``frames`` the length its forward
+        requires (``2 · max_source_positions``: it raises on any other) —, or None where the encoder takes token ids
+        (t5, bart) or the model has no encoder."""
+        if not self.is_encoder_decoder or getattr(self.model, "main_input_name", "input_ids") != "input_features":
+            return None
+        encoder = self.model.get_encoder()
+        stride = int(encoder.conv1.stride[0]) * int(encoder.conv2.stride[0])
+        return int(self.config.num_mel_bins), int(self.config.max_source_positions) * stride
+
+    def encoder_states(self, encoder_len: int) -> int:
+        """How many encoder states (tokens) an encoder-decoder's cross-attention holds for a case whose
+        ``encoder_len`` is given: ``encoder_len`` where the encoder takes that many token ids (t5, bart), the number
+        its forward fixes where it takes float features (whisper: ``max_source_positions``, 10 in the zoo, 1,500 in
+        a real checkpoint), whatever the case says."""
+        if self.encoder_features is None:
+            return encoder_len
+        return int(self.config.max_source_positions)
 
     @property
     def has_linear_attention(self) -> bool:
@@ -281,7 +317,8 @@ def build_zoo_model(name: str, dtype=None, device: str = "cpu", seed: int = 0) -
         KeyError: unknown ``name``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+    from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM,
+                              AutoModelForSpeechSeq2Seq)
 
     from kvconform import vision
 
@@ -290,6 +327,8 @@ def build_zoo_model(name: str, dtype=None, device: str = "cpu", seed: int = 0) -
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     if name in VLM_NAMES:
         auto = AutoModelForImageTextToText
+    if name in AUDIO_NAMES:
+        auto = AutoModelForSpeechSeq2Seq
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config)

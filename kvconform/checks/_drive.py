@@ -123,15 +123,40 @@ def image_prompt(model, tokens, pads=None):
 
 def generate_prompt(model, case, n=None):
     """The seeded prompt of a ``generate``-based item, ``[case.batch, n]``: ``n`` tokens (default
-    ``case.encoder_len`` for encoder-decoder models — the encoder input —, else ``case.prompt``), starting with the
-    image on a VLM (``image_prompt``; a text or encoder-decoder model gets its tokens unchanged)."""
-    n = n if n is not None else case.encoder_len if model.is_encoder_decoder else case.prompt
-    return image_prompt(model, random_tokens(case_generator(case, model.name), case.batch, n, model.vocab_size))
+    ``case.encoder_len`` for encoder-decoder models — the encoder input, ``encoder_input``: float features
+    ``[case.batch, mel, frames]`` for whisper —, else ``case.prompt``), starting with the image on a VLM
+    (``image_prompt``; a text or encoder-decoder model gets its tokens unchanged)."""
+    gen = case_generator(case, model.name)
+    if model.is_encoder_decoder and (n is None or encoder_features(model) is not None):
+        return encoder_input(model, gen, case.batch, case.encoder_len if n is None else n)
+    n = n if n is not None else case.prompt
+    return image_prompt(model, random_tokens(gen, case.batch, n, model.vocab_size))
+
+
+def encoder_features(model) -> tuple[int, int] | None:
+    """``(mel bins, frames)`` of an encoder that takes float features (``ZooModel.encoder_features``: whisper), or
+    None (token ids, or no encoder; a model without that property takes ids)."""
+    return getattr(model, "encoder_features", None) if getattr(model, "is_encoder_decoder", False) else None
+
+
+def encoder_input(model, gen, batch: int, length: int):
+    """An encoder-decoder's seeded encoder input for ``batch`` rows, in the form its encoder takes: token ids
+    ``[batch, length]`` int64 (t5, bart), or float features ``[batch, mel, frames]`` float64 drawn from a standard
+    normal (whisper: ``encoder_features``, whose frames its forward fixes, so ``length`` is not read). Float
+    features stay float64 here: the oracle reads them as they are and every case-dtype forward casts them
+    (``compat.encoder_kwargs``), so both see the same input."""
+    import torch
+
+    shape = encoder_features(model)
+    if shape is None:
+        return random_tokens(gen, batch, length, model.vocab_size)
+    return torch.randn((batch, *shape), generator=gen, dtype=torch.float64)
 
 
 def encoder_ids_for(ctx, gen, batch=None):
-    """Random encoder input ``[batch, case.encoder_len]`` for encoder-decoder models, else None."""
-    return random_tokens(gen, batch or ctx.case.batch, ctx.case.encoder_len, ctx.model.vocab_size) \
+    """The seeded encoder input of ``batch`` rows (default ``case.batch``) for encoder-decoder models
+    (``encoder_input``: ``[batch, case.encoder_len]`` token ids, or whisper's float features), else None."""
+    return encoder_input(ctx.model, gen, batch or ctx.case.batch, ctx.case.encoder_len) \
         if ctx.model.is_encoder_decoder else None
 
 
@@ -187,7 +212,8 @@ def forward_kwargs(m, cache, new_tokens, start: int, encoder_ids=None, positions
     """Keyword arguments of one forward of the transformers model ``m`` over ``new_tokens`` ``[B, k]`` (int64) at
     sequence offsets ``start..start+k-1``: the cache under the installed forward's keyword (``compat.cache_kwarg``;
     ``cache=None`` → ``use_cache=False``, the uncached forward), ``input_ids`` (encoder-decoder models:
-    ``encoder_ids`` ``[B, S_enc]`` as ``input_ids`` and the tokens as ``decoder_input_ids``) and, where the forward
+    ``encoder_ids`` as the encoder's input — ``[B, S_enc]`` token ids or whisper's float features in ``m``'s dtype,
+    ``compat.encoder_kwargs`` — and the tokens as ``decoder_input_ids``) and, where the forward
     takes them and ``positions`` is true, explicit ``position_ids`` ``[B, k]``. Tensors are moved to ``m``'s device."""
     import torch
 
@@ -195,7 +221,7 @@ def forward_kwargs(m, cache, new_tokens, start: int, encoder_ids=None, positions
     kwargs: dict[str, Any] = ({"use_cache": False} if cache is None
                               else {compat.cache_kwarg(m): cache, "use_cache": True})
     if encoder_ids is not None:
-        kwargs.update(input_ids=encoder_ids.to(device), decoder_input_ids=new_tokens.to(device))
+        kwargs.update(compat.encoder_kwargs(m, encoder_ids), decoder_input_ids=new_tokens.to(device))
     else:
         kwargs["input_ids"] = new_tokens.to(device)
     if positions and compat.accepts_position_ids(m):
@@ -244,7 +270,8 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
     Args:
         model: a zoo model (its ``.model`` is used) or a transformers ``PreTrainedModel`` (e.g. the float64 oracle
             model).
-        input_ids: the prompt ``[B, S]`` int64.
+        input_ids: the prompt ``[B, S]`` int64, or an encoder's float features ``[B, mel, frames]`` (whisper; cast
+            to the model's dtype, no attention mask).
         cache_kwargs: ``compat.generate_cache_kwargs`` or ``{"use_cache": False}``; a subject's cache in it runs
             under its per-call context (``subject_call``).
         attention_mask: ``[B, S]`` (default: all ones).
@@ -257,8 +284,12 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
 
     m = model if isinstance(model, torch.nn.Module) else model.model
     device = next(m.parameters()).device
-    if attention_mask is None:
+    if input_ids.is_floating_point():  # an encoder's float features (whisper): in m's dtype, no mask over them
+        input_ids = next(iter(compat.encoder_kwargs(m, input_ids).values()))
+    elif attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if attention_mask is not None:
+        extra = {"attention_mask": attention_mask.to(device), **extra}
     image = vision.of(m)
     warm = any(seq_length(v) for v in cache_kwargs.values() if hasattr(v, "get_seq_length"))
     if image is not None and "pixel_values" not in extra and not warm:
@@ -270,7 +301,7 @@ def generate(model, input_ids, max_new_tokens: int, cache_kwargs: dict, attentio
     cache = next((v for v in cache_kwargs.values() if call_context(v) is not None), None)
     with torch.no_grad(), subject_call(cache, m):
         # (type: nn.Module.__getattr__ hides generate from mypy)
-        out = m.generate(input_ids.to(device), attention_mask=attention_mask.to(device),  # type: ignore[operator]
+        out = m.generate(input_ids.to(device),  # type: ignore[operator]
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                          return_dict_in_generate=True, output_logits=True, **cache_kwargs, **extra)
     logits = torch.stack([x.detach().to("cpu", torch.float64) for x in out.logits], dim=1)

@@ -16,8 +16,8 @@ import copy
 from kvconform import compat
 from kvconform.checks import (EXACT, FRESH_KINDS, IGNORES_OPS, LOSSY_FRESH, LOSSY_KINDS, OP_PARAMS, CheckSkipped,
                               OpRule, Param, register)
-from kvconform.checks._drive import (SubjectRaised, case_generator, forward, generate, image_prompt,
-                                     prefill_refusal, random_tokens, seq_length)
+from kvconform.checks._drive import (SubjectRaised, case_generator, encoder_features, encoder_input, forward,
+                                     generate, image_prompt, prefill_refusal, random_tokens, seq_length)
 from kvconform.checks._interpreter import run_ops
 from kvconform.checks._judge import judge, record_verdict
 from kvconform.checks._diagnosis import describe_exception, fail_raised, fail_verdict, token_mismatch
@@ -171,7 +171,8 @@ def check_beam_search(ctx):
     ref_seq, ref_scores = _beam(model.model, prompt, mask, n, beams, {"use_cache": False})
     # noise floor: the same uncached beam search in float64, row by row without the pads (a fully masked pad row
     # turns some models' float64 eager attention into NaN; a padded row must equal its prompt alone anyway)
-    exact_scores = torch.cat([_beam(model.oracle_model(), prompt[b:b + 1, mask[b].bool()], None, n, beams,
+    exact_scores = torch.cat([_beam(model.oracle_model(), prompt[b:b + 1] if mask is None
+                                    else prompt[b:b + 1, mask[b].bool()], None, n, beams,
                                     {"use_cache": False})[1] for b in range(case.batch)])
     tol = ctx.tolerance()
     floor = float((ref_scores - exact_scores).abs().max())
@@ -207,11 +208,16 @@ def cache_before_any_token(cache) -> bool:
 
 def _beam_prompts(ctx):
     """The seeded, left-padded prompts ``[B, P]`` and their mask of ``check_beam_search`` (``params.padding``; a VLM's
-    image first), and the ops text's prompt part."""
+    image first), and the ops text's prompt part. An encoder-decoder's prompt is its encoder input, unpadded
+    (``encoder_input``; whisper's float features ``[B, mel, frames]`` with no mask: None)."""
     import torch
 
     case, model = ctx.case, ctx.model
     gen = case_generator(case, model.name)
+    features = encoder_features(model)
+    if features is not None:
+        return (encoder_input(model, gen, case.batch, case.encoder_len), None,
+                f"encoder features {features[0]}x{features[1]}")
     length = case.encoder_len if model.is_encoder_decoder else case.prompt
     prompt = random_tokens(gen, case.batch, length, model.vocab_size)
     mask = torch.ones_like(prompt)

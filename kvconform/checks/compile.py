@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconform.checks import OP_PARAMS, OpRule, Param, register
-from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, forward_kwargs, image_prompt,
-                                     subject_call)
+from kvconform.checks._drive import (FIRST_TOKEN, SubjectRaised, case_generator, encoder_input, forward_kwargs,
+                                     image_prompt, subject_call)
 from kvconform.checks._measure import layer_items, read_attr, self_half, tensors_of
 from kvconform.checks._interpreter import Runner
 from kvconform.checks._compiled import compile_applies, declared_compileable  # noqa: F401 - re-exported
@@ -129,7 +129,7 @@ def _sequences(ctx):
     gen = case_generator(ctx.case, ctx.model.name)
     out = {}
     for name in ("A", "B", "C"):
-        enc = (torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, ctx.case.encoder_len), generator=gen)
+        enc = (encoder_input(ctx.model, gen, ctx.case.batch, ctx.case.encoder_len)
                if ctx.model.is_encoder_decoder else None)
         tokens = torch.randint(FIRST_TOKEN, ctx.model.vocab_size, (ctx.case.batch, prefill + steps), generator=gen)
         tokens[:, :prefill] = image_prompt(ctx.model, tokens[:, :prefill])  # unchanged without an image prefix

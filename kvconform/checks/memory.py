@@ -323,7 +323,7 @@ def _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies) -
                                                           f"reference (the Cache API's layers is a list of layer "
                                                           f"objects)", 0)))
                 continue
-            enc = ctx.case.encoder_len if name.startswith("cross") else tokens
+            enc = ctx.model.encoder_states(ctx.case.encoder_len) if name.startswith("cross") else tokens
             cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
                                                          policies[name].policy)))
         if cp.shared:

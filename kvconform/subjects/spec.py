@@ -304,7 +304,8 @@ class CacheSpec:
         encoder-decoders the wrapper carries the self-attention call's context (else the cross-attention call's).
         A factory that returns an ``EncoderDecoderCache`` itself (a user's own subclass of the wrapper, with its own
         halves) is used as it is, not wrapped again: it is built once, with ``max_cache_len`` (the decoder's
-        length; its cross-attention half must hold ``encoder_len`` tokens, the case's encoder input).
+        length; its cross-attention half must hold the encoder's states: ``encoder_len`` tokens, the case's encoder
+        input, or the number the model fixes, ``ZooModel.encoder_states``).
         """
         device = next(model.model.parameters()).device
         common = dict(config=model.config, batch_size=batch_size, device=device, dtype=model.dtype,
@@ -316,7 +317,7 @@ class CacheSpec:
         self_attention = self.build_one(max_cache_len=max_cache_len, **common)
         if isinstance(self_attention, EncoderDecoderCache):
             return self_attention  # the subject is the wrapper: judged as it is (docs/own-cache.md)
-        cross_attention = self.build_one(max_cache_len=max(encoder_len, 1), **common)
+        cross_attention = self.build_one(max_cache_len=max(model.encoder_states(encoder_len), 1), **common)
         wrapper = EncoderDecoderCache(self_attention, cross_attention)
         context = call_context(self_attention) or call_context(cross_attention)
         if context is not None:

@@ -13,9 +13,10 @@ from kvconform.plan import model_info, position_limit, positions_needed, positio
 def test_limits_come_from_learned_position_tables_in_the_configs():
     limits = {name: position_limit(model_info(name, zoo_only=True, read_forward=False)) for name in zoo.ALL_NAMES}
     assert limits["gpt2"] == 512 and limits["bart"] == 512  # n_positions / max_position_embeddings: tables
+    assert limits["whisper"] == 512  # its decoder's table (max_target_positions), not the encoder's 10 states
     # rotary models (llama ... and the VLMs' text models), relative buckets (t5), states (mamba) have no limit;
     # jamba declares max_position_embeddings = 512 but has no position table (its attention takes no positions)
-    assert {name for name, limit in limits.items() if limit is not None} == {"gpt2", "bart"}, limits
+    assert {name for name, limit in limits.items() if limit is not None} == {"gpt2", "bart", "whisper"}, limits
 
 
 @pytest.fixture(scope="module")

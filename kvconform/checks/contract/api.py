@@ -489,9 +489,9 @@ def check_encoder_decoder_subcaches(ctx):
     def observe(step):
         fed[0] += step.length
         cross_len, self_len = seq_length(cache.cross_attention_cache), seq_length(cache.self_attention_cache)
-        if cross_len != ctx.case.encoder_len:
+        if cross_len != ctx.model.encoder_states(ctx.case.encoder_len):
             problems.append(f"after {step.label}: cross-attention sub-cache holds {cross_len} tokens, but should "
-                            f"hold the {ctx.case.encoder_len} encoder tokens")
+                            f"hold the {ctx.model.encoder_states(ctx.case.encoder_len)} encoder tokens")
         if self_len != fed[0]:
             problems.append(f"after {step.label}: self-attention sub-cache holds {self_len} tokens, but should "
                             f"hold the {fed[0]} decoder tokens fed")
