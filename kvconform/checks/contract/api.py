@@ -20,6 +20,7 @@ is true.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from kvconform import compat
@@ -254,11 +255,34 @@ def _windows(ctx):
     return [kw.get("sliding_window") if t in SLIDING_TYPES else None for t, kw in zip(types, kwargs)]
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One finding of ``check_length_bookkeeping``, typed: ``kind`` says what was wrong, ``op`` the name of the op it
+    was found at (``prefill``, ``decode``, ``chunk``, ``crop``, ``reorder``, ``repeat``, ``select``, ``reset``; "" for
+    none), ``text`` the message line (for people only), ``raised`` the exception's class name where a method raised.
+
+    Kinds: ``length_wrong`` / ``length_raised`` (``get_seq_length()`` after an op), ``max_length_raised`` /
+    ``max_length_not_capacity`` / ``max_length_changed`` (``get_max_length()``), ``mask_sizes_raised``,
+    ``keys_vs_mask_sizes`` (``update()`` returned another key count than ``get_mask_sizes`` announced),
+    ``mask_sizes_cover`` (the announced keys do not cover the positions needed), ``refused_crop_changed_length``.
+    The report's ``problem_ids`` (``kind@op``) are what a known fault's envelope matches, never ``text``."""
+
+    kind: str
+    op: str
+    text: str
+    raised: str | None = None
+
+    @property
+    def id(self) -> str:
+        """``kind@op`` (``length_wrong@reset``), or ``kind`` when no op applies."""
+        return f"{self.kind}@{self.op}" if self.op else self.kind
+
+
 class Bookkeeping:
     """Observer of ``check_length_bookkeeping``: before every forward it asks ``get_mask_sizes`` of each attention
     layer, after it compares with what ``update`` returned (``UpdateSpy``); after every op it compares
     ``get_seq_length()`` with the tokens held and checks ``get_max_length()`` is stable. ``problems`` collects
-    message lines; the first op with a problem ends the run (``StopRun``)."""
+    ``Problem`` records; the first op with a problem ends the run (``StopRun``)."""
 
     def __init__(self, ctx, cache, skipped):
         self.ctx, self.cache, self.skipped = ctx, cache, skipped
@@ -272,11 +296,22 @@ class Bookkeeping:
             self.layers = []
         self.len_name = "seq_length(cache)" if self.adapter is not None else "get_seq_length()"
         self.max_name = "capacity(cache)" if self.adapter is not None else "get_max_length()"
-        self.problems, self.trail = [], []
+        self.problems: list[Problem] = []
+        self.trail: list[str] = []
+        self.op_name = ""
+        """The name of the op being applied (``before_op``): where a problem found during its forwards is filed."""
         self.max_first = None
         self.held, self.predicted = 0, {}
         self.length_fault = None
         """(op label, get_seq_length(), tokens it should hold, tokens stored or None) at the first wrong length."""
+
+    def before_op(self, runner, op, op_index):
+        """Note the op whose forwards come next."""
+        self.op_name = op.name
+
+    def _problem(self, kind: str, text: str, exc=None, op: str | None = None) -> None:
+        self.problems.append(Problem(kind, self.op_name if op is None else op, text,
+                                     None if exc is None else type(exc).__name__))
 
     def before_forward(self, runner, label, n):
         """Ask ``get_mask_sizes(n, layer)`` of each attention layer."""
@@ -285,7 +320,7 @@ class Bookkeeping:
             try:
                 self.predicted[i] = tuple(int(x) for x in self.spy.target.get_mask_sizes(n, i))
             except Exception as exc:  # noqa: BLE001
-                self.problems.append(f"get_mask_sizes({n}, {i}) raised {describe_exception(exc)}")
+                self._problem("mask_sizes_raised", f"get_mask_sizes({n}, {i}) raised {describe_exception(exc)}", exc)
         self.spy.calls.clear()
 
     def after_forward(self, runner, step):
@@ -300,42 +335,47 @@ class Bookkeeping:
             if self.ctx.kind.presses:  # a press announces the tokens it kept: its slots end at the last position
                 first_needed = max(first_needed, kv_off) if kv_off + kv_len == held + q else first_needed
             if returned != kv_len:
-                self.problems.append(f"at {step.label}: layer {layer_idx} update() returned {returned} keys, but "
-                                     f"get_mask_sizes({q}) said kv_length={kv_len}")
+                self._problem("keys_vs_mask_sizes", f"at {step.label}: layer {layer_idx} update() returned "
+                                                    f"{returned} keys, but get_mask_sizes({q}) said kv_length={kv_len}")
             elif kv_off > first_needed or kv_off + kv_len < held + q:
-                self.problems.append(f"at {step.label}: layer {layer_idx} get_mask_sizes({q}) = "
-                                     f"(kv_length={kv_len}, kv_offset={kv_off}) does not cover positions "
-                                     f"{first_needed}..{held + q - 1}")
+                self._problem("mask_sizes_cover", f"at {step.label}: layer {layer_idx} get_mask_sizes({q}) = "
+                                                  f"(kv_length={kv_len}, kv_offset={kv_off}) does not cover positions "
+                                                  f"{first_needed}..{held + q - 1}")
 
     def after_op(self, runner, op, op_index):
         """``get_seq_length()`` against the tokens held, ``get_max_length()`` stable; stop at the first problem."""
-        cache, trail, problems = self.cache, self.trail, self.problems
+        cache, trail, problem = self.cache, self.trail, self._problem
         trail.append(op.label)
+        self.op_name = op.name
         if self.counts:
             try:
                 reported = int(cache.get_seq_length())
             except Exception as exc:  # noqa: BLE001
-                problems.append(f"after {' → '.join(trail)}: {self.len_name} raised {describe_exception(exc)}")
+                problem("length_raised", f"after {' → '.join(trail)}: {self.len_name} raised "
+                                         f"{describe_exception(exc)}", exc)
                 raise StopRun from exc
             if reported != runner.length:
                 stored = None if self.adapter is not None else stored_tokens(cache)
-                problems.append(f"after {' → '.join(trail)}: {self.len_name} = {reported}, but the cache should "
-                                f"hold {runner.length} tokens"
-                                + (f" (its unbounded attention layers store {stored})" if stored is not None else ""))
+                problem("length_wrong", f"after {' → '.join(trail)}: {self.len_name} = {reported}, but the cache "
+                                        f"should hold {runner.length} tokens"
+                        + (f" (its unbounded attention layers store {stored})" if stored is not None else ""))
                 if self.length_fault is None:
                     self.length_fault = (op.label, reported, runner.length, stored)
         try:
             value = compat.max_length(cache)
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"after {' → '.join(trail)}: {self.max_name} raised {describe_exception(exc)}")
+            problem("max_length_raised", f"after {' → '.join(trail)}: {self.max_name} raised "
+                                         f"{describe_exception(exc)}", exc)
             raise StopRun from exc
         if self.max_first is None:
             self.max_first = value
             if value == 0 or value < -1:
-                problems.append(f"{self.max_name} = {value}: should be -1 (unbounded) or the capacity")
+                problem("max_length_not_capacity", f"{self.max_name} = {value}: should be -1 (unbounded) or the "
+                                                   f"capacity")
         elif value != self.max_first:
-            problems.append(f"after {' → '.join(trail)}: {self.max_name} = {value}, was {self.max_first}")
-        if problems:
+            problem("max_length_changed", f"after {' → '.join(trail)}: {self.max_name} = {value}, was "
+                                          f"{self.max_first}")
+        if self.problems:
             raise StopRun
 
     def on_raise(self, runner, op, op_index, exc) -> bool:
@@ -350,9 +390,10 @@ class Bookkeeping:
         self.trail.append(op.label + " (refused)")
         self.skipped.append(op.label + " (refused)")
         if op.name == "crop" and _lengths_differ(self.cache, runner):
-            self.problems.append(f"after {' → '.join(self.trail)}: the refused crop changed get_seq_length() to "
-                                 f"{int(self.cache.get_seq_length())}, but the cache should still hold "
-                                 f"{runner.length}")
+            self._problem("refused_crop_changed_length",
+                          f"after {' → '.join(self.trail)}: the refused crop changed get_seq_length() to "
+                          f"{int(self.cache.get_seq_length())}, but the cache should still hold {runner.length}",
+                          op="crop")
             return False
         return True
 
@@ -375,33 +416,37 @@ def check_length_bookkeeping(ctx):
     problems = book.problems
     ctx.metrics.update(ops=len(ops), skipped_ops=skipped, update_calls_checked=True)
     if problems:
-        cause = (_length_cause(book.length_fault) if book.length_fault is not None and "get_seq_length() ="
-                 in problems[0] else
+        first = problems[0]
+        cause = (_length_cause(book.length_fault) if book.length_fault is not None and first.kind == "length_wrong"
+                 else
                  "get_seq_length() does not count what update() stored (an off-by-one, or a counter that crop(), "
                  "reset() or a batch op forgot to update) — models derive positions from it"
-                 if "get_seq_length" in problems[0] else
+                 if first.kind in ("length_wrong", "length_raised", "refused_crop_changed_length") else
                  "get_mask_sizes() and update() disagree on which keys the next forward sees — the attention mask "
-                 "then hides the wrong positions" if "get_mask_sizes" in problems[0] else
-                 _max_length_cause(problems[0], book.max_first))
-        ctx.fail([problems[0], *problems[1:3],
+                 "then hides the wrong positions" if first.kind.startswith(("mask_sizes", "keys_vs")) else
+                 _max_length_cause(first, book.max_first))
+        raised = next((p.raised for p in problems if p.raised), None)
+        ctx.fail([first.text, *(p.text for p in problems[1:3]),
                   f"ops: {' → '.join(op.label for op in ops)}"
                   + (f"   (skipped: {', '.join(skipped)})" if skipped else ""),
-                  "likely cause: " + cause], {"problems": problems[:5]})
+                  "likely cause: " + cause],
+                 {"problems": [p.text for p in problems[:5]], "problem_ids": [p.id for p in problems[:5]],
+                  **({"raised": raised} if raised else {})})
 
 
-def _max_length_cause(problem: str, first) -> str:
+def _max_length_cause(problem: Problem, first) -> str:
     """The likely cause of a ``get_max_length()`` problem (``problem``: the first one recorded; ``first``: the value
     its first call returned, None when it never returned): a method that raises from its first call, one that
     raises later, a first value that is no capacity, or a value that changes."""
     name = compat.max_length_name()
-    if "raised" in problem:
+    if problem.kind == "max_length_raised":
         if first is None:
             return (f"{name}() raises from its first call: it is missing or broken for this cache, not changing "
                     f"over its life — it should return -1 (unbounded) or the capacity in tokens (generate() and "
                     f"the mask builders read it)")
         return (f"{name}() answered {first} at first and raises after a later op: that op leaves the cache in a "
                 f"state its {name}() cannot read")
-    if first is not None and "should be -1" in problem:
+    if first is not None and problem.kind == "max_length_not_capacity":
         return (f"{name}() returns {first} from its first call: neither -1 (unbounded) nor a capacity in tokens — "
                 f"a 0 or an unset field where the capacity should be")
     return f"{name}() changes over the cache's life"
