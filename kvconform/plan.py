@@ -13,6 +13,7 @@ from kvconform import zoo
 from kvconform.memo import MEMO
 from kvconform.ops import tokens_held
 from kvconform.outcomes import UsageError
+from kvconform.sources import ModelInfo, source_of  # noqa: F401 - ModelInfo re-exported (it lives with the sources)
 
 if TYPE_CHECKING:  # PlanItem's field types, without importing the checks or torch at run time
     from kvconform.cases import Case
@@ -20,62 +21,13 @@ if TYPE_CHECKING:  # PlanItem's field types, without importing the checks or tor
     from kvconform.subjects import CacheSpec
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What collection needs to know about a model without building its weights."""
-
-    name: str
-    spec: str
-    layer_types: tuple
-    is_encoder_decoder: bool
-    accepts_position_ids: bool
-    trust_remote_code: bool = False
-    """Load it with its repository's own code (``--kvconform-trust-remote-code``; ``remote.py``)."""
-    takes_mask: bool = True
-    """Whether its forward takes a padding mask: False only for a model adapter declaring ``takes_mask = False``
-    (``kvconform.scratch``); such a model has the feature ``no_padding_mask``, which the unpadded twins of the
-    left-padded batch and low-precision cases require."""
-
-    @property
-    def features(self) -> set:
-        from kvconform.zoo import ZooModel
-
-        features = set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
-        return features if self.takes_mask else features | {"no_padding_mask"}
-
-
 def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
     """Why ``--kvconform-model spec`` cannot be used, from the file system alone (no torch or transformers import,
     so that a mistyped spec is a usage error at once), or None. The whole message, naming the spec and the fix: a
     bare zoo name that is also a folder here, a folder that is not a checkpoint (no config.json, no weights), a bare
     word that is neither, a folder that ships its own code without ``trust_remote_code``. What needs its config
-    (the kind of model) is checked by ``model_info``."""
-    from kvconform import remote, scratch
-
-    import os
-
-    if scratch.is_scratch_spec(spec):  # a model written from scratch, through its adapter (kvconform.scratch)
-        return scratch.spec_problem(spec)
-    if not zoo.is_checkpoint_spec(spec):
-        if os.path.isfile(os.path.join(spec, "config.json")):
-            return (f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; write ./{spec} for "
-                    f"the folder")
-        return None
-    path = os.path.expanduser(spec)
-    problem = zoo.checkpoint_problem(path)
-    if problem == "no such folder" and os.sep not in spec and "/" not in spec:
-        import difflib
-
-        close = difflib.get_close_matches(spec.lower(), zoo.ALL_NAMES, 1, cutoff=0.6)
-        problem = (f"not a zoo name{f' (did you mean {close[0]!r}?)' if close else ''} and not a checkpoint "
-                   f"folder; zoo names: {', '.join(zoo.ZOO_NAMES)} (and {', '.join(zoo.VLM_NAMES)}, the "
-                   f"vision-language models)")
-        if "." in spec.strip("."):  # a module path: a model adapter is named with a colon before its class
-            module, _, attr = spec.rpartition(".")
-            problem += f"; a model written from scratch is named MODULE:ATTR, e.g. {module}:{attr}"
-    if problem:
-        return f"--kvconform-model {spec!r}: {problem}"
-    return remote.consent_problem(spec, path, trust_remote_code)
+    (the kind of model) is checked by ``model_info``. The spec's source says it (``ModelSource.problem``)."""
+    return source_of(spec).problem(trust_remote_code)
 
 
 def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = False,
@@ -92,7 +44,7 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     only need the features or the scope of items (``zoo_features``, the known-fault universe), which would otherwise
     import the modeling code of every zoo family in every run.
     """
-    from kvconform import remote, scratch
+    from kvconform import remote
 
     import os
 
@@ -103,10 +55,9 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     problem = None if zoo_only else spec_problem(spec, trust_remote_code)
     if problem:
         raise UsageError(problem)
-    if not zoo_only and scratch.is_scratch_spec(spec):
-        adapter = scratch.load_adapter(spec)
-        return ModelInfo(scratch.model_name(adapter), spec, scratch.layer_types(adapter), False, False,
-                         takes_mask=scratch.takes_mask(adapter))
+    known = None if zoo_only else source_of(spec).info()  # a model adapter: its own declarations, no config
+    if known is not None:
+        return known
     if zoo_only or not zoo.is_checkpoint_spec(spec):
         config, name = zoo.zoo_config(spec), spec
     else:
@@ -195,7 +146,6 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
     (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
     model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
     ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
-    from kvconform import scratch
     from kvconform.cases import model_requirements_unmet
 
     if (case.tier == "full" or subject.tier == "full") and not full:
@@ -205,10 +155,10 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
         return False
     if model_requirements_unmet(case, model.features):
         return False
-    adapter = model.spec if scratch.is_scratch_spec(model.spec) else None
-    if (getattr(subject, "adapter_spec", None) or None) != adapter:
+    source = model.source
+    if (getattr(subject, "adapter_spec", None) or None) != source.adapter_spec:
         return False  # a from-scratch model runs its own caches only, and they run on it only
-    if adapter and not full and case.check in scratch.FULL_TIER:
+    if not full and not source.in_default_tier(case.check):
         return False  # its default tier keeps within its time budget (scratch.FULL_TIER)
     return subject.applies_to is None or subject.applies_to(model) is None
 
@@ -216,10 +166,7 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
 def serves(subject, model: ModelInfo) -> bool:
     """Whether ``subject`` has items on ``model`` at all, whatever the case (``in_scope``'s subject rules): a
     from-scratch model's own caches only on it, and only they; the subject's ``applies_to``."""
-    from kvconform import scratch
-
-    adapter = model.spec if scratch.is_scratch_spec(model.spec) else None
-    if (getattr(subject, "adapter_spec", None) or None) != adapter:
+    if (getattr(subject, "adapter_spec", None) or None) != model.source.adapter_spec:
         return False
     return subject.applies_to is None or subject.applies_to(model) is None
 
@@ -288,14 +235,14 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     ``position_ids`` on a model whose forward takes none; a case that makes the model see more tokens than its
     position limit (``positions_problem``, from its config).
     """
-    from kvconform import scratch
     from kvconform.compat import missing_requirement
     from kvconform.subjects import kind_of, unsupported
 
     scoped = unsupported(subject, model)
     if scoped:
         return scoped
-    if scratch.is_scratch_spec(model.spec) and (reason := scratch.not_applicable(check, case, model.spec)):
+    reason = model.source.not_applicable(check, case)  # e.g. a transformers-only check on a from-scratch model
+    if reason:
         return reason
     missing = sorted(check.needs - subject.capabilities)
     if missing:
@@ -340,14 +287,14 @@ def position_limit(model: ModelInfo) -> int | None:
     device (no weights allocated) has a learned position table (an ``nn.Embedding``) of that many rows, up to two
     more (BART's offset of 2). A config the meta build fails on keeps the candidate: a skip costs less than an
     out-of-range lookup, which on CUDA is a device-side assert that fails every later CUDA call of the process."""
-    from kvconform import compat, scratch
+    from kvconform import compat
 
     if model.spec in _LIMITS:
         return _LIMITS[model.spec]
-    if scratch.is_scratch_spec(model.spec):
-        declared = getattr(scratch.load_adapter(model.spec), "max_positions", None)
-        _LIMITS[model.spec] = int(declared) if declared else None
-        return _LIMITS[model.spec]
+    declares, declared = model.source.declared_position_limit()
+    if declares:
+        _LIMITS[model.spec] = declared
+        return declared
     config = zoo.model_config(model.spec, model.trust_remote_code)
     limit = compat.position_limit(config)
     if limit is not None:
@@ -395,10 +342,7 @@ def positions_problem(model: ModelInfo, check, case) -> str | None:
     needed = positions_needed(case, check)
     if needed <= limit:
         return None
-    from kvconform import scratch
-
-    where = ("its adapter's max_positions" if scratch.is_scratch_spec(model.spec)
-             else "its config: a learned position table")
+    where = model.source.position_limit_where
     return f"{model.name} takes at most {limit} positions ({where}) and case {case.id} makes it see {needed} tokens"
 
 

@@ -545,7 +545,9 @@ def _compiled_applies(subject, model, case, device="cpu"):
 
 @register("speed", cost=6.0, timed=True, needs=("compile",), judges=ALL_KINDS, applies=_compiled_applies, params={
     **TIMING_PARAMS, "context": CONTEXT, "min_speedup": MIN_SPEEDUP, "mode": COMPILE_MODE, "device": CUDA_DEVICE,
-}, ops=IGNORES_OPS, tokens_held=_held_context_steps)
+}, ops=IGNORES_OPS, tokens_held=_held_context_steps,
+    transformers_only="the compiled StaticCache is timed against transformers' DynamicCache eager on the same model, "
+                      "a cache a from-scratch model does not take")
 def check_speed_compiled_static(ctx):
     """A cache declaring ``is_compileable``, decoded through ``torch.compile`` (``params.mode``), is
     ≥ ``params.min_speedup`` × as fast per token as ``DynamicCache`` decoding eagerly, side by side."""
