@@ -217,8 +217,9 @@ def zoo_family(spec: str) -> str | None:
 
 
 def external(spec: str) -> bool:
-    """A model outside the zoo: a checkpoint folder or an architecture of transformers (``transformers:TYPE``)."""
-    return zoo.is_checkpoint_spec(spec) or spec.startswith("transformers:")
+    """A model outside the zoo: a checkpoint folder, an architecture of transformers (``transformers:TYPE``) or a
+    model adapter (its source says so: ``ModelSource.external``)."""
+    return source_of(spec).external
 
 
 def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> str | None:

@@ -62,6 +62,8 @@ class ModelSource:
         brings_subjects: its model comes with caches of its own (``own_subjects``), so ``--kvconform-subject`` may
             name subjects the run does not know yet.
         position_limit_where: where its position limit comes from, for the skip reason.
+        external: a model outside the zoo: a case scoped to zoo models reaches it through the zoo models of its kind
+            (``plan.stands_in_for``), and so do known faults naming every zoo model of its kind.
     """
 
     kind: ClassVar[str] = ""
@@ -71,6 +73,7 @@ class ModelSource:
     runs_in_process: ClassVar[bool] = False
     brings_subjects: ClassVar[bool] = False
     position_limit_where: ClassVar[str] = "its config: a learned position table"
+    external: ClassVar[bool] = True
 
     def __init__(self, spec: str):
         self.spec = spec

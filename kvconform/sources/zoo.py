@@ -14,6 +14,7 @@ class ZooSource(ModelSource):
 
     kind = "zoo"
     order = 30
+    external = False
 
     @classmethod
     def recognises(cls, spec) -> bool:
