@@ -46,8 +46,6 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     """
     from kvconform import remote
 
-    import os
-
     from transformers import AutoConfig
 
     from kvconform.architectures import auto_model_class
@@ -58,10 +56,10 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     known = None if zoo_only else source_of(spec).info()  # a model adapter: its own declarations, no config
     if known is not None:
         return known
-    if zoo_only or not zoo.is_checkpoint_spec(spec):
+    path = None if zoo_only else source_of(spec).folder()  # a checkpoint folder: its config.json
+    if path is None:
         config, name = zoo.zoo_config(spec), spec
     else:
-        path = os.path.expanduser(spec)
         remote_code = bool(remote.code_files(path))
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote_code)
@@ -70,13 +68,13 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
             raise UsageError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
     # a vision-language checkpoint: its image-text-to-text class (zoo.load_checkpoint builds it with images)
-    auto = auto_model_class(config, prefer_vision=zoo.is_checkpoint_spec(spec) and not zoo_only)
-    remote_code = zoo.is_checkpoint_spec(spec) and not zoo_only and remote_code
+    auto = auto_model_class(config, prefer_vision=path is not None)
+    remote_code = path is not None and remote_code
     if remote_code and auto.__name__ not in (getattr(config, "auto_map", None) or {}) and \
             type(config) not in auto._model_mapping:
         raise UsageError(f"--kvconform-model {spec!r}: its config.json auto_map names no {auto.__name__} class, "
                          f"so it has no language-model class to check")
-    if zoo.is_checkpoint_spec(spec) and not remote_code and type(config) not in auto._model_mapping:
+    if path is not None and not remote_code and type(config) not in auto._model_mapping:
         raise UsageError(
             f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
             f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
@@ -296,7 +294,7 @@ def position_limit(model: ModelInfo) -> int | None:
     if declares:
         _LIMITS[model.spec] = declared
         return declared
-    config = zoo.model_config(model.spec, model.trust_remote_code)
+    config = model.model_config()
     limit = compat.position_limit(config)
     if limit is not None:
         limit = limit if _has_position_table(config, limit) in (True, None) else None

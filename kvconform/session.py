@@ -399,7 +399,7 @@ class KVSession:
                                     + "; add --kvconform-full)")
             + ("" if self.options.fuzz_seed is None else f"; fuzz seed {self.options.fuzz_seed} (replay: "
                                                          f"--kvconform-fuzz-seed {self.options.fuzz_seed})"),
-            *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
+            *(self._checkpoint_coverage(m) for m in self.models if m.source.folder() is not None),
             *self.notes,
             *self._architecture_lines(),
         ]
@@ -610,7 +610,7 @@ def build_session(caches=(), models=(), case_paths=(), builtin=True, checks=None
             _add_adapter_subjects(session, info, set(registry), {c.id for c in cases})
             continue
         # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
-        if zoo.is_checkpoint_spec(info.spec):
+        if info.source.folder() is not None:
             _refuse_unusable_checkpoint(session, info)
             if info.trust_remote_code:
                 _add_repository_subjects(session, info, set(registry), {c.id for c in cases})

@@ -105,10 +105,9 @@ def _model_size(model) -> tuple[int, int] | None:
     (no weights; memoised per spec), or None where it does not build there (a model written from scratch)."""
     if model.spec not in _SIZES:
         try:
-            from kvconform import zoo
             from kvconform.subjects.construction import meta_model
 
-            config = zoo.model_config(model.spec, getattr(model, "trust_remote_code", False))
+            config = model.model_config()  # its source reads it
             meta = meta_model(config)
             text = config.get_text_config(decoder=True)
             layers = int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1)

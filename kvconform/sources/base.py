@@ -96,6 +96,21 @@ class ModelSource:
         (``plan.model_info`` reads the config)."""
         return None
 
+    def folder(self) -> str | None:
+        """The checkpoint folder its config and weights are read from (``config.json``: ``plan.model_info``; loaded
+        and refused when not causal when the session is built), or None: a model built from a config in code."""
+        return None
+
+    def config(self, trust_remote_code: bool = False):
+        """Its transformers config (no weights built; ``zoo.model_config``).
+
+        Raises:
+            Exception: whatever reading it raises (a model adapter has none).
+        """
+        from kvconform import zoo
+
+        return zoo.model_config(self.spec, trust_remote_code)
+
     def build(self, dtype, device: str = "cpu", trust_remote_code: bool = False):
         """The model at ``dtype`` (a ``torch.dtype``) on ``device``, as a ``zoo.ZooModel``.
 
@@ -150,6 +165,14 @@ class ModelInfo:
     def source(self) -> ModelSource:
         """Its source (``source_of(spec)``): what kind of model it is, asked instead of its spec string."""
         return source_of(self.spec)
+
+    def model_config(self):
+        """Its transformers config, read by its source (``ModelSource.config``; no weights built).
+
+        Raises:
+            Exception: whatever reading it raises (a model adapter has none).
+        """
+        return self.source.config(self.trust_remote_code)
 
     @property
     def features(self) -> set:

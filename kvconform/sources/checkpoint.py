@@ -21,6 +21,9 @@ class CheckpointSource(ModelSource):
     def recognises(cls, spec) -> bool:
         return isinstance(spec, str) and zoo.is_checkpoint_spec(spec)
 
+    def folder(self) -> str | None:
+        return os.path.expanduser(self.spec)
+
     def problem(self, trust_remote_code: bool = False) -> str | None:
         """A folder that is not a checkpoint (no config.json, no weights), a bare word that is neither a zoo name
         nor a folder (with the closest zoo name, and the adapter form where it looks like a module path), a folder
