@@ -102,24 +102,26 @@ class ModelSource:
         return None
 
     def config(self, trust_remote_code: bool = False):
-        """Its transformers config (no weights built; ``zoo.model_config``).
+        """Its transformers config (no weights built; ``zoo.model_config`` of its ``folder``, else of the spec).
 
         Raises:
             Exception: whatever reading it raises (a model adapter has none).
         """
         from kvconform import zoo
 
-        return zoo.model_config(self.spec, trust_remote_code)
+        return zoo.model_config(self.folder() or self.spec, trust_remote_code)
 
     def build(self, dtype, device: str = "cpu", trust_remote_code: bool = False):
-        """The model at ``dtype`` (a ``torch.dtype``) on ``device``, as a ``zoo.ZooModel``.
+        """The model at ``dtype`` (a ``torch.dtype``) on ``device``, as a ``zoo.ZooModel`` (``zoo.load_model`` of its
+        ``folder``, else of the spec).
 
         Raises:
             KeyError / FileNotFoundError: the spec names no model (``zoo.load_model``).
         """
         from kvconform import zoo
 
-        return zoo.load_model(self.spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return zoo.load_model(self.folder() or self.spec, dtype=dtype, device=device,
+                              trust_remote_code=trust_remote_code)
 
     @property
     def adapter_spec(self) -> str | None:
