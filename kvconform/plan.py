@@ -138,12 +138,14 @@ class PlanItem:
         return {**self.describe(), "dtype": self.case.dtype, "batch": self.case.batch}
 
 
-def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
+def in_scope(subject, model: ModelInfo, case, full: bool = True, check=None) -> bool:
     """Whether the item exists at all. A case limited to some models (``models``; ``models_full`` under
     ``--kvconform-full``) or model features
     (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
     model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
-    ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
+    ones that say something (a capability the subject lacks, missing hardware, a full-tier case). ``check``: the
+    case's ``CheckInfo``, whose ``adapter_full_tier`` keeps it off a model adapter's default tier (None: not
+    asked)."""
     from kvconform.cases import model_requirements_unmet
 
     if (case.tier == "full" or subject.tier == "full") and not full:
@@ -156,8 +158,8 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
     source = model.source
     if (getattr(subject, "adapter_spec", None) or None) != source.adapter_spec:
         return False  # a from-scratch model runs its own caches only, and they run on it only
-    if not full and not source.in_default_tier(case.check):
-        return False  # its default tier keeps within its time budget (scratch.FULL_TIER)
+    if not full and check is not None and not source.in_default_tier(check):
+        return False  # its default tier keeps within its time budget (CheckInfo.adapter_full_tier)
     return subject.applies_to is None or subject.applies_to(model) is None
 
 

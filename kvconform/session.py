@@ -74,7 +74,7 @@ class KVSession:
             check = self.checks[case.check]
             for subject in self.subjects:
                 for model in self.models:
-                    if not in_scope(subject, model, case, self.full):
+                    if not in_scope(subject, model, case, self.full, check):
                         continue
                     skip = skip_reason(subject, model, check, case, self.device)
                     xfail = (subject.expected_failures.get(f"{check.name}:{case.id}")

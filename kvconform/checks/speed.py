@@ -76,6 +76,11 @@ UNCACHED_STEPS = Param(int, default=DEFAULTS["uncached_steps"], min=1, doc="unca
 MIN_SPEEDUP = Param(float, required=True, min=0, doc="budget: speedup at least")
 COMPILE_MODE = Param(str, choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                      doc="torch.compile mode (absent: None)")
+ADAPTER_FULL_TIER = ("a model written from scratch keeps its default tier to 15 s wall on 2 cores; each of these "
+                     "speed items took 4.4 s on the worked example")
+"""Why the prefill and flat-decode timings run on a model adapter in the full tier only (``adapter_full_tier``);
+``check_speed_vs_uncached``, the cached-vs-uncached claim, stays in its default tier."""
+
 CUDA_DEVICE = Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off CUDA (CUDA graphs)")
 
 
@@ -364,7 +369,7 @@ def check_speed_vs_uncached(ctx):
                                         doc="budget of a quantized subject: its growth ≤ this share of the uncached "
                                             "forward's growth in the same rounds (and always ≤ max_growth is "
                                             "enough)"),
-}, ops=IGNORES_OPS, validate=_growth_case, tokens_held=_held_long_steps)
+}, ops=IGNORES_OPS, validate=_growth_case, tokens_held=_held_long_steps, adapter_full_tier=ADAPTER_FULL_TIER)
 def check_speed_flat_decode(ctx):
     """Per-token decode cost grows ≤ ``params.max_growth`` × from context ``short`` to ``long``; the uncached
     forward, in the same rounds, grows ~linearly. A quantized subject (``_quantized``) dequantizes its history at
@@ -465,7 +470,7 @@ def prefill_target(ctx, name, spec, tokens, context) -> Target:
     **TIMING_PARAMS, "context": Param(int, default=1024, min=64, doc="tokens of the timed prefill"),
     "max_ratio": Param(float, required=True, min=1, doc="budget: cached prefill time / uncached forward time"),
     "max_ratio_quantized": Param(float, min=1, doc="budget of a quantized subject (default: max_ratio)"),
-}, ops=IGNORES_OPS, tokens_held=_held_prefill)
+}, ops=IGNORES_OPS, tokens_held=_held_prefill, adapter_full_tier=ADAPTER_FULL_TIER)
 def check_speed_prefill(ctx):
     """A cached prefill of ``params.context`` tokens into a fresh cache takes ≤ ``params.max_ratio`` × the uncached
     forward of the same tokens, timed side by side (medians, confirmed; ``params.steps`` is not used)."""

@@ -37,7 +37,8 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
 
 * ``compiled_decode = {"fullgraph", "step", "caches"}`` and ``decode_step(model, ids, cache, pos)`` (``pos`` a 0-dim
   int64 tensor): a decode step compiled with ``torch.compile`` for those caches — capability ``compile``
-  (``compiled_decode``; ``ScratchModule.compiled_forward`` compiles that step only; full tier, ``FULL_TIER``).
+  (``compiled_decode``; ``ScratchModule.compiled_forward`` compiles that step only; full tier: the compile
+  checks' ``adapter_full_tier``).
 
 The oracle's model is ``build(float64, "cpu")`` (``oracle_module``), refused before any item runs where its forward
 computes in a narrower dtype inside (``narrow_computation``, in ``float64_problem``).
@@ -68,7 +69,7 @@ from kvconform.scratch.module import (  # noqa: F401 - the package's public name
 from kvconform.scratch.cache import (  # noqa: F401 - the package's public names
     scratch_cache_class, adapter_cache_spec_class, allocation_of, subjects)
 from kvconform.scratch.applicability import (  # noqa: F401 - the package's public names
-    FULL_TIER, not_applicable, dtype_problem, unpadded_twin)
+    not_applicable, dtype_problem, unpadded_twin)
 from kvconform.scratch.causes import (  # noqa: F401 - the package's public names
     likely_cause, adapter_lines)
 

@@ -1,6 +1,7 @@
-"""What does not apply to a model written from scratch, and why: checks that judge transformers' own API (each
-says so itself: ``register(..., transformers_only=reason)``), the full-tier checks of its time budget, left-padded
-cases without a padding mask, a dtype its model fails at whatever the cache."""
+"""What does not apply to a model written from scratch, and why: by what the adapter declares: left-padded cases
+without a padding mask, the length bookkeeping without ``seq_length``, a dtype its model fails at whatever the cache.
+(A check that judges transformers' own API, or that a from-scratch model gets in the full tier only, says so itself:
+``register(..., transformers_only=reason)``, ``register(..., adapter_full_tier=reason)``; ``kvconform.sources``.)"""
 
 from __future__ import annotations
 
@@ -13,12 +14,6 @@ def _torch():
     import torch
 
     return torch
-
-
-FULL_TIER = ("check_speed_prefill", "check_speed_flat_decode", "check_compile_static_decode", "check_compile_claim")
-"""Checks a from-scratch model gets only under ``--kvconform-full``: its default tier keeps to 15 s wall on 2 cores
-(the speed two took 4.4 s each on the worked example, a compile item 7.8 CPU-s: inductor's compile);
-``check_speed_vs_uncached``, the cached-vs-uncached claim, and ``check_static_addresses`` (no compile) stay."""
 
 
 def not_applicable(check, case, spec: str | None = None) -> str | None:

@@ -59,8 +59,8 @@ class AdapterSource(ModelSource):
             return f"not for a model outside transformers: {check.transformers_only}"
         return scratch.not_applicable(check, case, self.spec)
 
-    def in_default_tier(self, check_name: str) -> bool:
-        return check_name not in scratch.FULL_TIER  # its default tier keeps within its time budget
+    def in_default_tier(self, check) -> bool:
+        return not check.adapter_full_tier  # its default tier keeps within its time budget (the check says so)
 
     def declared_position_limit(self) -> tuple[bool, int | None]:
         declared = getattr(scratch.load_adapter(self.spec), "max_positions", None)

@@ -137,8 +137,9 @@ class ModelSource:
         """Why ``check`` (a ``CheckInfo``) on ``case`` cannot apply to a model of this source, or None."""
         return None
 
-    def in_default_tier(self, check_name: str) -> bool:
-        """Whether the check runs on its model in the default tier (else only under ``--kvconform-full``)."""
+    def in_default_tier(self, check) -> bool:
+        """Whether ``check`` (a ``CheckInfo``) runs on its model in the default tier (else only under
+        ``--kvconform-full``)."""
         return True
 
     def declared_position_limit(self) -> tuple[bool, int | None]:

@@ -73,7 +73,7 @@ def test_a_source_registered_from_one_class_is_asked_in_its_order():
         register_source(type("NoKind", (ModelSource,), {}))
 
 
-def test_checks_that_need_transformers_say_so_themselves_and_the_adapter_source_skips_them():
+def test_checks_that_need_transformers_or_the_full_tier_say_so_themselves_and_the_adapter_source_reads_it():
     from kvconform.cases import load_cases
     from kvconform.checks import load_checks
 
@@ -89,6 +89,13 @@ def test_checks_that_need_transformers_say_so_themselves_and_the_adapter_source_
     assert reason == ("not for a model outside transformers: beam search is transformers' generate(num_beams > 1); "
                       "kvconform decodes a from-scratch model greedily")
     assert source_of("llama").not_applicable(registry["check_beam_search"], case) is None
+    # the checks a from-scratch model gets in the full tier only say so themselves (its default tier's budget)
+    full_only = sorted(name for name, c in registry.items() if c.adapter_full_tier)
+    assert full_only == ["check_compile_claim", "check_compile_static_decode", "check_speed_flat_decode",
+                         "check_speed_prefill"]
+    assert not source_of(ADAPTER).in_default_tier(registry["check_compile_claim"])
+    assert source_of(ADAPTER).in_default_tier(registry["check_speed_vs_uncached"])
+    assert source_of("llama").in_default_tier(registry["check_compile_claim"])
 
 
 def test_no_module_tests_a_spec_string_for_a_model_adapter_outside_the_source_classes():
