@@ -12,7 +12,7 @@ class AdapterSource(ModelSource):
     run on it and transformers' known faults do not apply; it brings its own caches, which run on it alone; checks
     that judge transformers' own API (``register(..., transformers_only=reason)``) do not apply to it."""
 
-    kind = "adapter"
+    name = "adapter"
     order = 20
     has_reference = False
     transformers_faults = False

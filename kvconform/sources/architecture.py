@@ -10,7 +10,7 @@ from kvconform.sources.base import ModelSource, register_source
 class ArchitectureSource(ModelSource):
     """A ``transformers:PATTERN`` spec (a sweep), and each ``transformers:<model_type>`` it stands for."""
 
-    kind = "architecture"
+    name = "architecture"
     order = 10
 
     @classmethod

@@ -24,11 +24,11 @@ def register_source(cls: type[ModelSource]) -> type[ModelSource]:
     (the first whose ``recognises(spec)`` is True names the spec).
 
     Raises:
-        TypeError: ``cls`` is no ``ModelSource`` subclass or has no ``kind``.
+        TypeError: ``cls`` is no ``ModelSource`` subclass or has no ``name``.
     """
-    if not (isinstance(cls, type) and issubclass(cls, ModelSource)) or not getattr(cls, "kind", ""):
-        raise TypeError(f"register_source: {cls!r} must be a ModelSource subclass with a kind")
-    SOURCES[:] = sorted([*(c for c in SOURCES if c.kind != cls.kind), cls], key=lambda c: c.order)
+    if not (isinstance(cls, type) and issubclass(cls, ModelSource)) or not getattr(cls, "name", ""):
+        raise TypeError(f"register_source: {cls!r} must be a ModelSource subclass with a name")
+    SOURCES[:] = sorted([*(c for c in SOURCES if c.name != cls.name), cls], key=lambda c: c.order)
     return cls
 
 
@@ -52,7 +52,7 @@ class ModelSource:
 
     Attributes:
         spec: the ``--kvconform-model`` value.
-        kind: the source's name (``"zoo"``, ``"checkpoint"``, ``"architecture"``, ``"adapter"``).
+        name: the source's name (``"zoo"``, ``"checkpoint"``, ``"architecture"``, ``"adapter"``).
         order: where ``source_of`` asks it (lower first): a source recognising a subset of another's specs asks
             first.
         has_reference: the ReferenceCache runs on its model (a transformers model).
@@ -66,7 +66,7 @@ class ModelSource:
             (``plan.stands_in_for``), and so do known faults naming every zoo model of its kind.
     """
 
-    kind: ClassVar[str] = ""
+    name: ClassVar[str] = ""
     order: ClassVar[int] = 100
     has_reference: ClassVar[bool] = True
     transformers_faults: ClassVar[bool] = True

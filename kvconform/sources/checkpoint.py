@@ -14,7 +14,7 @@ class CheckpointSource(ModelSource):
     """A folder: anything written as a path (``./llama``, ``~/m``, ``ckpt/llama``), or a bare word that is no zoo
     name (``zoo.is_checkpoint_spec``). Asked last: what no other source recognises is a folder."""
 
-    kind = "checkpoint"
+    name = "checkpoint"
     order = 90
 
     @classmethod

@@ -12,7 +12,7 @@ from kvconform.sources.base import ModelSource, register_source
 class ZooSource(ModelSource):
     """A zoo family name (``llama``, ``gpt2``, ...; ``zoo.ALL_NAMES``): a transformers model with seeded weights."""
 
-    kind = "zoo"
+    name = "zoo"
     order = 30
     external = False
 

@@ -16,14 +16,14 @@ from kvconform.sources import SOURCES, ModelSource, register_source, source_of
 ADAPTER = "kvconform.examples.tiny_decoder:TinyDecoder"
 
 
-@pytest.mark.parametrize("spec, kind", [
+@pytest.mark.parametrize("spec, name", [
     ("llama", "zoo"), ("llava", "zoo"), ("./llama", "checkpoint"), ("~/ckpt", "checkpoint"), ("nosuch", "checkpoint"),
     ("transformers:llama", "architecture"), ("transformers:*", "architecture"), (ADAPTER, "adapter"),
     ("tests/subjects/scratch_litgpt.py:LitGPT", "adapter"),
 ])
-def test_each_spec_is_recognised_by_one_source_class(spec, kind):
-    assert source_of(spec).kind == kind
-    assert sum(cls.recognises(spec) for cls in SOURCES if cls.kind != "checkpoint") <= 1  # the folder: the rest
+def test_each_spec_is_recognised_by_one_source_class(spec, name):
+    assert source_of(spec).name == name
+    assert sum(cls.recognises(spec) for cls in SOURCES if cls.name != "checkpoint") <= 1  # the folder: the rest
 
 
 def test_the_facts_the_callers_read_come_from_the_source():
@@ -37,7 +37,7 @@ def test_the_facts_the_callers_read_come_from_the_source():
     assert [external(s) for s in ("llama", "llava", "./ckpt", "transformers:llama", ADAPTER)] == [
         False, False, True, True, True]
     info = ModelInfo("llama", "llama", ("full_attention",), False, True)
-    assert info.source.kind == "zoo" and info.model_config().model_type == "llama"
+    assert info.source.name == "zoo" and info.model_config().model_type == "llama"
 
 
 def test_each_source_owns_its_usage_error_naming_the_spec_and_the_fix(tmp_path, monkeypatch):
@@ -54,7 +54,7 @@ def test_each_source_owns_its_usage_error_naming_the_spec_and_the_fix(tmp_path, 
 def test_a_source_registered_from_one_class_is_asked_in_its_order():
     @register_source
     class Ring(ModelSource):
-        kind, order = "test-ring", 5
+        name, order = "test-ring", 5
 
         @classmethod
         def recognises(cls, spec):
@@ -64,12 +64,12 @@ def test_a_source_registered_from_one_class_is_asked_in_its_order():
             return f"--kvconform-model {self.spec!r}: no ring here"
 
     try:
-        assert source_of("ring:x").kind == "test-ring" and SOURCES[0] is Ring
+        assert source_of("ring:x").name == "test-ring" and SOURCES[0] is Ring
         assert spec_problem("ring:x") == "--kvconform-model 'ring:x': no ring here"
-        assert source_of("llama").kind == "zoo"
+        assert source_of("llama").name == "zoo"
     finally:
         SOURCES.remove(Ring)
-    with pytest.raises(TypeError, match="ModelSource subclass with a kind"):
+    with pytest.raises(TypeError, match="ModelSource subclass with a name"):
         register_source(type("NoKind", (ModelSource,), {}))
 
 
