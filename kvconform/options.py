@@ -428,9 +428,9 @@ def refuse_bad_subjects(config) -> None:
     only = opt(config, SUBJECT) or ()
     if not only or opt(config, TRUST) or config.pluginmanager.hook.pytest_kvconform_caches.get_hookimpls():
         return
-    from kvconform.scratch import is_scratch_spec
+    from kvconform.sources import source_of
 
-    if any(is_scratch_spec(m) for m in opt(config, MODEL) or ()):
+    if any(source_of(m).brings_subjects for m in opt(config, MODEL) or ()):  # a model adapter's own caches
         return
     import difflib
 

@@ -13,6 +13,7 @@ from kvconform import zoo
 from kvconform.memo import MEMO
 from kvconform.ops import tokens_held
 from kvconform.outcomes import UsageError
+from kvconform.sources import ModelInfo, source_of  # noqa: F401 - ModelInfo re-exported (it lives with the sources)
 
 if TYPE_CHECKING:  # PlanItem's field types, without importing the checks or torch at run time
     from kvconform.cases import Case
@@ -20,62 +21,13 @@ if TYPE_CHECKING:  # PlanItem's field types, without importing the checks or tor
     from kvconform.subjects import CacheSpec
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What collection needs to know about a model without building its weights."""
-
-    name: str
-    spec: str
-    layer_types: tuple
-    is_encoder_decoder: bool
-    accepts_position_ids: bool
-    trust_remote_code: bool = False
-    """Load it with its repository's own code (``--kvconform-trust-remote-code``; ``remote.py``)."""
-    takes_mask: bool = True
-    """Whether its forward takes a padding mask: False only for a model adapter declaring ``takes_mask = False``
-    (``kvconform.scratch``); such a model has the feature ``no_padding_mask``, which the unpadded twins of the
-    left-padded batch and low-precision cases require."""
-
-    @property
-    def features(self) -> set:
-        from kvconform.zoo import ZooModel
-
-        features = set(ZooModel(self.name, None, None, None, self.is_encoder_decoder, self.layer_types, None).features)
-        return features if self.takes_mask else features | {"no_padding_mask"}
-
-
 def spec_problem(spec: str, trust_remote_code: bool = False) -> str | None:
     """Why ``--kvconform-model spec`` cannot be used, from the file system alone (no torch or transformers import,
     so that a mistyped spec is a usage error at once), or None. The whole message, naming the spec and the fix: a
     bare zoo name that is also a folder here, a folder that is not a checkpoint (no config.json, no weights), a bare
     word that is neither, a folder that ships its own code without ``trust_remote_code``. What needs its config
-    (the kind of model) is checked by ``model_info``."""
-    from kvconform import remote, scratch
-
-    import os
-
-    if scratch.is_scratch_spec(spec):  # a model written from scratch, through its adapter (kvconform.scratch)
-        return scratch.spec_problem(spec)
-    if not zoo.is_checkpoint_spec(spec):
-        if os.path.isfile(os.path.join(spec, "config.json")):
-            return (f"--kvconform-model {spec!r}: both a zoo family and a checkpoint folder here; write ./{spec} for "
-                    f"the folder")
-        return None
-    path = os.path.expanduser(spec)
-    problem = zoo.checkpoint_problem(path)
-    if problem == "no such folder" and os.sep not in spec and "/" not in spec:
-        import difflib
-
-        close = difflib.get_close_matches(spec.lower(), zoo.ALL_NAMES, 1, cutoff=0.6)
-        problem = (f"not a zoo name{f' (did you mean {close[0]!r}?)' if close else ''} and not a checkpoint "
-                   f"folder; zoo names: {', '.join(zoo.ZOO_NAMES)} (and {', '.join(zoo.VLM_NAMES)}, the "
-                   f"vision-language models)")
-        if "." in spec.strip("."):  # a module path: a model adapter is named with a colon before its class
-            module, _, attr = spec.rpartition(".")
-            problem += f"; a model written from scratch is named MODULE:ATTR, e.g. {module}:{attr}"
-    if problem:
-        return f"--kvconform-model {spec!r}: {problem}"
-    return remote.consent_problem(spec, path, trust_remote_code)
+    (the kind of model) is checked by ``model_info``. The spec's source says it (``ModelSource.problem``)."""
+    return source_of(spec).problem(trust_remote_code)
 
 
 def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = False,
@@ -92,9 +44,7 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     only need the features or the scope of items (``zoo_features``, the known-fault universe), which would otherwise
     import the modeling code of every zoo family in every run.
     """
-    from kvconform import remote, scratch
-
-    import os
+    from kvconform import remote
 
     from transformers import AutoConfig
 
@@ -103,14 +53,13 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     problem = None if zoo_only else spec_problem(spec, trust_remote_code)
     if problem:
         raise UsageError(problem)
-    if not zoo_only and scratch.is_scratch_spec(spec):
-        adapter = scratch.load_adapter(spec)
-        return ModelInfo(scratch.model_name(adapter), spec, scratch.layer_types(adapter), False, False,
-                         takes_mask=scratch.takes_mask(adapter))
-    if zoo_only or not zoo.is_checkpoint_spec(spec):
+    known = None if zoo_only else source_of(spec).info()  # a model adapter: its own declarations, no config
+    if known is not None:
+        return known
+    path = None if zoo_only else source_of(spec).folder()  # a checkpoint folder: its config.json
+    if path is None:
         config, name = zoo.zoo_config(spec), spec
     else:
-        path = os.path.expanduser(spec)
         remote_code = bool(remote.code_files(path))
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote_code)
@@ -119,13 +68,13 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
             raise UsageError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None
         name = zoo.checkpoint_name(path)
     # a vision-language checkpoint: its image-text-to-text class (zoo.load_checkpoint builds it with images)
-    auto = auto_model_class(config, prefer_vision=zoo.is_checkpoint_spec(spec) and not zoo_only)
-    remote_code = zoo.is_checkpoint_spec(spec) and not zoo_only and remote_code
+    auto = auto_model_class(config, prefer_vision=path is not None)
+    remote_code = path is not None and remote_code
     if remote_code and auto.__name__ not in (getattr(config, "auto_map", None) or {}) and \
             type(config) not in auto._model_mapping:
         raise UsageError(f"--kvconform-model {spec!r}: its config.json auto_map names no {auto.__name__} class, "
                          f"so it has no language-model class to check")
-    if zoo.is_checkpoint_spec(spec) and not remote_code and type(config) not in auto._model_mapping:
+    if path is not None and not remote_code and type(config) not in auto._model_mapping:
         raise UsageError(
             f"--kvconform-model {spec!r}: a {config.model_type!r} checkpoint has no "
             f"{'sequence-to-sequence' if config.is_encoder_decoder else 'causal'} language-model class in transformers "
@@ -189,13 +138,14 @@ class PlanItem:
         return {**self.describe(), "dtype": self.case.dtype, "batch": self.case.batch}
 
 
-def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
+def in_scope(subject, model: ModelInfo, case, full: bool = True, check=None) -> bool:
     """Whether the item exists at all. A case limited to some models (``models``; ``models_full`` under
     ``--kvconform-full``) or model features
     (``requires``), and a subject that cannot serve a model (``CacheSpec.applies_to``, e.g. QuantizedCache on a
     model with linear-attention layers), generate no item there — listing thousands of such skips would bury the
-    ones that say something (a capability the subject lacks, missing hardware, a full-tier case)."""
-    from kvconform import scratch
+    ones that say something (a capability the subject lacks, missing hardware, a full-tier case). ``check``: the
+    case's ``CheckInfo``, whose ``adapter_full_tier`` keeps it off a model adapter's default tier (None: not
+    asked)."""
     from kvconform.cases import model_requirements_unmet
 
     if (case.tier == "full" or subject.tier == "full") and not full:
@@ -205,21 +155,18 @@ def in_scope(subject, model: ModelInfo, case, full: bool = True) -> bool:
         return False
     if model_requirements_unmet(case, model.features):
         return False
-    adapter = model.spec if scratch.is_scratch_spec(model.spec) else None
-    if (getattr(subject, "adapter_spec", None) or None) != adapter:
+    source = model.source
+    if (getattr(subject, "adapter_spec", None) or None) != source.adapter_spec:
         return False  # a from-scratch model runs its own caches only, and they run on it only
-    if adapter and not full and case.check in scratch.FULL_TIER:
-        return False  # its default tier keeps within its time budget (scratch.FULL_TIER)
+    if not full and check is not None and not source.in_default_tier(check):
+        return False  # its default tier keeps within its time budget (CheckInfo.adapter_full_tier)
     return subject.applies_to is None or subject.applies_to(model) is None
 
 
 def serves(subject, model: ModelInfo) -> bool:
     """Whether ``subject`` has items on ``model`` at all, whatever the case (``in_scope``'s subject rules): a
     from-scratch model's own caches only on it, and only they; the subject's ``applies_to``."""
-    from kvconform import scratch
-
-    adapter = model.spec if scratch.is_scratch_spec(model.spec) else None
-    if (getattr(subject, "adapter_spec", None) or None) != adapter:
+    if (getattr(subject, "adapter_spec", None) or None) != model.source.adapter_spec:
         return False
     return subject.applies_to is None or subject.applies_to(model) is None
 
@@ -270,8 +217,9 @@ def zoo_family(spec: str) -> str | None:
 
 
 def external(spec: str) -> bool:
-    """A model outside the zoo: a checkpoint folder or an architecture of transformers (``transformers:TYPE``)."""
-    return zoo.is_checkpoint_spec(spec) or spec.startswith("transformers:")
+    """A model outside the zoo: a checkpoint folder, an architecture of transformers (``transformers:TYPE``) or a
+    model adapter (its source says so: ``ModelSource.external``)."""
+    return source_of(spec).external
 
 
 def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> str | None:
@@ -288,14 +236,14 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
     ``position_ids`` on a model whose forward takes none; a case that makes the model see more tokens than its
     position limit (``positions_problem``, from its config).
     """
-    from kvconform import scratch
     from kvconform.compat import missing_requirement
     from kvconform.subjects import kind_of, unsupported
 
     scoped = unsupported(subject, model)
     if scoped:
         return scoped
-    if scratch.is_scratch_spec(model.spec) and (reason := scratch.not_applicable(check, case, model.spec)):
+    reason = model.source.not_applicable(check, case)  # e.g. a transformers-only check on a from-scratch model
+    if reason:
         return reason
     missing = sorted(check.needs - subject.capabilities)
     if missing:
@@ -340,15 +288,15 @@ def position_limit(model: ModelInfo) -> int | None:
     device (no weights allocated) has a learned position table (an ``nn.Embedding``) of that many rows, up to two
     more (BART's offset of 2). A config the meta build fails on keeps the candidate: a skip costs less than an
     out-of-range lookup, which on CUDA is a device-side assert that fails every later CUDA call of the process."""
-    from kvconform import compat, scratch
+    from kvconform import compat
 
     if model.spec in _LIMITS:
         return _LIMITS[model.spec]
-    if scratch.is_scratch_spec(model.spec):
-        declared = getattr(scratch.load_adapter(model.spec), "max_positions", None)
-        _LIMITS[model.spec] = int(declared) if declared else None
-        return _LIMITS[model.spec]
-    config = zoo.model_config(model.spec, model.trust_remote_code)
+    declares, declared = model.source.declared_position_limit()
+    if declares:
+        _LIMITS[model.spec] = declared
+        return declared
+    config = model.model_config()
     limit = compat.position_limit(config)
     if limit is not None:
         limit = limit if _has_position_table(config, limit) in (True, None) else None
@@ -395,10 +343,7 @@ def positions_problem(model: ModelInfo, check, case) -> str | None:
     needed = positions_needed(case, check)
     if needed <= limit:
         return None
-    from kvconform import scratch
-
-    where = ("its adapter's max_positions" if scratch.is_scratch_spec(model.spec)
-             else "its config: a learned position table")
+    where = model.source.position_limit_where
     return f"{model.name} takes at most {limit} positions ({where}) and case {case.id} makes it see {needed} tokens"
 
 

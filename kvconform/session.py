@@ -74,7 +74,7 @@ class KVSession:
             check = self.checks[case.check]
             for subject in self.subjects:
                 for model in self.models:
-                    if not in_scope(subject, model, case, self.full):
+                    if not in_scope(subject, model, case, self.full, check):
                         continue
                     skip = skip_reason(subject, model, check, case, self.device)
                     xfail = (subject.expected_failures.get(f"{check.name}:{case.id}")
@@ -94,11 +94,9 @@ class KVSession:
         import torch
 
         key = (model.spec, dtype_name)
-        if key not in self._built and scratch.is_scratch_spec(model.spec):
-            self._built[key] = scratch.build_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device)
-        if key not in self._built:
-            self._built[key] = zoo.load_model(model.spec, dtype=getattr(torch, dtype_name), device=self.device,
-                                              trust_remote_code=model.trust_remote_code)
+        if key not in self._built:  # its source builds it (a zoo model, a checkpoint, a model adapter's)
+            self._built[key] = model.source.build(getattr(torch, dtype_name), device=self.device,
+                                                  trust_remote_code=model.trust_remote_code)
         return self._built[key]
 
     def oracle(self, zm):
@@ -118,7 +116,7 @@ class KVSession:
         breadcrumb("building the model, the oracle and the cache (before the case's first op)", item=item.id)
         torch.manual_seed(0)
         zm = self.zoo_model(item.model, item.case.dtype)
-        reference = None if scratch.is_scratch_spec(item.model.spec) else self.reference  # no ReferenceCache there
+        reference = self.reference if item.model.source.has_reference else None  # none on a from-scratch model
         ctx = CheckContext(item.subject, zm, item.case, self.oracle(zm), reference=reference,
                            known_fault=self.known_fault(item), benchmark=benchmark, options=self.options)
         try:
@@ -179,7 +177,7 @@ class KVSession:
         matches *every* zoo model of the checkpoint's kind (same features): then it is a fault of that kind of model
         or cache, not of one family's modeling code (a fault of Jamba's chunked continuation says nothing about
         another hybrid architecture)."""
-        if scratch.is_scratch_spec(item.model.spec):
+        if not item.model.source.transformers_faults:
             return None  # a model outside transformers has no transformers faults (kvconform.scratch)
         if own_failures and (item.subject.expected_failures.get(f"{item.check.name}:{item.case.id}") or
                              item.subject.expected_failures.get(item.check.name)):
@@ -231,7 +229,7 @@ class KVSession:
             raise ConformanceError(f"{exc}\n  not known upstream fault {fault.id!r}: this failure lies outside what "
                                    f"that fault does ({why}), so it is the subject's own", exc.metrics,
                                    failure=getattr(exc, "failure", None)) from None
-        if scratch.is_scratch_spec(item.model.spec):
+        if not item.model.source.transformers_faults:
             return  # its cache inherits no transformers method that a known fault lives in
         try:
             cache = ctx.new_cache()
@@ -401,7 +399,7 @@ class KVSession:
                                     + "; add --kvconform-full)")
             + ("" if self.options.fuzz_seed is None else f"; fuzz seed {self.options.fuzz_seed} (replay: "
                                                          f"--kvconform-fuzz-seed {self.options.fuzz_seed})"),
-            *(self._checkpoint_coverage(m) for m in self.models if zoo.is_checkpoint_spec(m.spec)),
+            *(self._checkpoint_coverage(m) for m in self.models if m.source.folder() is not None),
             *self.notes,
             *self._architecture_lines(),
         ]
@@ -608,11 +606,11 @@ def build_session(caches=(), models=(), case_paths=(), builtin=True, checks=None
     session = KVSession(subjects, infos, cases, registry, faults, options)
     session.architectures = surveyed
     for info in infos:
-        if scratch.is_scratch_spec(info.spec):  # a model written from scratch: its adapter's caches are subjects
+        if info.source.brings_subjects:  # a model written from scratch: its adapter's caches are subjects
             _add_adapter_subjects(session, info, set(registry), {c.id for c in cases})
             continue
         # a checkpoint folder: load it now (kept for the items) and refuse non-causal ones
-        if zoo.is_checkpoint_spec(info.spec):
+        if info.source.folder() is not None:
             _refuse_unusable_checkpoint(session, info)
             if info.trust_remote_code:
                 _add_repository_subjects(session, info, set(registry), {c.id for c in cases})
@@ -676,10 +674,7 @@ def _add_adapter_subjects(session, info, known_checks, known_cases) -> None:
     """
     from kvconform.subjects import validate_spec
 
-    problem = scratch.float64_problem(info.spec)
-    if problem:
-        raise scratch.AdapterUsageError(f"--kvconform-model {info.spec!r}: {problem}")
-    for subject in scratch.subjects(info.spec):
+    for subject in info.source.own_subjects():
         where = f"--kvconform-model {info.spec!r} (its cache {subject.name})"
         validate_spec(subject, where, known_checks, known_cases)
         if any(s.name == subject.name for s in session.subjects):

@@ -79,12 +79,13 @@ def distribute_by_default(config) -> None:
 
 
 def _only_scratch_models(config) -> bool:
-    """Whether every ``--kvconform-model`` names a model adapter (``kvconform.scratch``)."""
+    """Whether every ``--kvconform-model`` names a model adapter (``kvconform.scratch``): a source that runs in
+    process (``ModelSource.runs_in_process``)."""
     from kvconform.options import MODEL
-    from kvconform.scratch import is_scratch_spec
+    from kvconform.sources import source_of
 
     models = opt(config, MODEL) or []
-    return bool(models) and all(is_scratch_spec(m) for m in models)
+    return bool(models) and all(source_of(m).runs_in_process for m in models)
 
 
 def starts_workers(config) -> bool:

@@ -22,9 +22,7 @@ def declared_compileable(subject, model_info) -> bool | None:
     key = (subject.name, subject.source, model_info.spec)
     if key not in _CLAIMS:
         try:
-            from kvconform import zoo
-
-            config = zoo.model_config(model_info.spec, getattr(model_info, "trust_remote_code", False))
+            config = model_info.model_config()  # its source reads it
             cache = subject.plan_build(config)
             _CLAIMS[key] = bool(cache.is_compileable)
         except Exception:  # noqa: BLE001 - reported by the item itself

@@ -250,6 +250,13 @@ class CheckInfo:
             that plugin is active and skips it under ``--benchmark-disable`` in an xdist worker.
         reads_position_ids: the check passes the case's ``position_ids`` to the model itself, so a case with
             ``position_ids = "explicit"`` is skipped on a model whose forward takes none (``plan.skip_reason``).
+        transformers_only: why the check cannot apply to a model outside transformers (a model adapter,
+            ``kvconform.scratch``: it judges transformers' own API — beam search, ``cache_implementation``, a cache
+            class of transformers), or None: it applies to such a model too. The adapter's model source reads it
+            (``kvconform.sources``) and skips the item with that reason.
+        adapter_full_tier: why a model written from scratch (a model adapter) gets the check only under
+            ``--kvconform-full`` (its default tier keeps to its time budget: ``plan.in_scope``), or None: its
+            default tier has it.
     """
 
     name: str
@@ -268,6 +275,8 @@ class CheckInfo:
     timed: bool = False
     reads_position_ids: bool = False
     facts: dict = field(default_factory=dict)
+    transformers_only: str | None = None
+    adapter_full_tier: str | None = None
 
     def judges_kind(self, kind) -> bool:
         """Whether the check judges a subject of ``kind`` (a ``Kind``) as such (``judges`` names its kind)."""
@@ -299,7 +308,8 @@ CHECKS: dict[str, CheckInfo] = {}
 def register(family: str, needs=(), applies: Callable | None = None, params: dict | None = None,
              ops: OpRule | None = None, validate: Callable | None = None, judges=DEFAULT_JUDGES,
              unjudged: dict | str | None = None, tokens_held: Callable | None = None, cost: float = 1.0,
-             timed: bool = False, reads_position_ids: bool = False, facts: dict | None = None):
+             timed: bool = False, reads_position_ids: bool = False, facts: dict | None = None,
+             transformers_only: str | None = None, adapter_full_tier: str | None = None):
     """Decorator registering a ``check_*`` function: the one place a check declares its family, the capabilities
     it ``needs``, the subject kinds it ``judges`` (``CheckInfo.judges``), its own applicability rule (``applies``,
     see ``CheckInfo``), its ``params`` schema
@@ -307,9 +317,10 @@ def register(family: str, needs=(), applies: Callable | None = None, params: dic
     (``OpRule``; ``IGNORES_OPS`` for a check that does not read them), its own load-time case rule
     (``validate(case) -> (key, problem) | None``), why it skips the kinds it does not judge (``unjudged``) and, for
     a check that feeds tokens of its own, the most tokens it makes a cache hold (``tokens_held(case)``), the facts
-    it needs of the subject's kind (``facts``, see ``CheckInfo``), its estimated ``cost``, whether it is ``timed``
-    and whether it ``reads_position_ids`` (see ``CheckInfo``). A case file breaking any of them is a usage error at
-    load.
+    it needs of the subject's kind (``facts``, see ``CheckInfo``), its estimated ``cost``, whether it is ``timed``,
+    whether it ``reads_position_ids``, why it cannot apply to a model outside transformers (``transformers_only``)
+    and why a model written from scratch gets it only in the full tier (``adapter_full_tier``; see ``CheckInfo``).
+    A case file breaking any of them is a usage error at load.
 
     Raises:
         TypeError: a ``params`` value that is not a ``Param``, an ``ops`` that is not an ``OpRule``, a ``judges``
@@ -331,7 +342,8 @@ def register(family: str, needs=(), applies: Callable | None = None, params: dic
     def deco(fn):
         CHECKS[fn.__name__] = CheckInfo(fn.__name__, fn, family, frozenset(needs), (fn.__doc__ or "").strip(),
                                         applies, schema, ops, validate, judged, reasons, tokens_held, float(cost),
-                                        bool(timed), bool(reads_position_ids), needed)
+                                        bool(timed), bool(reads_position_ids), needed, transformers_only,
+                                        adapter_full_tier)
         return fn
 
     return deco

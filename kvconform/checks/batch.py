@@ -144,7 +144,9 @@ def _beam(m, prompt, mask, n, beams, cache_kwargs):
           params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
           ops=IGNORES_OPS, unjudged={
               LOSSY_FRESH: "{subject} is lossy: its beam search is not compared with the exact model's but with a "
-                           "fresh instance fed each beam's tokens (check_beam_search_self_consistent)"})
+                           "fresh instance fed each beam's tokens (check_beam_search_self_consistent)"},
+          transformers_only="beam search is transformers' generate(num_beams > 1); kvconform decodes a from-scratch "
+                            "model greedily")
 def check_beam_search(ctx):
     """``generate(num_beams=params.beams)`` on distinct, left-padded prompts with the subject's cache equals uncached
     beam search: the same sequences, and sequence scores within the tolerance (noise floor: uncached beam search in
@@ -234,7 +236,7 @@ def _beam_prompts(ctx):
 
 @register("batch", needs=("generate", "reorder"), judges=FRESH_KINDS, unjudged=FRESH_ONLY,
           params={**OP_PARAMS, "beams": Param(int, default=2, min=2, doc="num_beams of generate()")},
-          ops=IGNORES_OPS)
+          ops=IGNORES_OPS, transformers_only="beam search is transformers' generate(num_beams > 1)")
 def check_beam_search_self_consistent(ctx):
     """Beam search with a lossy subject without a twin (``generate(num_beams=params.beams, num_return_sequences=
     beams, length_penalty=0)`` on distinct, left-padded prompts): the score of every returned beam — the sum of the

@@ -19,6 +19,9 @@ from kvconform.checks._measure import layer_list, read_attr, self_half
 from kvconform.checks._diagnosis import describe_raise
 from kvconform.oracle import compare_logits
 
+TRANSFORMERS_ONLY = "the coverage family checks transformers' cache_implementation strings and layer table"
+"""Why no check of this family applies to a model outside transformers (``register(..., transformers_only=...)``)."""
+
 
 def _implementation_row(subject, model, case, device="cpu"):
     expected = case.params.get("subject")
@@ -58,7 +61,8 @@ def _layer_classes(cache) -> tuple:
             tuple(type(layer).__name__ for layer in layer_list(cross)) if cross is not None else ())
 
 
-@register("coverage", needs=("generate",), applies=_implementation_row, ops=IGNORES_OPS, params={
+@register("coverage", needs=("generate",), applies=_implementation_row, ops=IGNORES_OPS,
+          transformers_only="transformers' generate(cache_implementation=...)", params={
     "implementation": Param(str, required=True, doc="a cache_implementation string of generate()"),
     "subject": Param(str, required=True, doc="the subject whose cache it must build"),
 })
@@ -151,7 +155,7 @@ def covered_implementations() -> dict:
             if c.check == "check_cache_implementation" and "implementation" in c.params}
 
 
-@register("coverage", applies=_reference_row, ops=IGNORES_OPS)
+@register("coverage", applies=_reference_row, ops=IGNORES_OPS, transformers_only=TRANSFORMERS_ONLY)
 def check_cache_implementations_covered(ctx):
     """Every string of the installed ``transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`` has a
     ``check_cache_implementation`` case; a new one fails here, named."""
@@ -189,7 +193,7 @@ def _layer_table_row(subject, model, case, device="cpu"):
     return _reference_row(subject, model, case, device=device)
 
 
-@register("coverage", applies=_layer_table_row, ops=IGNORES_OPS,
+@register("coverage", applies=_layer_table_row, ops=IGNORES_OPS, transformers_only=TRANSFORMERS_ONLY,
           params={"gaps": Param(dict, default={}, items=str, doc="known gaps: {layer_type = \"reason\"}")})
 def check_layer_types_covered(ctx):
     """Every layer type of the installed ``DYNAMIC_LAYER_TYPE_MAPPING`` / ``STATIC_LAYER_TYPE_MAPPING`` is covered:

@@ -257,7 +257,7 @@ def _torch_path(module, dispatchers):
 
 
 @register("logits", reads_position_ids=True, needs=("forward",), applies=_mamba_row, params=OP_PARAMS,
-          ops=OpRule(min_forwards=1))
+          ops=OpRule(min_forwards=1), transformers_only="transformers' Mamba kernels")
 def check_mamba_kernel_paths(ctx):
     """Mamba / Mamba2 on CUDA with mamba-ssm and causal-conv1d installed: the run through the kernels and the run
     through transformers' torch fallbacks (same cache subject, same ops) both match the oracle."""

@@ -673,7 +673,8 @@ def check_memory_released(ctx):
 
 @register("memory", cost=1.5, needs=("forward",), applies=_offloaded_row,
           ops=OpRule(allowed=FORWARD_OPS, first="prefill"),
-          params={"layers": Param(int, default=6, min=1, doc="decoder layers of the model copy")})
+          params={"layers": Param(int, default=6, min=1, doc="decoder layers of the model copy")},
+          transformers_only="transformers' offloaded caches")
 def check_offloaded_matches(ctx):
     """An offloaded subject (CUDA) decodes to the logits of the non-offloaded subject it names (``same_as``) and
     allocates less GPU memory at its decode peak, on a deeper copy of the model (``params.layers``, default 6) so

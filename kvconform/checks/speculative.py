@@ -41,6 +41,10 @@ from kvconform.checks._diagnosis import describe_raise, token_mismatch
 from kvconform.memo import MEMO
 from kvconform.outcomes import CheckSkipped
 
+TRANSFORMERS_ONLY = ("transformers' candidate generators (prompt lookup, a draft model) run inside transformers' "
+                     "generate(); kvconform decodes a from-scratch model with its own greedy loop")
+"""Why no check of this family applies to a model outside transformers (``register(..., transformers_only=...)``)."""
+
 _DRAFTS: dict = MEMO.table("speculative.drafts")
 DRAFT_SEED = 1
 """The seed of the draft model's weights (the target's is 0): the same family and vocabulary, other weights."""
@@ -106,6 +110,7 @@ class CropCounter:
 
 
 @register("speculative", cost=2.0, needs=("generate", "crop"), ops=IGNORES_OPS, judges=(EXACT,),
+          transformers_only=TRANSFORMERS_ONLY,
           unjudged="{subject} is not exact: speculative decoding's tokens are compared with the exact model's greedy "
                    "tokens, which a lossy or evicting cache need not reproduce",
           params={"mode": Param(str, required=True, choices=("prompt_lookup", "assisted", "dflash"),
@@ -438,6 +443,7 @@ class _MtpSetup:
 
 
 @register("speculative", cost=2.0, needs=("crop",), ops=IGNORES_OPS, judges=(EXACT,),
+          transformers_only=TRANSFORMERS_ONLY,
           unjudged="{subject} is not exact: speculative decoding's tokens are compared with the exact model's greedy "
                    "tokens, which a lossy or evicting cache need not reproduce")
 def check_speculative_mtp(ctx):

@@ -76,6 +76,11 @@ UNCACHED_STEPS = Param(int, default=DEFAULTS["uncached_steps"], min=1, doc="unca
 MIN_SPEEDUP = Param(float, required=True, min=0, doc="budget: speedup at least")
 COMPILE_MODE = Param(str, choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                      doc="torch.compile mode (absent: None)")
+ADAPTER_FULL_TIER = ("a model written from scratch keeps its default tier to 15 s wall on 2 cores; each of these "
+                     "speed items took 4.4 s on the worked example")
+"""Why the prefill and flat-decode timings run on a model adapter in the full tier only (``adapter_full_tier``);
+``check_speed_vs_uncached``, the cached-vs-uncached claim, stays in its default tier."""
+
 CUDA_DEVICE = Param(str, choices=("cpu", "cuda"), doc="cuda: the case skips off CUDA (CUDA graphs)")
 
 
@@ -105,10 +110,9 @@ def _model_size(model) -> tuple[int, int] | None:
     (no weights; memoised per spec), or None where it does not build there (a model written from scratch)."""
     if model.spec not in _SIZES:
         try:
-            from kvconform import zoo
             from kvconform.subjects.construction import meta_model
 
-            config = zoo.model_config(model.spec, getattr(model, "trust_remote_code", False))
+            config = model.model_config()  # its source reads it
             meta = meta_model(config)
             text = config.get_text_config(decoder=True)
             layers = int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 1)
@@ -365,7 +369,7 @@ def check_speed_vs_uncached(ctx):
                                         doc="budget of a quantized subject: its growth ≤ this share of the uncached "
                                             "forward's growth in the same rounds (and always ≤ max_growth is "
                                             "enough)"),
-}, ops=IGNORES_OPS, validate=_growth_case, tokens_held=_held_long_steps)
+}, ops=IGNORES_OPS, validate=_growth_case, tokens_held=_held_long_steps, adapter_full_tier=ADAPTER_FULL_TIER)
 def check_speed_flat_decode(ctx):
     """Per-token decode cost grows ≤ ``params.max_growth`` × from context ``short`` to ``long``; the uncached
     forward, in the same rounds, grows ~linearly. A quantized subject (``_quantized``) dequantizes its history at
@@ -466,7 +470,7 @@ def prefill_target(ctx, name, spec, tokens, context) -> Target:
     **TIMING_PARAMS, "context": Param(int, default=1024, min=64, doc="tokens of the timed prefill"),
     "max_ratio": Param(float, required=True, min=1, doc="budget: cached prefill time / uncached forward time"),
     "max_ratio_quantized": Param(float, min=1, doc="budget of a quantized subject (default: max_ratio)"),
-}, ops=IGNORES_OPS, tokens_held=_held_prefill)
+}, ops=IGNORES_OPS, tokens_held=_held_prefill, adapter_full_tier=ADAPTER_FULL_TIER)
 def check_speed_prefill(ctx):
     """A cached prefill of ``params.context`` tokens into a fresh cache takes ≤ ``params.max_ratio`` × the uncached
     forward of the same tokens, timed side by side (medians, confirmed; ``params.steps`` is not used)."""
@@ -545,7 +549,9 @@ def _compiled_applies(subject, model, case, device="cpu"):
 
 @register("speed", cost=6.0, timed=True, needs=("compile",), judges=ALL_KINDS, applies=_compiled_applies, params={
     **TIMING_PARAMS, "context": CONTEXT, "min_speedup": MIN_SPEEDUP, "mode": COMPILE_MODE, "device": CUDA_DEVICE,
-}, ops=IGNORES_OPS, tokens_held=_held_context_steps)
+}, ops=IGNORES_OPS, tokens_held=_held_context_steps,
+    transformers_only="the compiled StaticCache is timed against transformers' DynamicCache eager on the same model, "
+                      "a cache a from-scratch model does not take")
 def check_speed_compiled_static(ctx):
     """A cache declaring ``is_compileable``, decoded through ``torch.compile`` (``params.mode``), is
     ≥ ``params.min_speedup`` × as fast per token as ``DynamicCache`` decoding eagerly, side by side."""

@@ -62,7 +62,7 @@ def has_mtp_layers(model) -> str | None:
         return None
     if model.spec not in zoo.ALL_NAMES:
         try:
-            config = zoo.model_config(model.spec, trust_remote_code=model.trust_remote_code)
+            config = model.model_config()  # its source reads it (plan.ModelInfo)
             if int(getattr(config.get_text_config(decoder=True), "num_mtp_layers", 0) or 0) > 0:
                 return None
         except Exception:  # noqa: BLE001 - no config to read: no MTP layers known

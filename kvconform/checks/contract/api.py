@@ -511,7 +511,7 @@ def _encoder_decoder_case(case):
 
 
 @register("contract", needs=("forward",), ops=OpRule(allowed=FORWARD_OPS, min_forwards=1),
-          validate=_encoder_decoder_case)
+          validate=_encoder_decoder_case, transformers_only="transformers' EncoderDecoderCache")
 def check_encoder_decoder_subcaches(ctx):
     """In the ``EncoderDecoderCache`` built from the subject: after every forward the cross-attention sub-cache
     holds ``encoder_len`` tokens, its keys/values unchanged since the first forward, and the self-attention
