@@ -209,11 +209,9 @@ def architecture_names() -> set:
 
 
 def zoo_family(spec: str) -> str | None:
-    """The zoo family built from the same model type as ``transformers:<type>`` (``transformers:mamba`` → mamba)."""
-    if not spec.startswith("transformers:"):
-        return None
-    model_type = spec.removeprefix("transformers:")
-    return next((name for name in zoo.ZOO_NAMES if zoo._CONFIGS[name][0] == model_type), None)
+    """The zoo family built from the same model type as ``transformers:<type>`` (``transformers:mamba`` → mamba):
+    its source says (``ModelSource.zoo_family``)."""
+    return source_of(spec).zoo_family()
 
 
 def external(spec: str) -> bool:

@@ -246,6 +246,11 @@ def _layer_types(config) -> tuple[tuple, int | None]:
     return tuple(types), (min(windows) if windows else None)
 
 
+def zoo_config_type(name: str) -> str:
+    """The transformers model type a zoo family is built from (``"mamba"``, ``"llama"``)."""
+    return _CONFIGS[name][0]
+
+
 def zoo_config(name: str):
     """The tiny ``PretrainedConfig`` of zoo family ``name``.
 
@@ -414,37 +419,49 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
+def checkpoint_config(path: str, trust_remote_code: bool = False):
+    """A checkpoint folder's ``config.json`` as a transformers config, without weights (``trust_remote_code``: with
+    the folder's own configuration class)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.path.expanduser(path), local_files_only=True,
+                                      trust_remote_code=bool(trust_remote_code))
+
+
 def model_config(spec: str, trust_remote_code: bool = False):
-    """The config of a model spec without building weights: a zoo family's tiny config, or a checkpoint folder's
-    ``config.json`` (``trust_remote_code``: with the folder's own configuration class)."""
+    """The config of a model spec without building weights, for code below the model sources (the sweep): a zoo
+    family's tiny config, an architecture's (``transformers:TYPE``), or a checkpoint folder's ``config.json``. Code
+    above them asks the model's source (``kvconform.sources``: ``ModelSource.config``)."""
     if spec.startswith("transformers:"):
         from kvconform import architectures
 
         return architectures.tiny_config(spec.removeprefix("transformers:"))
     if not is_checkpoint_spec(spec):
         return zoo_config(spec)
-    from transformers import AutoConfig
+    return checkpoint_config(spec, trust_remote_code)
 
-    return AutoConfig.from_pretrained(os.path.expanduser(spec), local_files_only=True,
-                                      trust_remote_code=bool(trust_remote_code))
+
+def build_architecture(model_type: str, dtype=None, device: str = "cpu") -> ZooModel:
+    """One architecture of transformers (``transformers:<model_type>``), built tiny from its default config
+    (``architectures.build_model``) → ``ZooModel``."""
+    from kvconform import architectures, vision
+
+    model = architectures.build_model(model_type, dtype=dtype)
+    zm = _finish(architectures.model_name(model_type), model, model.dtype, device, f"transformers:{model_type}")
+    zm.image = vision.of(model)
+    return zm
 
 
 def load_model(spec: str, dtype=None, device: str = "cpu", trust_remote_code: bool = False) -> ZooModel:
-    """A zoo name or a checkpoint folder → ``ZooModel`` (``trust_remote_code``: see ``load_checkpoint``).
+    """A zoo name, an architecture (``transformers:TYPE``) or a checkpoint folder → ``ZooModel``, for code below the
+    model sources (the sweep); code above them asks the model's source (``ModelSource.build``)
+    (``trust_remote_code``: see ``load_checkpoint``).
 
     Raises:
         KeyError / FileNotFoundError: neither a zoo name nor a checkpoint folder.
     """
     if spec.startswith("transformers:"):  # one architecture of transformers, built tiny (architectures.py)
-        from kvconform import architectures
-
-        model_type = spec.removeprefix("transformers:")
-        from kvconform import vision
-
-        model = architectures.build_model(model_type, dtype=dtype)
-        zm = _finish(architectures.model_name(model_type), model, model.dtype, device, spec)
-        zm.image = vision.of(model)
-        return zm
+        return build_architecture(spec.removeprefix("transformers:"), dtype=dtype, device=device)
     if not is_checkpoint_spec(spec):
         return build_zoo_model(spec, dtype=dtype, device=device)
     return load_checkpoint(os.path.expanduser(spec), dtype=dtype, device=device, trust_remote_code=trust_remote_code)

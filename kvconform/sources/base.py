@@ -123,6 +123,11 @@ class ModelSource:
         return zoo.load_model(self.folder() or self.spec, dtype=dtype, device=device,
                               trust_remote_code=trust_remote_code)
 
+    def zoo_family(self) -> str | None:
+        """The zoo family built from the same model type (``transformers:mamba`` → ``mamba``), whose known faults and
+        inherited faults it shares (``session.KVSession``), or None (here: none)."""
+        return None
+
     @property
     def adapter_spec(self) -> str | None:
         """The model adapter spec whose own caches alone run on this model (``CacheSpec.adapter_spec``), or None:

@@ -24,6 +24,15 @@ class CheckpointSource(ModelSource):
     def folder(self) -> str | None:
         return os.path.expanduser(self.spec)
 
+    def config(self, trust_remote_code: bool = False):
+        """The folder's ``config.json`` (``zoo.checkpoint_config``)."""
+        return zoo.checkpoint_config(self.spec, trust_remote_code)
+
+    def build(self, dtype, device: str = "cpu", trust_remote_code: bool = False):
+        """The folder's model and weights (``zoo.load_checkpoint``)."""
+        return zoo.load_checkpoint(os.path.expanduser(self.spec), dtype=dtype, device=device,
+                                   trust_remote_code=trust_remote_code)
+
     def problem(self, trust_remote_code: bool = False) -> str | None:
         """A folder that is not a checkpoint (no config.json, no weights), a bare word that is neither a zoo name
         nor a folder (with the closest zoo name, and the adapter form where it looks like a module path), a folder

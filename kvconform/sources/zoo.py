@@ -20,6 +20,14 @@ class ZooSource(ModelSource):
     def recognises(cls, spec) -> bool:
         return isinstance(spec, str) and not spec.startswith("transformers:") and not zoo.is_checkpoint_spec(spec)
 
+    def config(self, trust_remote_code: bool = False):
+        """The family's tiny config (``zoo.zoo_config``)."""
+        return zoo.zoo_config(self.spec)
+
+    def build(self, dtype, device: str = "cpu", trust_remote_code: bool = False):
+        """The family's seeded model (``zoo.build_zoo_model``)."""
+        return zoo.build_zoo_model(self.spec, dtype=dtype, device=device)
+
     def problem(self, trust_remote_code: bool = False) -> str | None:
         if os.path.isfile(os.path.join(self.spec, "config.json")):
             return (f"--kvconform-model {self.spec!r}: both a zoo family and a checkpoint folder here; write "

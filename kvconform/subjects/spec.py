@@ -357,11 +357,9 @@ def model_positions(model) -> str | None:
     from kvconform.architectures import position_kind
 
     config = getattr(model, "config", None)
-    if config is None and getattr(model, "spec", None):
+    if config is None and callable(getattr(model, "model_config", None)):
         try:
-            from kvconform.zoo import model_config
-
-            config = model_config(model.spec, getattr(model, "trust_remote_code", False))
+            config = model.model_config()  # its source reads it (plan.ModelInfo)
         except Exception:  # noqa: BLE001 - a spec without a config (a model adapter): not scoped out
             return None
     try:
