@@ -254,7 +254,8 @@ CACHE_ENV = "KVCONFORM_CACHE"
 default: the oracle is a small share of a run on the zoo. Measured on the default run's llama items (``-n 0``, 2-core
 machine under load, user + sys): 29.0 CPU-s off, 30.6 on with an empty cache (writing 26 MB), 27.6 on the second run
 — 5% saved, while the second run's large saving is torch's own compile cache (the compile item: 20 s cold, 2.8 s
-warm). Worth turning on for the full tier, whose long cases (growth steps to 2,048 tokens) cost more float64 forwards."""
+warm). Worth turning on for the full tier, whose long cases (growth steps to 2,048 tokens) cost more
+float64 forwards."""
 CACHE_DIR_ENV = "KVCONFORM_CACHE_DIR"
 """The folder of kvconform's cache between runs (default ``$XDG_CACHE_HOME/kvconform``, else
 ``~/.cache/kvconform``; never the project's folder)."""
