@@ -396,6 +396,8 @@ class KVSession:
                                     f"{sum(c.models_full is not None for c in self.cases)} on more models"
                                     + (f", the vision-language models {', '.join(zoo.VLM_NAMES)}"
                                        if not any(m.name in zoo.VLM_NAMES for m in self.models) else "")
+                                    + (f", the audio encoder-decoder {', '.join(zoo.AUDIO_NAMES)}"
+                                       if not any(m.name in zoo.AUDIO_NAMES for m in self.models) else "")
                                     + "; add --kvconform-full)")
             + ("" if self.options.fuzz_seed is None else f"; fuzz seed {self.options.fuzz_seed} (replay: "
                                                          f"--kvconform-fuzz-seed {self.options.fuzz_seed})"),

@@ -108,6 +108,7 @@ def test_vlms_are_full_tier_or_named_and_announced():
     default = build_session(checks=["check_prefill_then_decode"], case_ids=["decode_explicit_positions"])
     assert not {m.name for m in default.models} & set(zoo.VLM_NAMES)
     assert any("the vision-language models llava, idefics3, gemma3_vlm" in line for line in default.header_lines())
+    assert any("the audio encoder-decoder whisper" in line for line in default.header_lines())  # full tier too
     full = build_session(checks=["check_prefill_then_decode"], case_ids=["decode_explicit_positions"], full=True)
     assert set(zoo.VLM_NAMES) <= {m.name for m in full.models}
     named = build_session(models=["llava"], checks=["check_prefix_fork"])
