@@ -24,7 +24,7 @@ def declared_compileable(subject, model_info) -> bool | None:
         try:
             from kvconform import zoo
 
-            config = zoo.model_config(model_info.spec, getattr(model_info, "trust_remote_code", False))
+            config = zoo.model_config(model_info.spec, model_info.trust_remote_code)
             cache = subject.plan_build(config)
             _CLAIMS[key] = bool(cache.is_compileable)
         except Exception:  # noqa: BLE001 - reported by the item itself
@@ -52,7 +52,7 @@ def compile_applies(claim: bool):
         reason = _device_rule(case, device)
         if reason:
             return reason
-        note = (getattr(subject, "notes", None) or {}).get("compile")
+        note = subject.notes.get("compile")
         if claim and note and "compile" not in subject.capabilities:
             # the subject says why it is not a compileable cache (an offloaded cache moves its tensors every step):
             # its is_compileable is not the claim these checks test

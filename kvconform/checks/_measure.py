@@ -231,7 +231,7 @@ def _module_children(module, path: str) -> list:
     under its attribute name) and its attributes that are no part of ``nn.Module``'s own machinery (hook tables,
     flags)."""
     prefix = f"{path}." if path else ""
-    out = []
+    out: list = []
     for table in ("_parameters", "_buffers", "_modules"):
         out.extend((prefix + str(name), value) for name, value in list((read_attr(module, table) or {}).items()))
     out.extend((prefix + str(name), value) for name, value in attributes_of(module).items()

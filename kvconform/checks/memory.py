@@ -593,7 +593,7 @@ def check_memory_cuda_allocated(ctx):
 
 # ------------------------------------------------------------------------------------------ offloading (CUDA)
 def _offloaded_row(subject, model, case, device="cpu"):
-    if getattr(subject, "same_as", None) is None:
+    if subject.same_as is None:
         return "applies to offloaded subjects only (a CacheSpec with same_as)"
     return None
 
