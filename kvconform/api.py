@@ -119,7 +119,9 @@ def parametrize_with_checks(caches, models=None, checks=None, cases=None, *, opt
 
     ``kv_runner`` is a fixture of kvconform's plugin. Skips and expected failures (``CacheSpec
     .expected_failures``, known upstream faults) become skip / xfail marks. Arguments (``options`` and the run
-    options by keyword too) as in ``check_cache``.
+    options by keyword too) as in ``check_cache``: the items are planned *and run* under them — ``kv_runner`` runs
+    each item through the session that planned it (``planning_session``), so ``strict``, ``full``, ``device``,
+    ``power`` and ``timeout`` act as in ``check_cache`` whatever the pytest command line says.
 
     Raises:
         kvconform.outcomes.UsageError: as ``check_cache``.
@@ -127,5 +129,22 @@ def parametrize_with_checks(caches, models=None, checks=None, cases=None, *, opt
     import pytest
 
     session = _session(_as_list(caches), models, checks, cases, options, run_options)
-    params = [pytest.param(item, id=item.id, marks=item.marks(pytest)) for item in session.items()]
+    items = session.items()
+    for item in items:
+        _PLANNED[id(item)] = (item, session)
+    params = [pytest.param(item, id=item.id, marks=item.marks(pytest)) for item in items]
     return pytest.mark.parametrize("kv_item", params)
+
+
+_PLANNED: dict = {}
+"""``{id(item): (item, session)}`` of the items ``parametrize_with_checks`` planned in this process (the item kept
+so that its id is not reused): ``planning_session``."""
+
+
+def planning_session(item):
+    """The ``KVSession`` (``kvconform.session``) whose ``RunOptions`` planned ``item`` (a ``PlanItem`` from
+    ``parametrize_with_checks`` in this process), or None for an item planned elsewhere (the plugin's own suite):
+    ``kv_runner`` runs the item through it, so that the options given to ``parametrize_with_checks`` are the ones
+    its items run under."""
+    entry = _PLANNED.get(id(item))
+    return entry[1] if entry is not None and entry[0] is item else None

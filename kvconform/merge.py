@@ -30,7 +30,6 @@ import os
 import sys
 
 from kvconform.outcomes import UsageError
-from kvconform.plan import SKIPPED_COST
 
 MODEL_COST = 3.0
 """Estimated cost of building a model (and its float64 oracle) once in a process, relative to a logits item."""
@@ -136,9 +135,7 @@ def _share(text, ci, index_var, index, count_var, count, first) -> tuple[int, in
 def item_cost(plan_item) -> float:
     """Estimated cost of one plan item (``session.PlanItem``; None for an item of another kind: cost 1): its
     ``PlanItem.cost`` (what its check declares, relative to a logits item; ``SKIPPED_COST`` when skipped)."""
-    if plan_item is None:
-        return 1.0
-    return SKIPPED_COST if plan_item.skip else plan_item.check.cost
+    return 1.0 if plan_item is None else plan_item.cost
 
 
 def shard_of(keys: list, costs: list[float], count: int, model_cost: float = MODEL_COST) -> list[int]:

@@ -245,7 +245,7 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
         return reason
     missing = sorted(check.needs - subject.capabilities)
     if missing:
-        note = getattr(subject, "notes", {}).get(missing[0])
+        note = subject.notes.get(missing[0])
         return f"{subject.name} does not declare capability '{missing[0]}'" + (f": {note}" if note else "")
     kind = kind_of(subject)
     reason = check.lacks_fact(kind)
@@ -259,15 +259,15 @@ def skip_reason(subject, model: ModelInfo, check, case, device: str = "cpu") -> 
         reason = kind.not_judged(check, case, held=lambda: most_tokens_held(case, check))
         if reason:
             return reason
-    for requirement, hint in getattr(subject, "requires", {}).items():
+    for requirement, hint in subject.requires.items():
         if missing_requirement(requirement):
             return f"requires {requirement} ({hint})"
-    if getattr(subject, "needs_cuda", None) and not _cuda_device(device):
+    if subject.needs_cuda and not _cuda_device(device):
         return subject.needs_cuda
     if _cuda_device(device):
         from kvconform.compat import missing_tool
 
-        for tool, why in (getattr(subject, "cuda_requires", None) or {}).items():
+        for tool, why in subject.cuda_requires.items():
             if missing_tool(tool):
                 return f"requires {tool} on CUDA ({why})"
     if case.position_ids == "explicit" and not model.accepts_position_ids and check.reads_position_ids:
@@ -351,7 +351,7 @@ def most_tokens_held(case, check) -> int:
     longest program), else from the case's ops — ``prefill``, ``chunk`` and ``decode`` add their tokens, ``crop``
     removes (not below 0), ``reset`` empties, batch ops and ``fork`` keep; a case without ops: ``prompt +
     max_new_tokens``."""
-    declared = getattr(check, "tokens_held", None)
+    declared = check.tokens_held
     if declared is not None:
         return declared(case)
     if not case.ops:

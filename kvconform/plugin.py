@@ -399,7 +399,10 @@ def pytest_configure_node(node):
 
 @pytest.fixture
 def kv_runner(kv_session, request):
-    """``kv_runner(item)`` runs one conformance item and records its metrics on the report."""
+    """``kv_runner(item)`` runs one conformance item and records its metrics on the report: through the session that
+    planned it when ``kvconform.parametrize_with_checks`` did (its ``RunOptions``: ``api.planning_session``), else
+    through ``kv_session``."""
+    from kvconform.api import planning_session
     from kvconform.workers import item_timeout
 
     def run(item):
@@ -407,6 +410,7 @@ def kv_runner(kv_session, request):
         from kvconform.checks import CheckSkipped, ConformanceError, KnownFaultShown, KVConformInternalError, Unexcused
         from kvconform.report import encode_property
 
+        session = planning_session(item) or kv_session
         metrics = {}
         benchmark = None
         crashed = crashed_subject_message(request.config, item)
@@ -424,8 +428,8 @@ def kv_runner(kv_session, request):
                 benchmark = request.getfixturevalue("benchmark")
         failure = skipped = xfailed = None
         try:
-            with item_timeout(kv_session.options.timeout, item, kv_session.options.reproduce_args):
-                metrics.update(kv_session.run(item, benchmark=benchmark))
+            with item_timeout(session.options.timeout, item, session.options.reproduce_args):
+                metrics.update(session.run(item, benchmark=benchmark))
         except CheckSkipped as exc:
             skipped = str(exc)
         except KnownFaultShown as exc:  # a known fault judged by its evidence, at run time

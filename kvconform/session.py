@@ -364,7 +364,7 @@ class KVSession:
         for spec in self.subjects:
             kind = kind_of(spec)
             subjects.append(SubjectFacts(name=spec.name, kind=kind.name, builtin=spec.name in builtin,
-                                         fresh_target=kind.target == FRESH, source=getattr(spec, "source", "builtin"),
+                                         fresh_target=kind.target == FRESH, source=spec.source,
                                          expected_failures=sorted(spec.expected_failures)))
         fresh = {s.name for s in subjects if s.fresh_target}
         items, faults, costs = {}, {}, {}

@@ -233,7 +233,7 @@ def run_check(name: str, ctx: CheckContext) -> dict:
 
         try:
             wrong_result = isinstance(exc.cause, FactoryResultError)
-            factory = getattr(ctx.subject, "factory", None)
+            factory = ctx.subject.factory
             abstract = sorted(getattr(factory, "__abstractmethods__", ()) or ()) if isinstance(factory, type) else []
             if wrong_result:
                 cause = ("likely cause: the factory returns the wrong thing: a transformers.Cache or a pair (cache, "
@@ -442,7 +442,7 @@ def _not_supported(ctx, exc) -> str:
         served = [k for k in named_kinds if k != positions] or [k for k in SUPPORT_POSITIONS if k != positions]
         supported = served[:1] if named_kinds else served
         what = f"{model.name} ({(positions or 'its position encoding').replace('_', ' ')})"
-    supported = sorted(set(getattr(ctx.subject, "supports", None) or ()) | set(supported))  # keep what it declares
+    supported = sorted(set(ctx.subject.supports or ()) | set(supported))  # keep what it declares
     return (f"{ctx.subject.name} does not support {what} (its construction raised NotImplementedError, which is "
             f"how a cache says so; no keyword argument would change it): scope the cache to what it supports — "
             f"kvconform_supports = {{{', '.join(repr(n) for n in supported)}}} (layer types, model kinds and "

@@ -246,7 +246,7 @@ def granularities(subject, rows: list, shapes: dict) -> dict:
     ``infer_granularity``. A layer without evidence of its own (no decode step grew it) takes the page size the
     other layers of the cache agree on (one cache class allocates one way), named after the layer it was seen on;
     when they disagree or show none, it is ``TOKEN_BY_TOKEN``."""
-    declared = getattr(subject, "page_size", None)
+    declared = subject.page_size
     pooled = any(SHARED in row.held for row in rows)
     if declared:
         return {label: Granularity(int(declared), "declared") for label in [*shapes, *([SHARED] if pooled else [])]}
@@ -395,7 +395,7 @@ def allocations(subject, raw: list, rows: list, shapes: dict, slack: int, capaci
     """``{layer label: Allocation}``: the subject's declared ``allocation`` for every layer, else each layer's
     ``infer_allocation`` from ``raw`` (``[(Checkpoint, [(label, held, layer, tokens)])]``) and ``capacities``
     (``{label: [(tokens, buffer slots or None)]}`` after each op, ``buffer_tokens``)."""
-    declared = getattr(subject, "allocation", None)
+    declared = subject.allocation
     if declared:
         return {label: Allocation(declared, "declared") for label in shapes}
     series: dict = {}

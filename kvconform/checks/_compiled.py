@@ -50,7 +50,7 @@ def compile_applies(claim: bool):
         reason = _device_rule(case, device)
         if reason:
             return reason
-        note = (getattr(subject, "notes", None) or {}).get("compile")
+        note = subject.notes.get("compile")
         if claim and note and "compile" not in subject.capabilities:
             # the subject says why it is not a compileable cache (an offloaded cache moves its tensors every step):
             # its is_compileable is not the claim these checks test

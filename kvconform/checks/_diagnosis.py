@@ -168,7 +168,7 @@ def image_prefill_cause(ctx, step, cmp) -> str | None:
     the subject's logits are that forward's, the block's bidirectional mask was lost."""
     import torch
 
-    image = getattr(ctx.model, "image", None)
+    image = ctx.model.image
     if image is None or not step.label.startswith("prefill") or step.start != 0:
         return None
     is_image = step.seq == image.image_token_id

@@ -85,7 +85,7 @@ def prefill_refusal(ctx, exc: "SubjectRaised") -> str | None:
     text = str(exc.cause).lower()
     what = (f"{type(exc.cause).__name__}: "
             f"{str(exc.cause).strip().splitlines()[0][:160] if str(exc.cause).strip() else ''}")
-    pads = (getattr(ctx.case, "params", None) or {}).get("padding") or ()
+    pads = (ctx.case.params or {}).get("padding") or ()
     if any(pads) and any(w in text for w in PAD_REFUSAL_WORDS):
         return (f"{ctx.subject.name} refuses a left-padded prefill with a clear error ({what}): padded rows are not "
                 f"checked on this subject")

@@ -168,15 +168,20 @@ def held_tensor_items(obj, max_depth: int = 8, skip=()) -> list:
     """``[(path, tensor)]`` for every plain tensor reachable from ``obj``'s attributes (lists, tuples, sets, dicts,
     objects with ``__dict__``/``__slots__``), in traversal order; ``path`` is how it was reached
     (``layers[0]._quantized_keys._data``). Wrapper tensor subclasses are replaced by their inner tensors;
-    ``nn.Module``s, transformers configs, classes, functions (closures) and generators are not entered (a cache may
-    refer to its model or config: their weights are not the cache's). Each object is visited once; the objects in
-    ``skip`` are not entered (a layer's reference back to its cache or to a sibling layer: ``layer_bytes``)."""
+    an ``nn.Module`` is entered (its own parameters and buffers, ``path.name``, its submodules and its other
+    attributes): a cache made of modules (litgpt's, gpt-fast's and torchtune's ``KVCache``: k and v as registered
+    buffers) holds what they hold. A transformers model (``PreTrainedModel``), transformers configs, classes,
+    functions (closures) and generators are not entered (a cache may refer to its model or config: their weights are
+    not the cache's); a cache that refers to a model written from scratch (or to modules of one) reaches its weights
+    here, and the byte counts leave them out by storage (``exclude=owned_by_model(model)``). Each object is visited
+    once; the objects in ``skip`` are not entered (a layer's reference back to its cache or to a sibling layer:
+    ``layer_bytes``)."""
     import torch
 
     try:
-        from transformers import PretrainedConfig
+        from transformers import PretrainedConfig, PreTrainedModel
     except ImportError:  # pragma: no cover
-        PretrainedConfig = ()  # type: ignore[misc,assignment]
+        PretrainedConfig = PreTrainedModel = ()  # type: ignore[misc,assignment]
     opaque = _opaque_types()
     out, seen = [], {id(x) for x in skip if x is not obj}
 
@@ -199,10 +204,12 @@ def held_tensor_items(obj, max_depth: int = 8, skip=()) -> list:
             else:
                 out.append((path, x))
             return
-        if isinstance(x, opaque) or isinstance(x, (torch.nn.Module, PretrainedConfig, torch.Generator)):
+        if isinstance(x, opaque) or isinstance(x, (PreTrainedModel, PretrainedConfig, torch.Generator)):
             return
         try:  # a container or object of the subject's that cannot be read holds nothing kvconform can count
-            if isinstance(x, dict):
+            if isinstance(x, torch.nn.Module):
+                children = _module_children(x, path)
+            elif isinstance(x, dict):
                 children = [(f"{path}[{k!r}]", v) for k, v in list(x.items())]
             elif isinstance(x, (list, tuple)):
                 children = [(f"{path}[{i}]", v) for i, v in enumerate(list(x))]
@@ -217,6 +224,32 @@ def held_tensor_items(obj, max_depth: int = 8, skip=()) -> list:
 
     visit(obj, "", 0)
     return out
+
+
+def _module_children(module, path: str) -> list:
+    """``[(path, value)]`` of what an ``nn.Module`` holds: its own parameters and buffers, its submodules (each
+    under its attribute name) and its attributes that are no part of ``nn.Module``'s own machinery (hook tables,
+    flags)."""
+    prefix = f"{path}." if path else ""
+    out: list = []
+    for table in ("_parameters", "_buffers", "_modules"):
+        out.extend((prefix + str(name), value) for name, value in list((read_attr(module, table) or {}).items()))
+    out.extend((prefix + str(name), value) for name, value in attributes_of(module).items()
+               if name not in _module_internals())
+    return out
+
+
+def _module_internals() -> frozenset:
+    """The attribute names every ``nn.Module`` instance has (``_parameters``, ``_forward_hooks``, ``training``...)."""
+    global _MODULE_INTERNALS
+    if _MODULE_INTERNALS is None:
+        import torch
+
+        _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+    return _MODULE_INTERNALS
+
+
+_MODULE_INTERNALS: frozenset | None = None
 
 
 def held_tensors(obj, max_depth: int = 8, skip=()) -> list:

@@ -297,11 +297,11 @@ def candidates(spec, check, case) -> list[Mutant]:
     """The mutants an item of ``check`` (a ``CheckInfo``) on ``case`` may run for ``spec``: those that exist for the
     subject, whose expected families include the check's, and — when the check drives its case's ops — whose ops
     the case has."""
-    if check.family in _SKIP_FAMILIES or getattr(check, "timed", False):
+    if check.family in _SKIP_FAMILIES or check.timed:
         return []
-    rule = getattr(check, "ops", None)
+    rule = check.ops
     own_driver = rule is None or not rule.reads
-    names = {op.name for op in getattr(case, "ops", ())}
+    names = {op.name for op in case.ops}
     out = []
     for mutant in MUTANTS:
         if check.family not in mutant.families or check.name in mutant.unseen_by or not exists_for(mutant, spec):

@@ -87,7 +87,7 @@ def allowed_refusal(ctx, refusal: str, run_reference, adapter_contract: str | No
     the simplest correct cache does is not conforming, however clear its message)."""
     from kvconform.checks._registry import Measured
 
-    declared = dict(getattr(ctx.subject, "refuses", None) or {})
+    declared = dict(ctx.subject.refuses or {})
     if refusal in declared:
         return Allowance(f"subject, declared: {declared[refusal]}")
     if ctx.reference is None:

@@ -114,7 +114,7 @@ def check_zero_key_rows(ctx):
     models), fed that token at ``positions``: every step's logits equal the oracle of that copy."""
     from kvconform.outcomes import CheckSkipped
 
-    if getattr(ctx.model, "image", None) is not None:
+    if ctx.model.image is not None:
         raise CheckSkipped(f"{ctx.model.name} is a vision-language model: its prompts start with an image block, "
                            f"which a token placed at the case's positions would cut")
     if not hasattr(ctx.model.model, "get_input_embeddings"):

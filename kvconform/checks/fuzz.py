@@ -81,7 +81,7 @@ def run_program(ctx, cache, program, info=None):
         elif spec.held == "removes":
             skip = runner.length == 0 or not bool(getattr(runner.cache, "is_croppable", False))
             n = min(n, runner.length)
-            image = getattr(ctx.model, "image", None)
+            image = ctx.model.image
             if image is not None:  # a VLM caller crops whole images or none: never inside an image block
                 from kvconform import vision
 

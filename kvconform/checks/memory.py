@@ -1,7 +1,8 @@
 """Family ``memory``: the bytes a cache holds, against the formula for what it must hold.
 
 How bytes are counted (``held_bytes``): every tensor reachable from a cache layer's attributes (through lists,
-tuples, dicts and plain objects, not through ``nn.Module``s or configs), counted once per **storage**, at the size
+tuples, dicts, plain objects and ``nn.Module``s — a module's own parameters and buffers, as litgpt's ``KVCache``
+holds its k and v — but not through a transformers model or config), counted once per **storage**, at the size
 of the storage: a view of a larger buffer keeps that whole buffer alive, so it costs what the buffer costs. A
 wrapper tensor subclass (optimum-quanto's ``QTensor``: ``WeightQBitsTensor`` → packed ``_data``, ``_scale``,
 ``_shift``) is counted through its inner tensors (``__tensor_flatten__``), because its own ``nbytes`` is its
@@ -300,6 +301,7 @@ def check_memory_bytes(ctx):
         f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
         "likely cause: " + (_length_cause(checkpoints) or _policy_cause(policy, label, checkpoints) or
                             (_ahead_of_need(raw, capacities, label, shape, slack) if grain.tokens <= 1 else None) or
+                            _beyond_capacity(raw, label, shape, slack) or
                             _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows)),
     ], {"bytes_held": cp.held, "bytes_formula": cp.formula, "failed_at": cp.op, "layer": label,
         "layer_bytes": held, "layer_bound": exp.high if excess > 0 else exp.low,
@@ -404,6 +406,32 @@ def _policy_cause(policy: Allocation, label: str, checkpoints) -> str | None:
                 "tokens left (halve the buffer when it is less than half full, free it on reset)")
     return ("the buffer grows by more than doubling (or allocates ahead of need): a doubling buffer holds at most "
             "twice the tokens fed")
+
+
+def _beyond_capacity(raw: list, label: str, shape, slack: int) -> str | None:
+    """The cause of a bounded layer (capacity ``C > 0``: ``get_max_length()``, an adapter's ``capacity``) that holds
+    the same bytes after every op that left tokens in it, ``K`` tokens' bytes per row (± ``slack``) with ``K > C``:
+    buffers preallocated for more tokens than the layer ever takes; else None."""
+    from kvconform import compat
+
+    if shape is None or not shape.token_bytes:
+        return None
+    series = [(tokens, held, layer) for _, layers in raw for name, held, layer, tokens in layers
+              if name == label and tokens > 0]
+    if not series or len({held for _, held, _ in series}) != 1:
+        return None
+    try:
+        capacity = compat.max_length(series[0][2])
+    except Exception:  # noqa: BLE001 - a layer that cannot say its capacity: no evidence
+        return None
+    held = series[0][1]
+    slots = round(held / shape.token_bytes)
+    if capacity <= 0 or slots <= capacity or abs(held - slots * shape.token_bytes) > slack:
+        return None
+    return (f"{_mib(held)} held after every op whatever the tokens (S = "
+            f"{', '.join(str(t) for t, _, _ in series[:4])}...): buffers preallocated for {slots} tokens per row, "
+            f"{slots / capacity:.2f}× the {capacity} tokens the cache says it takes (its capacity) — allocate the "
+            f"capacity, not more")
 
 
 def _ahead_of_need(raw: list, capacities: dict, label: str, shape, slack: int) -> str | None:
@@ -565,7 +593,7 @@ def check_memory_cuda_allocated(ctx):
 
 # ------------------------------------------------------------------------------------------ offloading (CUDA)
 def _offloaded_row(subject, model, case, device="cpu"):
-    if getattr(subject, "same_as", None) is None:
+    if subject.same_as is None:
         return "applies to offloaded subjects only (a CacheSpec with same_as)"
     return None
 

@@ -46,7 +46,7 @@ def _declares_no_budget(subject, model, case, device="cpu") -> str | None:
     """Applicability rule of ``check_quality_budget`` on a lossy kind (``BUDGETED``): a subject that declares no
     budget (an exact declaration with a fake-quant twin) is judged only on a case that gives ``kl_max`` and
     ``top1_min``."""
-    if getattr(subject, "budget", None) is None and not {"kl_max", "top1_min"} <= set(case.params or {}):
+    if subject.budget is None and not {"kl_max", "top1_min"} <= set(case.params or {}):
         return (f"{subject.name} declares no quality budget: declare kind='lossy' (or 'evicting') with "
                 f"budget=kvconform.Budget(kl_max=..., top1_min=...)")
     return None
@@ -85,7 +85,7 @@ EVICTING_ONLY = "applies to evicting subjects only (CacheSpec kind='evicting' wi
 def _budget(ctx) -> tuple[float, float, str]:
     """``(kl_max, top1_min, where from)``: the subject's ``Budget``, each value replaced by the case's ``params``
     ``kl_max`` / ``top1_min`` where the case gives it (a case may tighten or loosen a budget)."""
-    budget, params = getattr(ctx.subject, "budget", None), ctx.case.params or {}
+    budget, params = ctx.subject.budget, ctx.case.params or {}
     kl_max = params.get("kl_max", getattr(budget, "kl_max", None))
     top1_min = params.get("top1_min", getattr(budget, "top1_min", None))
     if kl_max is None or top1_min is None:
@@ -335,7 +335,7 @@ def check_compression_real(ctx):
     held = held_bytes(cache, exclude=owned_by_model(ctx.model.model))  # what the cache owns, not the model's
     ctx.measured.record(bytes_held=held, tokens_held=tokens)  # 0 bytes for held tokens: blind, not "compressed"
     ratio = held / exact if exact else float("inf")
-    budget = getattr(ctx.subject, "budget", None)
+    budget = ctx.subject.budget
     declared = (ctx.case.params or {}).get("bytes_ratio_max", getattr(budget, "bytes_ratio_max", None))
     ctx.metrics.update(bytes_held=held, bytes_exact=exact, bytes_ratio=round(ratio, 4), bytes_ratio_max=declared,
                        tokens=tokens)

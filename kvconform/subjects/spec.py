@@ -329,7 +329,7 @@ def unsupported(subject, model) -> str | None:
     """Why ``subject`` (a ``CacheSpec``) does not serve ``model`` (a ``plan.ModelInfo`` or ``ZooModel``: its
     ``layer_types`` and ``is_encoder_decoder``) by its ``supports`` declaration, or None (supported, or nothing
     declared)."""
-    supports = getattr(subject, "supports", None)
+    supports = subject.supports
     if not supports:
         return None
     declared = ", ".join(sorted(supports))

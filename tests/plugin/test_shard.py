@@ -87,27 +87,41 @@ def test_two_shards_merged_equal_one_run(run_kvconform, pytester, monkeypatch, c
     assert "| ✅ DynamicCache |" in summary.read_text()
 
 
+def _plan_item():
+    """One real ``PlanItem`` (DynamicCache × llama × check_prefill_then_decode), from a session that only plans."""
+    from kvconform.session import build_session
+
+    session = build_session(models=["llama"], checks=["check_prefill_then_decode"], only_subjects=["DynamicCache"],
+                            runs_items=False)
+    return next(item for item in session.items() if not item.skip)
+
+
 def test_an_items_cost_is_what_its_check_declares():
     # the shard cut reads the cost each check declares at registration (register(cost=...)), not a table of families
-    from types import SimpleNamespace
+    import dataclasses
 
     from kvconform.checks import load_checks
+    from kvconform.plan import SKIPPED_COST
 
-    checks = load_checks()
-    costs = {name: merge.item_cost(SimpleNamespace(skip=None, check=info)) for name, info in checks.items()}
+    checks, item = load_checks(), _plan_item()
+    costs = {name: merge.item_cost(dataclasses.replace(item, check=info)) for name, info in checks.items()}
     assert costs == {name: info.cost for name, info in checks.items()}
     assert costs["check_compile_static_decode"] > costs["check_speed_flat_decode"] > costs["check_prefill_then_decode"]
-    assert merge.item_cost(SimpleNamespace(skip="a reason", check=checks["check_compile_static_decode"])) == \
-        merge.SKIPPED_COST
+    skipped = dataclasses.replace(item, check=checks["check_compile_static_decode"], skip="a reason")
+    assert merge.item_cost(skipped) == skipped.cost == SKIPPED_COST
     assert merge.item_cost(None) == 1.0
 
 
 def test_measured_durations_move_the_cut():
     # one model's items measured 10x slower than the estimate says: the cut follows the seconds, not the estimate
+    import dataclasses
     from types import SimpleNamespace
 
-    def item(model, n):
-        plan = SimpleNamespace(skip=None, check=SimpleNamespace(cost=1.0), model=SimpleNamespace(name=model))
+    base = _plan_item()
+    base = dataclasses.replace(base, check=dataclasses.replace(base.check, cost=1.0))
+
+    def item(model, n):  # a pytest item (node id, parameters) around a real plan item of that model
+        plan = dataclasses.replace(base, model=dataclasses.replace(base.model, name=model))
         return SimpleNamespace(nodeid=f"{model}-{n}", callspec=SimpleNamespace(params={"kv_item": plan}))
 
     items = [item("a", n) for n in range(10)] + [item("b", n) for n in range(10)] + [item("c", n) for n in range(10)]

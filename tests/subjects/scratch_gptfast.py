@@ -12,6 +12,10 @@ new list, not the model's state. The forward takes no padding mask (``takes_mask
 ``GptFastTimedStep`` is the faulty variant: its decode step times itself with ``time.perf_counter()`` — right
 eagerly, a graph break under ``fullgraph=True``. (Reading the position back with ``int(pos)`` is no fault on torch
 2.13: dynamo traces it as a symbolic int, one graph, no recompile.)
+
+For the memory family (tests/subjects/test_scratch_memory.py): ``GptFastBound`` holds its ``KVCache`` modules beside a
+reference to its model (charged the buffers only, not the weights); ``GptFastRoomToGrow`` is faulty, allocating four
+times the ``max_len`` it is asked for while its ``capacity`` is ``max_len``.
 """
 
 from __future__ import annotations
@@ -166,3 +170,53 @@ class GptFastTimedStep(GptFast):
         out = super().decode_step(model, ids, cache, pos)
         self.step_seconds = time.perf_counter() - started
         return out
+
+
+class BoundKVCaches:
+    """A cache object that keeps a reference to the model it was made for (and so to every weight of it) beside its
+    ``KVCache`` modules: ``model`` and ``blocks``."""
+
+    def __init__(self, model, blocks):
+        self.model, self.blocks = model, blocks
+
+
+class GptFastBound(GptFast):
+    """Correct: the same caches, each held by a ``BoundKVCaches`` that refers to its model (an author keeping the
+    model at hand for ``install``). The model's weights are the model's: kvconform charges the cache only its
+    ``KVCache`` buffers."""
+
+    name = "gptfast_bound"
+    caches = {"BoundKVCache": {}}
+    compiled_decode = None
+
+    def new_cache(self, model, batch_size, max_len):
+        return BoundKVCaches(model, super().new_cache(model, batch_size, max_len))
+
+    def _run(self, model, ids, cache, input_pos):
+        return super()._run(model, ids, None if cache is None else cache.blocks, input_pos)
+
+    def select(self, cache, rows):
+        super().select(cache.blocks, rows)
+        return cache
+
+    def capacity(self, cache):
+        return super().capacity(cache.blocks)
+
+
+class GptFastRoomToGrow(GptFast):
+    """Faulty: ``new_cache`` allocates each ``KVCache`` four times the ``max_len`` it is asked for ("room to grow
+    later") while the cache never takes more than ``max_len`` tokens (``capacity``): three quarters of every buffer
+    are bytes held for nothing."""
+
+    name = "gptfast_room_to_grow"
+    caches = {"RoomToGrowKVCache": {}}
+    compiled_decode = None
+
+    def new_cache(self, model, batch_size, max_len):
+        blocks = super().new_cache(model, batch_size, 4 * max_len)
+        for block in blocks:
+            block.max_len = max_len
+        return blocks
+
+    def capacity(self, cache):
+        return cache[0].max_len
