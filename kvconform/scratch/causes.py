@@ -65,8 +65,9 @@ def likely_cause(check_name: str, ops: OpsTrail | None, failed_at: str | None = 
     and the check; None where none applies (the generic one stays)."""
     at = (ops.at or "") if ops is not None else (failed_at or "")
     ran = (ops.label + (f"   [{ops.verb} at {ops.at}]" if ops.at else "")) if ops is not None else ""
+    measures_bytes = check_name.startswith("check_memory")  # its step is where bytes were read, not a wrong forward
     for check, words, cause in _CAUSES:
-        if check not in ("*", check_name):
+        if check not in ("*", check_name) or (check == "*" and measures_bytes):
             continue
         by_ops = words in (_CROP, _RESET) or (words == _BATCH_WORDS and not at.startswith("prefill"))
         if by_ops and ops is not None and ops.op_index is not None:  # measured: only the ops before the failing one

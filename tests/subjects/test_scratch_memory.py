@@ -70,3 +70,5 @@ def test_module_held_caches_pass_the_memory_family_and_one_preallocating_four_ti
         assert bad.metrics["bytes_held"] == 4 * BUFFERS, bad.metrics
         assert "buffers preallocated for 256 tokens per row, 4.00× the 64 tokens the cache says it takes" \
             in bad.message, bad.message
+        # the step a memory item names is where bytes were read: no cause about a wrong forward comes first
+        assert "your cached forward" not in bad.message, bad.message
