@@ -309,9 +309,8 @@ class Bookkeeping:
         """Note the op whose forwards come next."""
         self.op_name = op.name
 
-    def _problem(self, kind: str, text: str, exc=None, op: str | None = None) -> None:
-        self.problems.append(Problem(kind, self.op_name if op is None else op, text,
-                                     None if exc is None else type(exc).__name__))
+    def _problem(self, kind: str, text: str, exc=None) -> None:
+        self.problems.append(Problem(kind, self.op_name, text, None if exc is None else type(exc).__name__))
 
     def before_forward(self, runner, label, n):
         """Ask ``get_mask_sizes(n, layer)`` of each attention layer."""
@@ -346,7 +345,6 @@ class Bookkeeping:
         """``get_seq_length()`` against the tokens held, ``get_max_length()`` stable; stop at the first problem."""
         cache, trail, problem = self.cache, self.trail, self._problem
         trail.append(op.label)
-        self.op_name = op.name
         if self.counts:
             try:
                 reported = int(cache.get_seq_length())
@@ -392,8 +390,7 @@ class Bookkeeping:
         if op.name == "crop" and _lengths_differ(self.cache, runner):
             self._problem("refused_crop_changed_length",
                           f"after {' → '.join(self.trail)}: the refused crop changed get_seq_length() to "
-                          f"{int(self.cache.get_seq_length())}, but the cache should still hold {runner.length}",
-                          op="crop")
+                          f"{int(self.cache.get_seq_length())}, but the cache should still hold {runner.length}")
             return False
         return True
 
