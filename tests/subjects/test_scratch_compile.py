@@ -119,8 +119,8 @@ def test_a_buffer_grown_in_steps_passes_and_its_resize_in_place_is_caught_at_the
             out += [adapter.forward(model, ids[:, s:s + 1], cache, s)[0] for s in range(10, 24)]
             err = (torch.cat(out, 1) - oracle).abs().amax(dim=(0, 2))
             assert err[:16].max() < 1e-12
-            if worst_after is None:
-                assert err[16:].max() > 1e-2
+            if worst_after is None:  # off: far from the oracle or NaN (resize_'s new storage is uninitialised memory)
+                assert not bool((err[16:] <= 1e-2).all()), err
             else:
                 assert err[16:].max() < worst_after
     finally:
