@@ -19,7 +19,8 @@ REQUIRED = {
 
 EXAMPLES = ("kvconform.examples.tiny_decoder:TinyDecoder", "kvconform.examples.tiny_decoder:TinySlidingDecoder",
             "kvconform.examples.tiny_decoder:TinyDecoderTwoCaches",
-            "kvconform.examples.tiny_decoder:TinyMasklessDecoder")
+            "kvconform.examples.tiny_decoder:TinyMasklessDecoder",
+            "kvconform.examples.tiny_encoder_decoder:TinyEncoderDecoder")
 """The worked examples: run when named with ``--kvconform-model``, and in the full tier (``--kvconform-full``)."""
 
 _SPEC = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*|.+\.py):[A-Za-z_]\w*$")

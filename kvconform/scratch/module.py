@@ -180,14 +180,14 @@ def scratch_module_class():
                 enc = input_ids
                 seq = torch.full((enc.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
                                  device=enc.device)
-                new = seq if cache is None else seq[:, cache.held:]
+                fresh = seq if cache is None else seq[:, cache.held:]
                 steps = []
                 for _ in range(int(max_new_tokens)):
                     out = self(enc, cache=cache, use_cache=cache is not None,
-                               decoder_input_ids=seq if cache is None else new)
+                               decoder_input_ids=seq if cache is None else fresh)
                     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                     steps.append(out.logits[:, -1])
-                    seq, new = torch.cat([seq, nxt], dim=1), nxt
+                    seq, fresh = torch.cat([seq, nxt], dim=1), nxt
                 result = ScratchOutput(None, cache)
                 result.sequences, result.logits = seq, tuple(steps)
                 return result
@@ -244,7 +244,8 @@ def build_model(spec: str, dtype=None, device: str = "cpu"):
     module.requires_grad_(False)
     window = getattr(adapter, "window", None)
     return ZooModel(name=model_name(adapter), model=module, config=module.config, dtype=dtype,
-                    is_encoder_decoder=module.config.is_encoder_decoder, layer_types=layer_types(adapter), sliding_window=window, source=spec,
+                    is_encoder_decoder=module.config.is_encoder_decoder, layer_types=layer_types(adapter),
+                    sliding_window=window, source=spec,
                     oracle_build=lambda: oracle_module(adapter))
 
 
