@@ -40,6 +40,14 @@ Optional, each a capability (a check needing one the adapter lacks skips, saying
   (``compiled_decode``; ``ScratchModule.compiled_forward`` compiles that step only; full tier: the compile
   checks' ``adapter_full_tier``).
 
+An encoder-decoder (``is_encoder_decoder = True``; ``ENCODER_DECODER``, checked by ``encoder_decoder_problem``: a
+half-declared one is a usage error) defines ``encode(model, encoder_ids)`` → the encoder's states (``encoder_ids``
+``[B, S_enc]`` int64, the case's seeded encoder input) and takes ``encoder=states`` in ``forward`` and
+``forward_uncached`` (``ids`` are then the decoder's tokens; ``decoder_start_token_id``, default 0, starts
+``generate``). Every forward encodes the rows' encoder ids again (the oracle, the cached run and the reference see
+the same input, and it follows the rows through select / repeat / reorder); the adapter's ``select`` must move the
+cross-attention half of its cache with the rows itself. Its cache is never wrapped in ``EncoderDecoderCache``.
+
 The oracle's model is ``build(float64, "cpu")`` (``oracle_module``), refused before any item runs where its forward
 computes in a narrower dtype inside (``narrow_computation``, in ``float64_problem``).
 
@@ -62,7 +70,7 @@ from __future__ import annotations
 from kvconform.scratch.adapter import (  # noqa: F401 - the package's public names
     REQUIRED, EXAMPLES, is_scratch_spec, spec_problem, AdapterError, ModelForwardError, AdapterUsageError,
     load_adapter, is_adapter, register_adapter, adapter_problem, model_name, layer_types, vocab_size, takes_mask,
-    capabilities, compiled_decode, _NOTES)
+    capabilities, compiled_decode, is_encoder_decoder, encoder_decoder_problem, ENCODER_DECODER, _NOTES)
 from kvconform.scratch.module import (  # noqa: F401 - the package's public names
     ScratchOutput, ScratchConfig, scratch_module_class, scratch_module, build_model, oracle_module, float64_problem,
     narrow_computation)

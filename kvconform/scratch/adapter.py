@@ -19,7 +19,8 @@ REQUIRED = {
 
 EXAMPLES = ("kvconform.examples.tiny_decoder:TinyDecoder", "kvconform.examples.tiny_decoder:TinySlidingDecoder",
             "kvconform.examples.tiny_decoder:TinyDecoderTwoCaches",
-            "kvconform.examples.tiny_decoder:TinyMasklessDecoder")
+            "kvconform.examples.tiny_decoder:TinyMasklessDecoder",
+            "kvconform.examples.tiny_encoder_decoder:TinyEncoderDecoder")
 """The worked examples: run when named with ``--kvconform-model``, and in the full tier (``--kvconform-full``)."""
 
 _SPEC = re.compile(r"^(?:[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*|.+\.py):[A-Za-z_]\w*$")
@@ -135,13 +136,9 @@ def adapter_problem(adapter) -> str | None:
         return (f"{what} has no {', '.join(missing)} method{'s' if len(missing) > 1 else ''}; a model adapter "
                 f"defines " + "; ".join(REQUIRED[m] for m in missing) + " (kvconform.scratch documents the protocol; "
                 "kvconform.examples.tiny_decoder is a worked example)")
-    if getattr(adapter, "is_encoder_decoder", False):
-        return (f"{type(adapter).__name__} declares is_encoder_decoder, but the adapter protocol cannot express an "
-                "encoder-decoder model: forward(model, ids, cache, start, mask) feeds decoder tokens only — it has no "
-                "encoder input, no cross-attention half of the cache, and nothing that repeats or selects encoder "
-                "states with the rows — so kvconform can neither build nor judge it; check its decoder alone (the "
-                "encoder states fixed inside the model, is_encoder_decoder unset) or give it a transformers model "
-                "class (an encoder-decoder there is judged through EncoderDecoderCache, your own subclass included)")
+    problem = encoder_decoder_problem(adapter)
+    if problem:
+        return problem
     caches = getattr(adapter, "caches", None)
     if caches is not None and (not isinstance(caches, dict) or not all(
             isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_.]+", k) and isinstance(v, dict)
@@ -149,6 +146,58 @@ def adapter_problem(adapter) -> str | None:
         return ("caches must be a dict {subject name ([A-Za-z0-9_.]+): new_cache keyword arguments (a dict)}, got "
                 f"{caches!r}")
     return None
+
+
+ENCODER_DECODER = {
+    "encode": "encode(self, model, encoder_ids) -> states (encoder_ids [B, S_enc] int64 token ids; states any object "
+              "whose rows forward reads, e.g. a [B, S_enc, dim] tensor)",
+    "forward": "forward(self, model, ids, cache, start, mask=None, encoder=None) -> (logits [B, T, V], cache)",
+    "forward_uncached": "forward_uncached(self, model, ids, mask=None, encoder=None) -> logits [B, T, V]",
+}
+"""What an adapter declaring ``is_encoder_decoder = True`` defines beyond ``REQUIRED``: ``encode``, and an
+``encoder`` keyword on both forwards (the states ``encode`` returned for the rows of ``ids``)."""
+
+
+def is_encoder_decoder(adapter) -> bool:
+    """Whether the adapter declares an encoder-decoder model (``is_encoder_decoder = True``)."""
+    return getattr(adapter, "is_encoder_decoder", False) is True
+
+
+def _takes_keyword(fn, name: str) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: not inspectable, taken as it is
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def encoder_decoder_problem(adapter) -> str | None:
+    """What is wrong with an adapter's encoder-decoder declaration, naming the fix, or None (a decoder-only adapter
+    that defines no ``encode``, or a complete encoder-decoder one): ``is_encoder_decoder`` not a bool; declared but
+    ``encode`` missing or a forward without the ``encoder`` keyword; ``encode`` defined without the declaration (a
+    half-declared adapter would be checked as a decoder-only model whose cross-attention no item reaches)."""
+    what = type(adapter).__name__
+    declared = getattr(adapter, "is_encoder_decoder", False)
+    if declared not in (True, False):
+        return f"{what}.is_encoder_decoder must be True or False, got {declared!r}"
+    has_encode = callable(getattr(adapter, "encode", None))
+    if not declared:
+        if has_encode:
+            return (f"{what} defines encode() but does not declare is_encoder_decoder = True: kvconform would check "
+                    f"it as a decoder-only model and never feed its encoder; declare is_encoder_decoder = True (and "
+                    f"take encoder=states in forward and forward_uncached), or drop encode")
+        return None
+    missing = [] if has_encode else ["encode"]
+    missing += [name for name in ("forward", "forward_uncached") if not _takes_keyword(getattr(adapter, name),
+                                                                                        "encoder")]
+    if not missing:
+        return None
+    return (f"{what} declares is_encoder_decoder = True, but " + "; ".join(
+        f"{'has no encode method' if m == 'encode' else m + ' takes no encoder keyword'}" for m in missing)
+        + "; an encoder-decoder adapter defines " + "; ".join(ENCODER_DECODER[m] for m in missing)
+        + " (kvconform.scratch documents the protocol; kvconform.examples.tiny_encoder_decoder is a worked example)")
 
 
 def model_name(adapter) -> str:

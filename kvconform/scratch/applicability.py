@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from kvconform.scratch.adapter import load_adapter, takes_mask, vocab_size
+from kvconform.scratch.adapter import is_encoder_decoder, load_adapter, takes_mask, vocab_size
 
 
 def _torch():
@@ -55,7 +55,9 @@ def dtype_problem(spec: str, dtype: str) -> str | None:
         net = adapter.build(dtype=getattr(torch, dtype), device="cpu")
         ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
         with torch.no_grad():
-            logits = adapter.forward_uncached(net, ids)
+            extra = ({"encoder": adapter.encode(net, (torch.arange(10).view(2, 5) * 5 + 1) % vocab_size(adapter))}
+                     if is_encoder_decoder(adapter) else {})
+            logits = adapter.forward_uncached(net, ids, **extra)
     except Exception as exc:  # noqa: BLE001 - the model's own failure: the reason
         return (f"the model fails at {dtype} whatever the cache: its uncached forward (forward_uncached, no cache) "
                 f"at {dtype} raised {type(exc).__name__}: {str(exc)[:200]} — the model's fault, judged on no cache "

@@ -40,14 +40,14 @@ def scratch_cache_class():
             self.renewed = False  # emptied by the default reset (new_cache) and not fed since
             self.state = adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
 
-        def feed(self, net, ids, mask):
+        def feed(self, net, ids, mask, **encoder):
             if self.renewed and int(ids.shape[0]) != self.batch:
                 # the default reset built the empty cache for the old batch; the next forward brings another: the
                 # cache is built for the batch it is fed (docs/from-scratch.md: reset, any batch size)
                 self.batch = int(ids.shape[0])
                 self.state = self.adapter.new_cache(net, batch_size=self.batch, max_len=self.max_len, **self.options)
             self.renewed = False
-            out = self.adapter.forward(net, ids, self.state, self.held, mask)
+            out = self.adapter.forward(net, ids, self.state, self.held, mask, **encoder)
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 what = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
                 raise AdapterError(f"{type(self.adapter).__name__}.forward returned {what}, but should return "
@@ -150,6 +150,14 @@ def adapter_cache_spec_class():
     class AdapterCacheSpec(CacheSpec):
         adapter_spec: str = ""
         compileable: bool | None = None  # the compiled decode step it declares: fullgraph, or None (none)
+
+        def build(self, model, max_cache_len: int, batch_size: int, encoder_len: int = 0):
+            """A fresh cache of the adapter's (never wrapped in ``EncoderDecoderCache``: an encoder-decoder
+            adapter's own cache holds both halves, its cross-attention K/V from the encoder states its forward is
+            given); ``max_cache_len`` is the decoder's length, ``encoder_len`` is not read."""
+            device = next(model.model.parameters()).device
+            return self.build_one(config=model.config, batch_size=batch_size, device=device, dtype=model.dtype,
+                                  model=model.model, max_cache_len=max_cache_len)
 
     return AdapterCacheSpec
 

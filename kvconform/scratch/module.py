@@ -7,8 +7,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvconform.scratch.adapter import (AdapterError, ModelForwardError, compiled_decode, layer_types, load_adapter,
-                                       model_name, takes_mask, vocab_size)
+from kvconform.scratch.adapter import (AdapterError, ModelForwardError, compiled_decode, is_encoder_decoder,
+                                       layer_types, load_adapter, model_name, takes_mask, vocab_size)
 from kvconform.scratch.cache import scratch_cache_class
 
 
@@ -34,6 +34,8 @@ class ScratchConfig:
     is_encoder_decoder = False
 
     def __init__(self, adapter):
+        self.is_encoder_decoder = is_encoder_decoder(adapter)
+        self.decoder_start_token_id = int(getattr(adapter, "decoder_start_token_id", 0))
         self.vocab_size = vocab_size(adapter)
         self.model_type = "scratch"
         self.sliding_window = getattr(adapter, "window", None)
@@ -53,9 +55,14 @@ def scratch_module_class():
 
     class ScratchModule(torch.nn.Module):
         """A model adapter's model behind the forward keywords kvconform passes a transformers model:
-        ``forward(input_ids, cache=None, use_cache=False, attention_mask=None, position_ids=None)`` →
-        ``ScratchOutput``. ``position_ids`` are not passed on: the adapter's model takes its positions from
-        ``start`` (and the mask). ``generate`` is kvconform's own greedy decoding over the cached forward."""
+        ``forward(input_ids, cache=None, use_cache=False, attention_mask=None, position_ids=None,
+        decoder_input_ids=None)`` → ``ScratchOutput``. ``position_ids`` are not passed on: the adapter's model takes
+        its positions from ``start`` (and the mask). An encoder-decoder adapter (``is_encoder_decoder``) gets, as a
+        transformers encoder-decoder does, its encoder's token ids ``[B, S_enc]`` as ``input_ids`` and the decoder's
+        as ``decoder_input_ids``: every forward encodes the rows' encoder ids (``adapter.encode``) and passes the
+        states on as ``encoder=`` (a cache that keeps cross-attention K/V from its first forward must carry them
+        through ``select`` with its rows itself). ``generate`` is kvconform's own greedy decoding over the cached
+        forward."""
 
         adapter: Any  # the model adapter, kept out of nn.Module's registry (set through __dict__)
 
@@ -65,12 +72,34 @@ def scratch_module_class():
             self.__dict__["adapter"] = adapter
             self.config = ScratchConfig(adapter)
 
-        def forward(self, input_ids, cache=None, use_cache=False, attention_mask=None, position_ids=None):
+        def encode(self, encoder_ids):
+            """``{"encoder": adapter.encode(net, encoder_ids)}`` for an encoder-decoder adapter, else ``{}`` (the
+            keyword arguments both forwards get). Raises ``ModelForwardError`` where ``encode`` raises (the
+            model's failure, never the cache's)."""
+            if not self.config.is_encoder_decoder:
+                return {}
+            if encoder_ids is None:
+                raise AdapterError(f"{type(self.adapter).__name__} is an encoder-decoder: every forward needs its "
+                                   f"encoder input (input_ids, with the decoder's tokens as decoder_input_ids)")
+            try:
+                return {"encoder": self.adapter.encode(self.net, encoder_ids)}
+            except Exception as exc:  # noqa: BLE001 - the model's failure, never the cache's
+                raise ModelForwardError(f"{type(self.adapter).__name__}.encode on encoder ids of shape "
+                                        f"{list(encoder_ids.shape)} raised {type(exc).__name__}: {exc}") from exc
+
+        def forward(self, input_ids=None, cache=None, use_cache=False, attention_mask=None, position_ids=None,
+                    decoder_input_ids=None):
             adapter = self.adapter
+            extra = {}
+            if self.config.is_encoder_decoder:
+                extra = self.encode(input_ids)
+                input_ids, attention_mask = decoder_input_ids, None  # the decoder is never left-padded
+            elif decoder_input_ids is not None:
+                raise AdapterError(f"{type(adapter).__name__} is a decoder-only model: it takes no decoder_input_ids")
             before = input_ids.clone()
             if cache is None or not use_cache:
                 try:
-                    logits = adapter.forward_uncached(self.net, input_ids, attention_mask)
+                    logits = adapter.forward_uncached(self.net, input_ids, attention_mask, **extra)
                 except Exception as exc:  # noqa: BLE001 - the model's failure, never the cache's (checks.escaped)
                     raise ModelForwardError(f"{type(adapter).__name__}.forward_uncached on ids of shape "
                                             f"{list(input_ids.shape)} ({next(self.net.parameters()).dtype}) raised "
@@ -79,7 +108,7 @@ def scratch_module_class():
             else:
                 if not isinstance(cache, scratch_cache_class()):
                     raise AdapterError(f"a from-scratch model takes its own caches only, not {type(cache).__name__}")
-                logits = cache.feed(self.net, input_ids, attention_mask)
+                logits = cache.feed(self.net, input_ids, attention_mask, **extra)
                 where = "forward"
             _check_logits(logits, input_ids, vocab_size(adapter), where, self.net)
             if not torch.equal(input_ids, before):
@@ -147,6 +176,21 @@ def scratch_module_class():
                 raise NotImplementedError("kvconform drives greedy decoding of a from-scratch model only")
             cache = cache if cache is not None else past_key_values
             cache = cache if use_cache else None
+            if self.config.is_encoder_decoder:  # input_ids: the encoder's; the decoder starts from its start token
+                enc = input_ids
+                seq = torch.full((enc.shape[0], 1), self.config.decoder_start_token_id, dtype=torch.long,
+                                 device=enc.device)
+                fresh = seq if cache is None else seq[:, cache.held:]
+                steps = []
+                for _ in range(int(max_new_tokens)):
+                    out = self(enc, cache=cache, use_cache=cache is not None,
+                               decoder_input_ids=seq if cache is None else fresh)
+                    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                    steps.append(out.logits[:, -1])
+                    seq, fresh = torch.cat([seq, nxt], dim=1), nxt
+                result = ScratchOutput(None, cache)
+                result.sequences, result.logits = seq, tuple(steps)
+                return result
             seq, mask, steps = input_ids, attention_mask, []
             # a warm cache: the prompt's tokens it does not hold yet (the whole prompt when it is only the suffix)
             new = None if cache is None else seq[:, cache.held:] if seq.shape[1] > cache.held else seq
@@ -200,7 +244,8 @@ def build_model(spec: str, dtype=None, device: str = "cpu"):
     module.requires_grad_(False)
     window = getattr(adapter, "window", None)
     return ZooModel(name=model_name(adapter), model=module, config=module.config, dtype=dtype,
-                    is_encoder_decoder=False, layer_types=layer_types(adapter), sliding_window=window, source=spec,
+                    is_encoder_decoder=module.config.is_encoder_decoder, layer_types=layer_types(adapter),
+                    sliding_window=window, source=spec,
                     oracle_build=lambda: oracle_module(adapter))
 
 
@@ -233,6 +278,9 @@ def float64_problem(spec: str) -> str | None:
                 f"the bfloat16 / float16 cases build it in those)")
     module = scratch_module(adapter, net)
     ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
+    if is_encoder_decoder(adapter):  # the decoder's 6 tokens after the encoder's 5 (it is never left-padded)
+        enc = (torch.arange(10).view(2, 5) * 5 + 1) % vocab_size(adapter)
+        return _forward_problem(what, lambda: module(enc, decoder_input_ids=ids).logits, net, torch)
     try:
         narrow = narrow_computation(net, lambda: module(ids, attention_mask=None))
     except Exception:  # noqa: BLE001 - the forward's own failure is reported below, naming it
@@ -258,6 +306,28 @@ def float64_problem(spec: str) -> str | None:
             return (f"its uncached forward at float64{label} returns NaN/inf logits: a mask or constant built in "
                     f"another dtype than the scores (e.g. a float32 mask multiplied by torch.finfo(float64).min, "
                     f"which overflows to -inf, and 0 × -inf = NaN) — build the mask in the scores' dtype")
+    return None
+
+
+def _forward_problem(what: str, run, net, torch) -> str | None:
+    """Why ``run()`` (an encoder-decoder's uncached float64 forward, its logits) cannot be the oracle, or None: it
+    computes in a narrower dtype inside, raises, or returns NaN/inf."""
+    try:
+        narrow = narrow_computation(net, run)
+    except Exception:  # noqa: BLE001 - reported below
+        narrow = None
+    if narrow:
+        return (f"its uncached forward at float64 computes in a narrower dtype inside: {narrow} (kvconform's oracle "
+                f"is this forward in float64; compute in the input's dtype)")
+    try:
+        with torch.no_grad():
+            logits = run()
+    except Exception as exc:  # noqa: BLE001
+        shown = exc.__cause__ if isinstance(exc, ModelForwardError) and exc.__cause__ is not None else exc
+        return (f"its uncached forward fails at float64: {what}.encode / forward_uncached raised "
+                f"{type(shown).__name__}: {shown} (kvconform's oracle is this forward in float64)")
+    if not torch.isfinite(logits).all():
+        return "its uncached forward at float64 returns NaN/inf logits"
     return None
 
 

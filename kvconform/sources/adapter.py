@@ -30,7 +30,8 @@ class AdapterSource(ModelSource):
     def info(self) -> ModelInfo:
         """Raises ``scratch.AdapterUsageError``: the adapter does not load (``scratch.load_adapter``)."""
         adapter = scratch.load_adapter(self.spec)
-        return ModelInfo(scratch.model_name(adapter), self.spec, scratch.layer_types(adapter), False, False,
+        return ModelInfo(scratch.model_name(adapter), self.spec, scratch.layer_types(adapter),
+                         scratch.is_encoder_decoder(adapter), False,
                          takes_mask=scratch.takes_mask(adapter))
 
     def build(self, dtype, device: str = "cpu", trust_remote_code: bool = False):
