@@ -7,6 +7,8 @@ Imports no other engine module.
 
 from __future__ import annotations
 
+import weakref
+
 from kvconform.outcomes import with_article
 
 
@@ -299,10 +301,10 @@ def held_storages(obj, skip=(), exclude=frozenset()) -> dict:
     return out
 
 
-_OWNED: dict = {}
-"""``{id(model): (weak reference, fingerprint, keys)}``: ``owned_by_model`` of transformers models, reused while the
-model's parameters and buffers are the same storages (a walk of every module's attributes costs ~6 ms on a tiny
-zoo model, and the memory family measures after every op)."""
+_OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""``{model: (fingerprint, keys)}``: ``owned_by_model`` of transformers models, reused while the model's parameters
+and buffers are the same storages (a walk of every module's attributes costs ~6 ms on a tiny zoo model, and the
+memory family measures after every op); an entry goes with its model."""
 
 
 def _storage_fingerprint(model) -> tuple:
@@ -329,20 +331,15 @@ def owned_by_model(model) -> frozenset:
         PreTrainedModel = ()  # type: ignore[misc,assignment]
     if not isinstance(model, PreTrainedModel):
         return _owned_by_model(model)
-    import weakref
-
     try:
         fingerprint = _storage_fingerprint(model)
     except Exception:  # noqa: BLE001 - a module tree that cannot be walked: measured the long way
         return _owned_by_model(model)
-    known = _OWNED.get(id(model))
-    if known is not None and known[0]() is model and known[1] == fingerprint:
-        return known[2]
+    known = _OWNED.get(model)
+    if known is not None and known[0] == fingerprint:
+        return known[1]
     keys = _owned_by_model(model)
-    try:
-        _OWNED[id(model)] = (weakref.ref(model), fingerprint, keys)
-    except TypeError:  # pragma: no cover - a model that takes no weak reference: not remembered
-        pass
+    _OWNED[model] = (fingerprint, keys)
     return keys
 
 
