@@ -45,9 +45,6 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     import the modeling code of every zoo family in every run.
     """
     from kvconform import remote
-
-    from transformers import AutoConfig
-
     from kvconform.architectures import auto_model_class
 
     problem = None if zoo_only else spec_problem(spec, trust_remote_code)
@@ -62,7 +59,7 @@ def model_info(spec: str, zoo_only: bool = False, trust_remote_code: bool = Fals
     else:
         remote_code = bool(remote.code_files(path))
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=remote_code)
+            config = zoo.checkpoint_config(path, remote_code)
         except Exception as exc:  # noqa: BLE001
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UsageError(f"--kvconform-model {spec!r}: cannot read its config.json: {first}") from None

@@ -355,7 +355,7 @@ def load_checkpoint(path: str, dtype=None, device: str = "cpu", trust_remote_cod
         FileNotFoundError: ``path`` is not a folder with a ``config.json``.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     from kvconform import architectures, vision
 
@@ -363,7 +363,7 @@ def load_checkpoint(path: str, dtype=None, device: str = "cpu", trust_remote_cod
         raise FileNotFoundError(f"{path!r} is not a checkpoint folder: no config.json in it")
     dtype = dtype or torch.float32
     trust = dict(trust_remote_code=bool(trust_remote_code))
-    config = AutoConfig.from_pretrained(path, local_files_only=True, **trust)
+    config = checkpoint_config(path, trust_remote_code)
     auto = architectures.auto_model_class(config, prefer_vision=True)
     model = auto.from_pretrained(path, local_files_only=True, dtype=dtype, **trust)
     zm = _finish(checkpoint_name(path), model, dtype, device, os.path.abspath(path))
