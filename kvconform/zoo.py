@@ -428,19 +428,6 @@ def checkpoint_config(path: str, trust_remote_code: bool = False):
                                       trust_remote_code=bool(trust_remote_code))
 
 
-def model_config(spec: str, trust_remote_code: bool = False):
-    """The config of a model spec without building weights, for code below the model sources (the sweep): a zoo
-    family's tiny config, an architecture's (``transformers:TYPE``), or a checkpoint folder's ``config.json``. Code
-    above them asks the model's source (``kvconform.sources``: ``ModelSource.config``)."""
-    if spec.startswith("transformers:"):
-        from kvconform import architectures
-
-        return architectures.tiny_config(spec.removeprefix("transformers:"))
-    if not is_checkpoint_spec(spec):
-        return zoo_config(spec)
-    return checkpoint_config(spec, trust_remote_code)
-
-
 def build_architecture(model_type: str, dtype=None, device: str = "cpu") -> ZooModel:
     """One architecture of transformers (``transformers:<model_type>``), built tiny from its default config
     (``architectures.build_model``) → ``ZooModel``."""

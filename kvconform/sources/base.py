@@ -102,26 +102,20 @@ class ModelSource:
         return None
 
     def config(self, trust_remote_code: bool = False):
-        """Its transformers config (no weights built; ``zoo.model_config`` of its ``folder``, else of the spec).
+        """Its transformers config (no weights built).
 
         Raises:
-            Exception: whatever reading it raises (a model adapter has none).
+            NotImplementedError: the source has none (a model adapter) or does not say how to read it.
         """
-        from kvconform import zoo
-
-        return zoo.model_config(self.folder() or self.spec, trust_remote_code)
+        raise NotImplementedError(f"a model of source {self.name!r} ({self.spec!r}) has no transformers config")
 
     def build(self, dtype, device: str = "cpu", trust_remote_code: bool = False):
-        """The model at ``dtype`` (a ``torch.dtype``) on ``device``, as a ``zoo.ZooModel`` (``zoo.load_model`` of its
-        ``folder``, else of the spec).
+        """The model at ``dtype`` (a ``torch.dtype``) on ``device``, as a ``zoo.ZooModel``.
 
         Raises:
-            KeyError / FileNotFoundError: the spec names no model (``zoo.load_model``).
+            NotImplementedError: the source does not say how to build its model (each built-in source does).
         """
-        from kvconform import zoo
-
-        return zoo.load_model(self.folder() or self.spec, dtype=dtype, device=device,
-                              trust_remote_code=trust_remote_code)
+        raise NotImplementedError(f"source {self.name!r} does not build {self.spec!r}")
 
     def zoo_family(self) -> str | None:
         """The zoo family built from the same model type (``transformers:mamba`` → ``mamba``), whose known faults and

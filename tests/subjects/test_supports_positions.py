@@ -27,7 +27,7 @@ class ScopedRotaryOnlyCache(RotaryOnlyCache):
 
 
 def test_each_zoo_model_has_a_position_kind():
-    kinds = {name: architectures.position_kind(zoo.model_config(name)) for name in ("llama", "gpt2", "bart", "t5",
+    kinds = {name: architectures.position_kind(zoo.zoo_config(name)) for name in ("llama", "gpt2", "bart", "t5",
                                                                                     "mamba", "jamba", "gemma3")}
     assert kinds == {"llama": "rotary_positions", "gpt2": "learned_positions", "bart": "learned_positions",
                      "t5": "relative_positions", "mamba": "no_positions", "jamba": "no_positions",
