@@ -278,11 +278,23 @@ def float64_problem(spec: str) -> str | None:
                 f"the bfloat16 / float16 cases build it in those)")
     module = scratch_module(adapter, net)
     ids = (torch.arange(12).view(2, 6) * 7 + 3) % vocab_size(adapter)
+    masks: tuple  # (label, mask or None) of each uncached forward tried
     if is_encoder_decoder(adapter):  # the decoder's 6 tokens after the encoder's 5 (it is never left-padded)
         enc = (torch.arange(10).view(2, 5) * 5 + 1) % vocab_size(adapter)
-        return _forward_problem(what, lambda: module(enc, decoder_input_ids=ids).logits, net, torch)
+        calls, masks = f"{what}.encode / forward_uncached", (("", None),)
+
+        def run(m):
+            return module(enc, decoder_input_ids=ids).logits
+    else:
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        calls, masks = f"{what}.forward_uncached", (("", None), (" with an attention mask (a left-padded row)", mask))
+        masks = masks if takes_mask(adapter) else masks[:1]
+
+        def run(m):
+            return module(ids, attention_mask=m).logits
     try:
-        narrow = narrow_computation(net, lambda: module(ids, attention_mask=None))
+        narrow = narrow_computation(net, lambda: run(None))
     except Exception:  # noqa: BLE001 - the forward's own failure is reported below, naming it
         narrow = None
     if narrow:
@@ -290,44 +302,19 @@ def float64_problem(spec: str) -> str | None:
                 f"is this forward in float64: a module that casts to float32 — x.float() in a norm, a rotary table "
                 f"built or kept in float32 — caps the oracle at float32's precision; compute in the input's dtype, "
                 f"e.g. x.to(torch.promote_types(x.dtype, torch.float32)))")
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    masks = (("", None), (" with an attention mask (a left-padded row)", mask))
-    for label, m in masks if takes_mask(adapter) else masks[:1]:
+    for label, m in masks:
         try:
             with torch.no_grad():
-                logits = module(ids, attention_mask=m).logits
+                logits = run(m)
         except Exception as exc:  # noqa: BLE001
             shown = exc.__cause__ if isinstance(exc, ModelForwardError) and exc.__cause__ is not None else exc
-            return (f"its uncached forward fails at float64{label}: {what}.forward_uncached raised "
+            return (f"its uncached forward fails at float64{label}: {calls} raised "
                     f"{type(shown).__name__}: {shown} (kvconform's oracle is this forward in float64: every dtype the "
                     f"model computes in must follow the weights')")
         if not torch.isfinite(logits[m.bool()] if m is not None else logits).all():
             return (f"its uncached forward at float64{label} returns NaN/inf logits: a mask or constant built in "
                     f"another dtype than the scores (e.g. a float32 mask multiplied by torch.finfo(float64).min, "
                     f"which overflows to -inf, and 0 × -inf = NaN) — build the mask in the scores' dtype")
-    return None
-
-
-def _forward_problem(what: str, run, net, torch) -> str | None:
-    """Why ``run()`` (an encoder-decoder's uncached float64 forward, its logits) cannot be the oracle, or None: it
-    computes in a narrower dtype inside, raises, or returns NaN/inf."""
-    try:
-        narrow = narrow_computation(net, run)
-    except Exception:  # noqa: BLE001 - reported below
-        narrow = None
-    if narrow:
-        return (f"its uncached forward at float64 computes in a narrower dtype inside: {narrow} (kvconform's oracle "
-                f"is this forward in float64; compute in the input's dtype)")
-    try:
-        with torch.no_grad():
-            logits = run()
-    except Exception as exc:  # noqa: BLE001
-        shown = exc.__cause__ if isinstance(exc, ModelForwardError) and exc.__cause__ is not None else exc
-        return (f"its uncached forward fails at float64: {what}.encode / forward_uncached raised "
-                f"{type(shown).__name__}: {shown} (kvconform's oracle is this forward in float64)")
-    if not torch.isfinite(logits).all():
-        return "its uncached forward at float64 returns NaN/inf logits"
     return None
 
 
