@@ -528,12 +528,14 @@ def check_encoder_decoder_subcaches(ctx):
                 if isinstance(read_attr(layer, "keys"), torch.Tensor) and isinstance(read_attr(layer, "values"),
                                                                                      torch.Tensor)]
 
+    encoder_tokens = ctx.model.encoder_states(ctx.case.encoder_len)  # what the cross-attention half must hold
+
     def observe(step):
         fed[0] += step.length
         cross_len, self_len = seq_length(cache.cross_attention_cache), seq_length(cache.self_attention_cache)
-        if cross_len != ctx.model.encoder_states(ctx.case.encoder_len):
+        if cross_len != encoder_tokens:
             problems.append(f"after {step.label}: cross-attention sub-cache holds {cross_len} tokens, but should "
-                            f"hold the {ctx.model.encoder_states(ctx.case.encoder_len)} encoder tokens")
+                            f"hold the {encoder_tokens} encoder tokens")
         if self_len != fed[0]:
             problems.append(f"after {step.label}: self-attention sub-cache holds {self_len} tokens, but should "
                             f"hold the {fed[0]} decoder tokens fed")
