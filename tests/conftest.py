@@ -6,6 +6,8 @@ import sys
 import pytest
 from _pytest import pytester as _pytester
 
+import forkserver
+
 pytest_plugins = ["pytester"]
 
 # Modules that register native state when first imported (torch libraries: ``TORCH_LIBRARY(c10d_functional)`` by
@@ -40,10 +42,43 @@ def run_kvconform(pytester):
 
     def run(*args, timeout=600):
         # -p no:randomly: a user's run, in the suite's order (pytest-randomly, in the dev extra, would shuffle it)
-        return pytester.runpytest_subprocess("--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", *args,
-                                             timeout=timeout)
+        args = ("--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", *args)
+        if not forkserver.enabled():
+            return pytester.runpytest_subprocess(*args, timeout=timeout)
+        return _forked_run(pytester, args, timeout)
 
     return run
+
+
+def _forked_run(pytester, args, timeout):
+    """What ``pytester.runpytest_subprocess(*args)`` does (a numbered ``--basetemp`` folder, the folder and
+    environment ``pytester.popen`` gives, stdout and stderr through files), in a child of the fork server."""
+    import subprocess
+    import time
+
+    from _pytest.pytester import RunResult
+    from _pytest.pathlib import make_numbered_dir
+
+    basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
+    args = (f"--basetemp={basetemp}", *args)
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+    out, err = pytester.path / "stdout", pytester.path / "stderr"
+    print("running (forked):", "pytest", *args)
+    start = time.monotonic()
+    try:
+        ret = forkserver.server().run(args, os.getcwd(), env, out, err, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise pytester.TimeoutExpired(f"{timeout} second timeout expired running: pytest {args}") from None
+    outlines = out.read_text(encoding="utf8").splitlines()
+    errlines = err.read_text(encoding="utf8").splitlines()
+    sys.stdout.write("\n".join(outlines) + "\n")
+    sys.stderr.write("\n".join(errlines) + "\n")
+    try:
+        ret = pytest.ExitCode(ret)
+    except ValueError:
+        pass
+    return RunResult(ret, outlines, errlines, time.monotonic() - start)
 
 
 def _warm_bytecode(config) -> None:
@@ -84,6 +119,10 @@ def pytest_configure(config):
     # (testpaths) and is a run like a user's.
     if not config.getoption("kvconform", False):
         os.environ.setdefault("KVCONFORM_CACHE", "off")
+
+
+def pytest_unconfigure(config):
+    forkserver.close()
 
 
 SHARED_RUN_MODULES = {

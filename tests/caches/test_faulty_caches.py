@@ -11,11 +11,11 @@ one model and oracle build per group instead of per cache (70 runs became 7). Un
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import forkserver
 
 from kvconform.testing import faulty_caches
 from kvconform.zoo import VLM_NAMES
@@ -54,7 +54,7 @@ def _run_group(group: str, tmp_path_factory, specs, models, selection: str, mark
     folder = tmp_path_factory.mktemp(group)
     # no power pass (mutants of the items that passed): it never decides an item's outcome, these tests read none of
     # it, and it was 30% of a group's CPU (tests/plugin/test_power.py covers it)
-    args = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
+    args = ["--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
             "--kvconform-json", "r.json", "--kvconform-power", "off", "-k", selection, *marks]
     for spec in specs:
         args += ["--kvconform-cache", spec]
@@ -62,7 +62,7 @@ def _run_group(group: str, tmp_path_factory, specs, models, selection: str, mark
         args += ["--kvconform-model", model]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.update(KVCONFORM_WORKERS="0", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
+    proc = forkserver.run_pytest(args, cwd=folder, env=env, timeout=1800)
     report = folder / "r.json"
     assert report.is_file(), f"{group}: no JSON report (exit {proc.returncode})\n{proc.stdout[-4000:]}{proc.stderr}"
     records: dict = {}

@@ -10,10 +10,10 @@ One ``pytest --kvconform --kvconform-full`` subprocess for every test here, its 
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+import forkserver
 
 from kvconform.testing.faulty_extreme import FULL_TIER_FAULTY
 
@@ -27,7 +27,7 @@ CHECKS = ("check_poisoned_capacity", "check_zero_key_rows", "check_growth_steps"
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     folder = tmp_path_factory.mktemp("poison")
-    args = [sys.executable, "-m", "pytest", "--kvconform", "--kvconform-full", "-p", "no:cacheprovider",
+    args = ["--kvconform", "--kvconform-full", "-p", "no:cacheprovider",
             "-p", "no:randomly", "-q", "--kvconform-json", "r.json", "--kvconform-power", "off",
             "-k", "poisoned_capacity or zero_key_rows or growth_steps or fp16_extreme",
             "--kvconform-model", "llama", "--kvconform-model", "mistral"]
@@ -35,7 +35,7 @@ def records(tmp_path_factory):
         args += ["--kvconform-cache", spec]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.update(KVCONFORM_WORKERS="0", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, timeout=1200)
+    proc = forkserver.run_pytest(args, cwd=folder, env=env, timeout=1200)
     report = folder / "r.json"
     assert report.is_file(), f"no JSON report (exit {proc.returncode})\n{proc.stdout[-4000:]}{proc.stderr}"
     return [r for r in json.loads(report.read_text())["results"] if r["check"] in CHECKS]

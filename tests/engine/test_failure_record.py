@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from types import SimpleNamespace
+
+import forkserver
 
 from kvconform import html_report, known_faults
 from kvconform.checks import _diagnosis, _evidence
@@ -91,9 +91,9 @@ def test_a_known_fault_matches_a_cause_id(tmp_path):
 def _run(folder, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.update(KVCONFORM_WORKERS="0", PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
+    cmd = ["--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
            "--kvconform-cache", CACHE, "--kvconform-model", "llama", "-k", ITEM, "--kvconform-json", "r.json", *args]
-    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    proc = forkserver.run_pytest(cmd, cwd=folder, env=env, timeout=900)
     report = folder / "r.json"
     assert report.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return [r for r in json.loads(report.read_text())["results"] if r["subject"] == "UpdateOneShortCache"]

@@ -5,10 +5,10 @@ transformers' DynamicCache passing those cases, and every item's record naming i
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+import forkserver
 
 import kvconform
 from kvconform.oracle import DEFAULT_ABS_MIN, DEFAULT_FACTOR, dtype_tolerance
@@ -65,12 +65,12 @@ def test_dtype_counts_line():
 
 
 def test_json_record_and_matrix_header_name_the_dtype(tmp_path):
-    args = [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
+    args = ["--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
             "--kvconform-model", "llama", "--kvconform-subject", "DynamicCache", "--kvconform-json", "r.json",
             "-k", "prefill_then_decode and (bf16_decode_padded or decode_explicit_positions)"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.update(KVCONFORM_WORKERS="0")
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = forkserver.run_pytest(args, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = {r["case"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]
                if r["subject"] == "DynamicCache"}

@@ -8,11 +8,11 @@ variants' target items); the hand checks run the example's own forwards in float
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+import forkserver
 import torch
 
 from kvconform.examples.tiny_decoder import TinyDecoder, TinyMasklessDecoder, TinySlidingDecoder
@@ -41,9 +41,8 @@ _RUN: dict = {}
 def _kvconform(folder, *args, timeout=900):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     env.update(PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p",
-                           "no:randomly", "-q", *args], cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return forkserver.run_pytest(["--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q", *args],
+                                 cwd=folder, env=env, timeout=timeout)
 
 
 def _shared_run(tmp_path_factory) -> dict:

@@ -9,10 +9,10 @@ One ``pytest --kvconform`` subprocess for the plugin runs; the rest in process o
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+import forkserver
 import torch
 
 from kvconform import scratch
@@ -31,12 +31,12 @@ def _records(tmp_path_factory) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
         selection = ("((tiny_decoder_two_caches or length_from_contents) and poisoned_capacity) or "
                      "(no_causal_chunk and (prefix_fork_chunk or multi_turn or prefix_generate))")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
+        proc = forkserver.run_pytest(
+            ["--kvconform", "-p", "no:cacheprovider", "-p", "no:randomly", "-q",
              "-n", "0", "--kvconform-json", "r.json", "-k", selection,
              "--kvconform-model", f"{EXAMPLE}:TinyDecoderTwoCaches",
              "--kvconform-model", f"{FAULTY}:LengthFromContents", "--kvconform-model", f"{FAULTY}:NoCausalMaskInChunk"],
-            cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+            cwd=folder, env=env, timeout=900)
         report = folder / "r.json"
         assert report.is_file(), f"no JSON report (exit {proc.returncode})\n{proc.stdout[-4000:]}{proc.stderr}"
         _RUN.update({(r["subject"], r["case"]): r for r in json.loads(report.read_text())["results"]})
