@@ -250,23 +250,25 @@ class Oracle:
 
 
 CACHE_ENV = "KVCONFORM_CACHE"
-"""``KVCONFORM_CACHE=on`` (or ``1``): uncached logits are read from and written to the disk (``DiskMemo``); off by
-default: the oracle is a small share of a run on the zoo. Measured on the default run's llama items (``-n 0``, 2-core
-machine under load, user + sys): 29.0 CPU-s off, 30.6 on with an empty cache (writing 26 MB), 27.6 on the second run
-— 5% saved, while the second run's large saving is torch's own compile cache (the compile item: 20 s cold, 2.8 s
-warm). Worth turning on for the full tier, whose long cases (growth steps to 2,048 tokens) cost more
-float64 forwards."""
+"""``KVCONFORM_CACHE=off`` (or ``0`` / ``false`` / ``no``): no oracle forward is read from or written to the disk
+(``DiskMemo``); on by default. Measured on the default run (2-core machine, ``farm-bench``, medians of 5 paired runs):
+a second run with the cache 25.9 s wall / 51.0 CPU-s, without it 27.2 s / 53.1 CPU-s (-5 % wall, -4 % CPU); the
+default run writes ~50 MB. The second run's other saving is torch's own compile cache (the compile item: 20 s cold,
+2.8 s warm)."""
 CACHE_DIR_ENV = "KVCONFORM_CACHE_DIR"
 """The folder of kvconform's cache between runs (default ``$XDG_CACHE_HOME/kvconform``, else
 ``~/.cache/kvconform``; never the project's folder)."""
+RELEASES_KEPT = 3
+"""Release folders (``DiskMemo``) kept under ``oracle/``: the one in use and the two used most recently before it
+(e.g. two virtual environments used in turn); older ones are deleted when a run starts."""
 
 
 def cache_dir() -> str | None:
     """kvconform's cache folder between runs (``$KVCONFORM_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvconform``, else
-    ``~/.cache/kvconform``), or None unless ``$KVCONFORM_CACHE`` is ``on`` / ``1`` / ``true`` / ``yes``."""
+    ``~/.cache/kvconform``), or None when ``$KVCONFORM_CACHE`` is ``off`` / ``0`` / ``false`` / ``no``."""
     import os
 
-    if os.environ.get(CACHE_ENV, "").strip().lower() not in ("on", "1", "true", "yes"):
+    if os.environ.get(CACHE_ENV, "").strip().lower() in ("off", "0", "false", "no"):
         return None
     folder = os.environ.get(CACHE_DIR_ENV, "").strip()
     if folder:
@@ -275,13 +277,44 @@ def cache_dir() -> str | None:
     return os.path.join(base, "kvconform")
 
 
+@functools.cache
+def release_folder(folder: str) -> str:
+    """``folder/oracle/<release>``: the entries of this process's versions (``_versions()`` and
+    ``DiskMemo.FORMAT``), ``<release>`` their digest. Once per process: the folder's modification time is set to now
+    (it marks the release as used) and the release folders beyond the ``RELEASES_KEPT`` used most recently are
+    deleted (another release's entries are never read: their key differs). Any ``OSError`` is ignored (a concurrent
+    run deleting the same folder, a read-only disk)."""
+    import hashlib
+    import shutil
+    import time
+
+    root = os.path.join(folder, "oracle")
+    release = hashlib.sha256(repr((DiskMemo.FORMAT, *_versions())).encode()).hexdigest()[:16]
+    path = os.path.join(root, release)
+    try:
+        os.makedirs(path, exist_ok=True)
+        now = time.time()
+        os.utime(path, (now, now))
+        others = []
+        for name in os.listdir(root):
+            other = os.path.join(root, name)
+            if name != release and os.path.isdir(other):
+                others.append((os.stat(other).st_mtime, other))
+        for _, other in sorted(others, reverse=True)[RELEASES_KEPT - 1:]:
+            shutil.rmtree(other, ignore_errors=True)
+    except OSError:
+        pass
+    return path
+
+
 class DiskMemo:
     """The uncached forwards of one zoo model kept between runs: each result an entry file under
-    ``cache_dir()/oracle/``, named by the SHA-256 of everything that decides it — the versions of torch,
-    transformers and kvconform (and the digest of kvconform's own source files), torch's intra-op threads, the
-    model's name, class, dtype, device and config, the digest of its weights and buffers at the time of the
-    forward (a subject that changed the shared model in place gets other entries), and the forward's inputs
-    (``Oracle._key``: kind, token ids, mask, encoder ids).
+    ``cache_dir()/oracle/<release>/`` (``release_folder``: one folder per versions of torch, transformers and
+    kvconform, the ``RELEASES_KEPT`` used last kept), named by the SHA-256 of everything that decides it — the
+    versions of torch, transformers and kvconform (and the digest of kvconform's own source files), torch's
+    intra-op threads, the model's name, class, dtype, device and config, the digest of its weights and buffers at
+    the time of the forward (a subject that changed the shared model in place gets other entries), and the
+    forward's inputs (``Oracle._key``: kind, token ids, mask, encoder ids).
 
     An entry is ``sha256(payload) || payload`` (``torch.save`` of the logits): one whose checksum, format or shape
     does not match (a truncated write, a flipped byte, another torch's format) is deleted and the forward runs
@@ -292,7 +325,7 @@ class DiskMemo:
     ``torch.load``) under 1.3 ms; an entry 30-250 KB.
     """
 
-    FORMAT = 1
+    FORMAT = 2
     """Bumped when the entry layout or the key changes (older entries then never match)."""
 
     def __init__(self, folder: str, model_key: str):
@@ -320,7 +353,7 @@ class DiskMemo:
         model_key = json.dumps([cls.FORMAT, *_versions(), torch.get_num_threads(), zoo_model.name,
                                 type(zoo_model.model).__qualname__, str(zoo_model.dtype),
                                 zoo_model.config.to_json_string()])
-        return cls(os.path.join(folder, "oracle"), model_key)
+        return cls(release_folder(folder), model_key)
 
     def _weights_digest(self, model) -> str:
         """SHA-256 of ``model``'s parameters and buffers (names, dtypes, shapes, bytes), as they are now: hashed

@@ -11,7 +11,7 @@ from kvconform.oracle import Oracle
 
 
 def _entries(folder):
-    return sorted(glob.glob(os.path.join(folder, "oracle", "*", "*.pt")))
+    return sorted(glob.glob(os.path.join(folder, "oracle", "*", "*", "*.pt")))
 
 
 def _tokens():
@@ -64,9 +64,33 @@ def test_changed_weights_or_versions_never_read_an_old_entry(tmp_path, monkeypat
     assert len(_entries(tmp_path)) == 3
 
 
-def test_the_cache_is_off_unless_turned_on(tmp_path, monkeypatch):
+def test_the_cache_is_on_unless_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCONFORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("KVCONFORM_CACHE", "off")
     zm = zoo.build_zoo_model("llama")
+    monkeypatch.setenv("KVCONFORM_CACHE", "off")
     Oracle(zm).logits(_tokens())
     assert _entries(tmp_path) == []
+    monkeypatch.delenv("KVCONFORM_CACHE")
+    Oracle(zm).logits(_tokens())
+    assert len(_entries(tmp_path)) == 1
+
+
+def test_the_releases_used_last_are_kept_and_older_ones_deleted(tmp_path, monkeypatch):
+    """Entries live in one folder per release (versions of torch, transformers, kvconform); a run keeps its own and
+    the RELEASES_KEPT - 1 used most recently before it, and deletes the rest."""
+    from kvconform import oracle as oracle_module
+
+    monkeypatch.setenv("KVCONFORM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCONFORM_CACHE", "on")
+    zm = zoo.build_zoo_model("llama")
+    releases = []
+    for n in range(oracle_module.RELEASES_KEPT + 2):
+        oracle_module.release_folder.cache_clear()  # a new process
+        monkeypatch.setattr(oracle_module, "_versions", lambda n=n: ("0.0", "0.0", "0.0", f"release-{n}"))
+        Oracle(zm).logits(_tokens())
+        releases.append(oracle_module.release_folder(str(tmp_path)))
+        os.utime(releases[-1], (1_000_000 + n, 1_000_000 + n))  # used in this order
+    oracle_module.release_folder.cache_clear()
+    kept = sorted(os.listdir(tmp_path / "oracle"))
+    assert kept == sorted(os.path.basename(r) for r in releases[-oracle_module.RELEASES_KEPT:])
+    oracle_module.release_folder.cache_clear()
