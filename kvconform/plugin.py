@@ -12,7 +12,6 @@ import fnmatch
 import functools
 import os
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -92,11 +91,7 @@ def pytest_configure(config):
         if not hasattr(config, "workerinput"):
             refuse_mistyped_specs(config)
             if starts_workers(config):
-                # the workers would find it only after importing torch (~13 s). A subject's module imported here runs
-                # before pytest's warning filters apply: the same torch deprecation is kept out of the error's output
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", TORCH_JIT_DEPRECATION, DeprecationWarning)
-                    refuse_bad_subjects(config)
+                refuse_bad_subjects(config)  # the workers would find it only after importing torch
         build = functools.partial(_build_session, config, run_options(config))
         if not hasattr(config, "workerinput"):
             _lock_report(config)
