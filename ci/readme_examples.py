@@ -8,8 +8,8 @@ blocks between ``<!-- readme_examples:NAME -->`` and ``<!-- /readme_examples:NAM
 docs/ (``files()``; one block may sit in several files) are rendered from it with kvconform's own matrix code
 (``kvconform.report.matrix``): ``matrix`` (the two tables, cut to a few rows and columns) and ``counts`` (the sentence
 giving the run's items, outcomes and wall time — ``--wall`` from ``ci/bench_loop.sh``). ``--write`` rewrites those
-files; ``--check`` exits 1 when one differs; neither: print the blocks. ``tests/project/test_readme.py`` checks the committed
-blocks against the current code and plan, and that every copy of a block is the same.
+files; ``--check`` exits 1 when one differs; neither: print the blocks. ``tests/project/test_readme.py`` checks the
+committed blocks against the current code and plan, and that every copy of a block is the same.
 """
 
 from __future__ import annotations

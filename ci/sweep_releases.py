@@ -99,7 +99,7 @@ def all_releases() -> list:
 
     proc = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "transformers"], capture_output=True,
                           text=True, check=True)
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("Available versions:"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("Available versions:"))
     versions = [Version(v.strip()) for v in line.split(":", 1)[1].split(",")]
     spec = SpecifierSet(SUPPORTED)
     return [str(v) for v in sorted(versions) if v in spec and not v.is_prerelease]
