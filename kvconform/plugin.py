@@ -31,8 +31,6 @@ from kvconform.digest import BUILD_ERROR_FILE, USAGE_ERROR_FILE, write_atomicall
 SHARD_LINE_FILE = "shard-line.txt"
 """In the run folder: the ``--kvconform-shard`` line a worker computed at collection, for the controller to print."""
 
-TORCH_JIT_DEPRECATION = "`torch.jit.script_method` is deprecated"
-"""The start of a DeprecationWarning torch raises while transformers imports it: about no cache under test."""
 SUITE_DIR = Path(__file__).parent / "suite"
 SUITE_FILE = SUITE_DIR / "test_conformance.py"
 SELFTEST_FILE = SUITE_DIR / "test_selftest.py"
@@ -83,7 +81,7 @@ def pytest_configure(config):
     _keep_benchmarks_out_of_the_folder(config)
     # torch's own deprecation of torch.jit.script_method, raised by modules transformers imports in every worker:
     # dozens of lines before the matrix that say nothing about the caches under test (only that one message)
-    config.addinivalue_line("filterwarnings", f"ignore:{TORCH_JIT_DEPRECATION}:DeprecationWarning")
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
     freeze_heap_at_exit()
     worker_rundir = getattr(config, "workerinput", {}).get(RUNDIR_KEY)
     try:
@@ -91,7 +89,7 @@ def pytest_configure(config):
         if not hasattr(config, "workerinput"):
             refuse_mistyped_specs(config)
             if starts_workers(config):
-                refuse_bad_subjects(config)  # the workers would find it only after importing torch
+                refuse_bad_subjects(config)  # the workers would find it only after importing torch (~13 s)
         build = functools.partial(_build_session, config, run_options(config))
         if not hasattr(config, "workerinput"):
             _lock_report(config)
