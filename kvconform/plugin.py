@@ -64,6 +64,26 @@ MARKERS = {"kvconform": "an item of the kvconform conformance suite",
            **{f"kvconform_{f}": f"kvconform check family '{f}'" for f in FAMILY_MARKERS}}
 
 
+def refuse_unknown_markers(config) -> None:
+    """``-m`` naming a ``kvconform_*`` marker that is not registered (``kvconform_logit`` for ``kvconform_logits``):
+    pytest would start the workers (~10 s) to select nothing and exit 5 without a word on why.
+
+    Raises:
+        pytest.UsageError: naming the marker, the closest one and the family markers.
+    """
+    import difflib
+    import re
+
+    expression = config.getoption("markexpr", "") or ""
+    registered = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
+    for name in re.findall(r"\bkvconform\w*", expression):
+        if name not in registered:  # the user's own markers are registered too
+            close = difflib.get_close_matches(name, list(MARKERS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise pytest.UsageError(f"kvconform: -m {expression!r}: no item carries the marker {name!r}{hint} "
+                                    f"(kvconform's markers: {', '.join(MARKERS)})")
+
+
 def pytest_addhooks(pluginmanager):
     from kvconform import hookspecs
 
@@ -87,6 +107,7 @@ def pytest_configure(config):
     try:
         check_usage(config)
         if not hasattr(config, "workerinput"):
+            refuse_unknown_markers(config)
             refuse_mistyped_specs(config)
             if starts_workers(config):
                 refuse_bad_subjects(config)  # the workers would find it only after importing torch (~13 s)

@@ -98,6 +98,19 @@ def test_empty_folder_run_with_json_and_known_fault_xfail(run_kvconform, pyteste
             assert [c for c in header[1:] if c != "..."] == [c for c in real.split()[1:] if c in header], real
 
 
+def test_a_mistyped_family_marker_is_a_usage_error_and_a_registered_one_is_not(run_kvconform, pytester):
+    """``-m kvconform_logit`` selects nothing: a usage error before any worker starts, naming the closest family
+    marker. A marker of the user's own, registered in their ini file, is theirs to select."""
+    result = run_kvconform("-m", "kvconform_logits or kvconform_logit", "-n", "2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = result.stderr.str()
+    assert "no item carries the marker 'kvconform_logit'; did you mean 'kvconform_logits'?" in err, err
+    assert "bringing up nodes" not in result.stdout.str()
+    pytester.makeini("[pytest]\nmarkers =\n    kvconform_mine: a marker of the user's own\n")
+    result = run_kvconform("-m", "kvconform_mine", "--kvconform-model", "gpt2", "-n", "0")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED, result.stdout.str() + result.stderr.str()
+
+
 def test_strict_turns_known_faults_into_failures(run_kvconform):
     result = run_kvconform("--kvconform-model", "mamba", "--kvconform-strict", "-k", "chunk8")
     assert result.ret == 1
