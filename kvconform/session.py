@@ -583,7 +583,9 @@ def build_session(caches=(), models=(), case_paths=(), builtin=True, checks=None
         check_factory_builds_cache(subject, zoo.zoo_config("llama"))
         if any(s.name == subject.name for s in subjects):
             kind = "a built-in subject" if subject.name in builtin_names else "another subject"
-            raise UsageError(f"{where}: {kind} is already named {subject.name!r}; give yours another name")
+            raise UsageError(f"{where}: {kind} is already named {subject.name!r}; give yours another name (rename "
+                             f"the class or factory, or return kvconform.CacheSpec(name=..., factory=...) from a "
+                             f"pytest_kvconform_caches hook)")
         subjects.append(subject)
     # the vision-language models are heavier (a vision tower per prefill): the full tier, or named explicitly
     # the full tier also runs the worked from-scratch examples (kvconform.scratch.EXAMPLES); named, they run alone

@@ -51,13 +51,16 @@ def _import_module(target: str):
 
 
 def _layer_hint(cls) -> str:
-    """For a class that is a cache *layer* (transformers' ``CacheLayerMixin``): pass the Cache that holds it."""
+    """The fix for a class that is not a ``transformers.Cache``: for a cache *layer* (transformers'
+    ``CacheLayerMixin``) pass the Cache that holds it; for any other class, subclass ``Cache`` or hand kvconform a
+    factory returning one."""
     from transformers.cache_utils import CacheLayerMixin
 
     if issubclass(cls, CacheLayerMixin):
         return (f": {cls.__name__} is a cache layer (CacheLayerMixin); pass the Cache subclass that holds it, or a "
                 f"factory such as def my_cache(config): return Cache(layers=[{cls.__name__}() for _ in ...])")
-    return ""
+    return (f"; make {cls.__name__} subclass transformers.Cache (or DynamicCache), or name a factory that returns "
+            f"one, e.g. def my_cache(config): return MyCache(config=config)")
 
 
 def resolve_cache_spec(spec: str) -> CacheSpec:

@@ -65,7 +65,11 @@ def test_a_budget_that_is_not_a_dict_lists_the_keys_of_its_kind(kind, listed):
 
 
 def test_the_layer_hint_does_not_fire_for_other_classes():
+    """A cache layer is told to pass the Cache that holds it; any other class that is not a cache is told to subclass
+    one or to name a factory."""
     from kvconform.subjects.resolve import _layer_hint
 
     assert _layer_hint(DynamicLayer).startswith(": DynamicLayer is a cache layer")
-    assert _layer_hint(dict) == ""
+    other = _layer_hint(dict)
+    assert "cache layer" not in other and other.startswith("; make dict subclass transformers.Cache"), other
+    assert "def my_cache(config)" in other
