@@ -52,33 +52,30 @@ def run_kvconform(pytester):
 
 def _forked_run(pytester, args, timeout):
     """What ``pytester.runpytest_subprocess(*args)`` does (a numbered ``--basetemp`` folder, the folder and
-    environment ``pytester.popen`` gives, stdout and stderr through files), in a child of the fork server."""
+    environment ``pytester.popen`` gives, the output echoed), through ``forkserver.run_pytest``."""
     import subprocess
     import time
 
-    from _pytest.pytester import RunResult
     from _pytest.pathlib import make_numbered_dir
+    from _pytest.pytester import RunResult
 
     basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
     args = (f"--basetemp={basetemp}", *args)
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
-    out, err = pytester.path / "stdout", pytester.path / "stderr"
     print("running (forked):", "pytest", *args)
     start = time.monotonic()
     try:
-        ret = forkserver.server().run(args, os.getcwd(), env, out, err, timeout=timeout)
+        proc = forkserver.run_pytest(args, os.getcwd(), env, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise pytester.TimeoutExpired(f"{timeout} second timeout expired running: pytest {args}") from None
-    outlines = out.read_text(encoding="utf8").splitlines()
-    errlines = err.read_text(encoding="utf8").splitlines()
-    sys.stdout.write("\n".join(outlines) + "\n")
-    sys.stderr.write("\n".join(errlines) + "\n")
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
     try:
-        ret = pytest.ExitCode(ret)
+        ret = pytest.ExitCode(proc.returncode)
     except ValueError:
-        pass
-    return RunResult(ret, outlines, errlines, time.monotonic() - start)
+        ret = proc.returncode
+    return RunResult(ret, proc.stdout.splitlines(), proc.stderr.splitlines(), time.monotonic() - start)
 
 
 def _warm_bytecode(config) -> None:

@@ -50,7 +50,7 @@ def _import_module(target: str):
         return importlib.import_module(target)
 
 
-def _layer_hint(cls) -> str:
+def _not_a_cache_hint(cls) -> str:
     """The fix for a class that is not a ``transformers.Cache``: for a cache *layer* (transformers'
     ``CacheLayerMixin``) pass the Cache that holds it; for any other class, subclass ``Cache`` or hand kvconform a
     factory returning one."""
@@ -106,7 +106,8 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
 
     if inspect.isclass(obj):
         if not issubclass(obj, Cache):
-            raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass{_layer_hint(obj)}")
+            raise SpecError(f"{spec!r}: {attr} is a class but not a transformers.Cache subclass"
+                            f"{_not_a_cache_hint(obj)}")
         return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
     if callable(obj):
         return CacheSpec(attr, obj, source=spec, **_declared(obj, repr(spec)))
@@ -295,7 +296,7 @@ def as_cache_spec(obj, source: str = "python") -> CacheSpec:
 
     name = getattr(obj, "__name__", None)
     if inspect.isclass(obj) and not issubclass(obj, Cache):
-        raise SpecError(f"{name}: a class but not a transformers.Cache subclass{_layer_hint(obj)}")
+        raise SpecError(f"{name}: a class but not a transformers.Cache subclass{_not_a_cache_hint(obj)}")
     if not callable(obj) or not name or not name.isidentifier():
         raise SpecError(f"{obj!r}: not a CacheSpec, a 'module:attr' string, a Cache subclass or a named factory")
     return CacheSpec(name, obj, source=source, **_declared(obj, name))

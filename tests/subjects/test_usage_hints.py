@@ -64,12 +64,12 @@ def test_a_budget_that_is_not_a_dict_lists_the_keys_of_its_kind(kind, listed):
         check_cache(_declaring(kind, 1e-3), models=["llama"], checks=["check_prefill_then_decode"])
 
 
-def test_the_layer_hint_does_not_fire_for_other_classes():
+def test_the_not_a_cache_hint_does_not_fire_for_other_classes():
     """A cache layer is told to pass the Cache that holds it; any other class that is not a cache is told to subclass
     one or to name a factory."""
-    from kvconform.subjects.resolve import _layer_hint
+    from kvconform.subjects.resolve import _not_a_cache_hint
 
-    assert _layer_hint(DynamicLayer).startswith(": DynamicLayer is a cache layer")
-    other = _layer_hint(dict)
+    assert _not_a_cache_hint(DynamicLayer).startswith(": DynamicLayer is a cache layer")
+    other = _not_a_cache_hint(dict)
     assert "cache layer" not in other and other.startswith("; make dict subclass transformers.Cache"), other
     assert "def my_cache(config)" in other
