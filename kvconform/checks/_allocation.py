@@ -20,6 +20,18 @@ QUANT_BAND = 0.10
 
 
 # ------------------------------------------------------------------------------------------------ the formula
+def capacity_over_asked(capacity: int, asked: int | None, page: int = 1) -> int | None:
+    """The capacity a bounded layer may take when it declares more than it was asked for: ``asked`` (the
+    ``max_cache_len`` its factory was given, in tokens) rounded up to whole pages of ``page`` tokens, where the
+    declared ``capacity`` (``get_max_length()``) exceeds that; None when it does not (or nothing was asked, or the
+    layer is unbounded). A sliding window smaller than ``asked`` is within it."""
+    if asked is None or asked <= 0 or capacity <= 0:
+        return None
+    allowed = -(-asked // max(page, 1)) * max(page, 1)
+    return allowed if capacity > allowed else None
+
+
+
 @dataclass
 class LayerShape:
     """What one layer must hold, measured on the reference cache.
@@ -86,14 +98,16 @@ class Expectation:
 
 
 def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int = 1,
-                   policy: str = "") -> Expectation:
+                   policy: str = "", asked: int | None = None) -> Expectation:
     """Expected bytes of subject ``layer`` holding ``tokens`` tokens (see the module docstring).
 
     ``page``: the layer's allocation granularity in tokens (``Granularity.tokens``); when > 1, an exact layer that
     does not preallocate may hold one page per row (``page · token_bytes``) above the formula. ``policy``
     (``Allocation.policy``): ``"preallocated"`` — a bounded layer (capacity > 0: a sliding window) holds its whole
     capacity from the first token on (a ring of the window); ``"doubling"`` — an exact layer may hold up to twice
-    the tokens fed (amortised doubling buffers)."""
+    the tokens fed (amortised doubling buffers). ``asked``: the ``max_cache_len`` the layer was built with (None
+    when the factory was not given one); a declared capacity above it — rounded up to whole pages — is held to it
+    (``capacity_over_asked``): a cache asked for 64 slots that preallocates 4,096 is 64× over its formula."""
     state = shape.state_bytes
     if not shape.token_bytes:
         return Expectation(state, state + slack, f"conv+recurrent states {state} B (independent of S)", state)
@@ -107,6 +121,10 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
         # transformers 5.24: LinearAttentionAndStaticFullAttentionLayer (StaticCache on FalconH1) preallocates
         # max_cache_len but its get_max_length() resolves to the linear mixin's -1
         capacity, note = declared_len, "; get_max_length() says -1"
+    bound = capacity_over_asked(capacity, asked, page)
+    if bound is not None:
+        note += f"; max_cache_len={bound} asked, get_max_length() says {capacity}"
+        capacity = bound
     compileable = read_attr(layer, "is_compileable", False) is True
     preallocates = (compileable or policy == "preallocated") and capacity > 0
     if preallocates and policy == "preallocated" and not compileable:
@@ -282,7 +300,7 @@ class Allocation:
     def describe(self) -> str:
         if not self.policy:
             return ""
-        what = {"preallocated": "its capacity preallocated (a ring of the window)",
+        what = {"preallocated": "its capacity preallocated (one buffer of its capacity, or a ring of its window)",
                 "doubling": "amortised doubling buffers (≤ 2× the tokens held)"}[self.policy]
         return what + (", declared (kvconform_allocation)" if self.source == "declared" else
                        f", inferred from {self.evidence}")

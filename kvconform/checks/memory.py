@@ -28,7 +28,10 @@ are run on kvconform's ``ReferenceCache`` (which stores exactly what it is given
 so the formula works for every architecture without a table of config attribute names, and a cache that stores K/V
 repeated across the query heads (``H`` instead of ``H_kv``) is measured against ``H_kv``. Which row applies comes
 from the subject layer's own declarations: ``get_max_length()`` (−1 = unbounded, else its capacity) and
-``is_compileable`` (a compileable layer preallocates its capacity; a dynamic one holds ``min(S, capacity)``);
+``is_compileable`` (a compileable layer preallocates its capacity; a dynamic one holds ``min(S, capacity)``) —
+a declared capacity is never its own excuse: it is held to the ``max_cache_len`` kvconform built the cache with
+(rounded up to whole pages; ``_allocation.capacity_over_asked``), so a cache asked for 64 tokens that preallocates
+4,096 and says so fails at 64× its formula;
 quantization parameters from ``nbits`` / ``q_group_size`` / ``residual_length`` (``QuantizedLayer``) or
 ``fp8_dtype`` (``Fp8QuantizedLayer``).
 
@@ -299,7 +302,8 @@ def check_memory_bytes(ctx):
         f"{label} held/formula after each op: {per_op}",
         hint,
         f"ops: {_ops_label(ctx, cp.op + (' after the reset' if cp.after_reset else ''))}",
-        "likely cause: " + (_length_cause(checkpoints) or _policy_cause(policy, label, checkpoints) or
+        "likely cause: " + (_length_cause(checkpoints) or _ignores_max_cache_len(exp, held, label) or
+                            _policy_cause(policy, label, checkpoints) or
                             (_ahead_of_need(raw, capacities, label, shape, slack) if grain.tokens <= 1 else None) or
                             _beyond_capacity(raw, label, shape, slack) or
                             _memory_cause(exp, excess, shapes, label, checkpoints, grain, probe.rows)),
@@ -327,11 +331,27 @@ def _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies) -
                 continue
             enc = ctx.model.encoder_states(ctx.case.encoder_len) if name.startswith("cross") else tokens
             cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
-                                                         policies[name].policy)))
+                                                         policies[name].policy, _asked(ctx, name))))
         if cp.shared:
             cp.layers.append((SHARED, cp.shared, _shared_expectation(cp.layers, slack)))
         checkpoints.append(cp)
     return checkpoints
+
+
+def _asked(ctx, name: str) -> int | None:
+    """The ``max_cache_len`` (tokens) the subject's layer ``name`` was built with, the most a bounded layer may
+    declare and preallocate: the case's ``max_cache_len``; for a cross-attention layer of an encoder-decoder the
+    larger of it and the encoder's states (kvconform builds that half with the encoder's length, a subject that
+    returns its own ``EncoderDecoderCache`` builds it with the decoder's). None when the factory does not accept
+    ``max_cache_len`` (``subjects.accepted_names``): a cache that was not asked sizes itself."""
+    from kvconform.subjects import accepted_names
+
+    names = accepted_names(ctx.subject.factory)
+    if names is not None and "max_cache_len" not in names:
+        return None
+    if name.startswith("cross"):
+        return max(ctx.max_cache_len, ctx.model.encoder_states(ctx.case.encoder_len))
+    return ctx.max_cache_len
 
 
 def _shared_expectation(layers: list, slack: int) -> Expectation:
@@ -380,6 +400,20 @@ def _length_cause(checkpoints) -> str | None:
             f"where the cache should hold {wrong.tokens} tokens, so the new sequence is stored after the old "
             f"one's {wrong.reported - wrong.tokens} positions and the layer holds storage for both (the old "
             f"keys/values may well be freed) — reset() must set the length and any write offset back to 0")
+
+
+def _ignores_max_cache_len(exp: Expectation, held: int, label: str) -> str | None:
+    """The likely cause of a preallocating layer over its bound whose declared capacity exceeds the
+    ``max_cache_len`` it was built with (``_allocation.capacity_over_asked`` wrote both into the formula), or None."""
+    import re
+
+    found = re.search(r"max_cache_len=(\d+) asked, get_max_length\(\) says (\d+)", exp.formula)
+    if not found or "preallocated" not in exp.formula:
+        return None
+    asked, declared = int(found[1]), int(found[2])
+    return (f"the cache ignores the max_cache_len it was built with: asked for {asked} tokens, {label} declares a "
+            f"capacity of {declared} (get_max_length()) and preallocates {held / max(exp.exact, 1):.1f}× what "
+            f"{asked} slots take — size the buffers by the max_cache_len argument (rounded up to a page at most)")
 
 
 def _policy_cause(policy: Allocation, label: str, checkpoints) -> str | None:

@@ -11,12 +11,17 @@ would, and faulty variants that really over-hold.
   at most twice the tokens held. It declares ``kvconform_allocation = "doubling"`` (also inferred: the held bytes
   double at each growth and stay flat between).
 
-Both are exact: attention reads exactly the tokens it would read from ``DynamicCache`` (checked against the
+All three are exact: attention reads exactly the tokens it would read from ``DynamicCache`` (checked against the
 float64 oracle by every family).
+
+* ``BufferCache``: every full-attention layer keeps one buffer of ``max_cache_len`` slots, allocated at its first
+  write and kept across ``crop`` and ``reset`` (a preallocating cache that is not compileable); it declares nothing,
+  the memory family infers the preallocation.
 
 Faulty variants (``FAULTY``): ``RingTwoWindows`` (a ring of ``2 · sliding_window`` slots "for headroom": twice the
 window, beyond its declared preallocation), ``DoublingNeverShrinks`` (crop never gives the buffer back: after a deep
-crop it holds many times the tokens left).
+crop it holds many times the tokens left), ``BufferIgnoresMaxCacheLen`` (4,096 slots whatever ``max_cache_len`` it
+is given).
 """
 
 from __future__ import annotations
@@ -207,6 +212,10 @@ class DoublingLayer(DynamicLayer):
         self._len = {"keys": 0, "values": 0}
         super().__init__()
 
+    def _slots_for(self, n: int) -> int:
+        """The token slots of a new buffer that must hold ``n`` tokens: the next power of two."""
+        return _pow2(n)
+
     @property
     def length(self) -> int:
         return self._len["keys"]
@@ -223,10 +232,11 @@ class DoublingLayer(DynamicLayer):
         n = t.shape[-2]
         fits = (buf is not None and buf.dim() == 4 and buf.shape[:2] == t.shape[:2] and buf.shape[-2] >= n
                 and buf.dtype == t.dtype)
-        if fits and not (self.shrink_on_crop and buf.shape[-2] > _pow2(max(n, 1))):
+        if fits and not (self.shrink_on_crop and buf.shape[-2] > self._slots_for(max(n, 1))):
             buf[..., :n, :] = t.clone()  # t may be a view of this very buffer
         else:
-            new = torch.empty(*t.shape[:2], _pow2(max(n, 1)), t.shape[-1], dtype=t.dtype, device=t.device)
+            new = torch.empty(*t.shape[:2], self._slots_for(max(n, 1)), t.shape[-1], dtype=t.dtype,
+                              device=t.device)
             new[..., :n, :] = t
             self._buf[name] = new
         self._len[name] = n
@@ -241,8 +251,9 @@ class DoublingLayer(DynamicLayer):
         for name, new in (("keys", key_states), ("values", value_states)):
             n, q = self._len[name], new.shape[-2]
             buf = self._buf[name]
-            if buf is None or buf.dim() != 4 or buf.shape[-2] < n + q:
-                grown = torch.empty(*new.shape[:2], _pow2(n + q), new.shape[-1], dtype=new.dtype, device=new.device)
+            if buf is None or buf.dim() != 4 or buf.shape[:2] != new.shape[:2] or buf.shape[-2] < n + q:
+                grown = torch.empty(*new.shape[:2], self._slots_for(n + q), new.shape[-1], dtype=new.dtype,
+                                    device=new.device)
                 if n:
                     grown[..., :n, :] = buf[..., :n, :]
                 self._buf[name] = buf = grown
@@ -269,18 +280,66 @@ class DoublingCache(Cache):
         for layer_type, kw in zip(*layer_types_and_kwargs(config)):
             window = kw.get("sliding_window")
             if layer_type == "full_attention":
-                layers.append(type(self).layer_class())
+                layers.append(self._full_attention_layer())
             elif layer_type in ("sliding_attention", "chunked_attention") and window:
                 layers.append(HonestSlidingLayer(sliding_window=window))
             else:
                 layers.append(_plain_layer(layer_type, kw))
         super().__init__(layers=layers)
 
+    def _full_attention_layer(self):
+        return type(self).layer_class()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens in every layer (the installed release's sign contract)."""
         count = -crop_tokens_to_remove(tokens_to_remove, self.get_seq_length)
         for layer in self.layers:
             layer.crop(count)
+
+
+# ------------------------------------------------------------------------------------------------ one buffer
+class BufferLayer(DoublingLayer):
+    """A full-attention layer in one buffer of ``capacity`` token slots per row and head, allocated at its first
+    write and kept until the batch shape changes (``reset`` and ``crop`` only rewind the length): what a serving
+    engine that sizes its buffers by ``max_cache_len`` does without being compileable. ``get_max_length()`` is
+    ``capacity``; a write of more tokens than that grows the buffer to hold them."""
+
+    shrink_on_crop = False
+
+    def __init__(self, capacity: int, **kwargs):
+        self.capacity = int(capacity)
+        super().__init__(**kwargs)
+
+    def _slots_for(self, n: int) -> int:
+        return max(self.capacity, n)
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    get_max_cache_shape = get_max_length
+
+    def reset(self) -> None:
+        """Forget every token; the buffer stays allocated for the next sequence (its capacity, preallocated)."""
+        self._len = {"keys": 0, "values": 0}
+
+
+class BufferCache(DoublingCache):
+    """Full-attention layers in one buffer of ``max_cache_len`` slots each (``BufferLayer``); sliding and other layers
+    as ``DynamicCache`` builds them. ``BufferCache(config, max_cache_len)``; other keyword arguments are accepted and
+    ignored. Correct and exact: its full-attention layers hold their whole capacity from the first token on, which
+    the memory family infers (the held bytes equal ``get_max_length()`` slots' after every op)."""
+
+    kvconform_allocation = None
+
+    def __init__(self, config=None, max_cache_len: int = 256, **ignored_kwargs):
+        self.asked_len = int(max_cache_len)
+        super().__init__(config=config)
+
+    def _full_attention_layer(self):
+        return BufferLayer(self._capacity())
+
+    def _capacity(self) -> int:
+        return self.asked_len
 
 
 # ------------------------------------------------------------------------------------------------ faulty variants
@@ -343,6 +402,14 @@ class UndeclaredDoublingCache(DoublingCache):
     kvconform_allocation = None
 
 
+class BufferIgnoresMaxCacheLen(BufferCache):
+    """FAULTY: every buffer has 4,096 slots whatever ``max_cache_len`` it is given ("room for any prompt"), and
+    ``get_max_length()`` says so: asked for 64 tokens it holds 64× what they take."""
+
+    def _capacity(self) -> int:
+        return 4096  # BUG: a fixed capacity; the max_cache_len argument is ignored
+
+
 _M = "kvconform.testing.allocation"
 FAULTY = [
     FaultyCache("ring_two_windows", "RingTwoWindows", _M, "memory", "check_memory_bytes", "mistral",
@@ -354,5 +421,11 @@ FAULTY = [
                 also_caught_by=("lifecycle", "batch", "fuzz", "contract", "prefix", "generate"),
                 case="memory_decode",
                 cause=r"the doubling buffer is not shrunk by crop\(\)/reset\(\)"),
+    FaultyCache("buffer_ignores_max_cache_len", "BufferIgnoresMaxCacheLen", _M, "memory", "check_memory_bytes",
+                "llama", ("check_memory_bytes failed: BufferIgnoresMaxCacheLen on llama",
+                          "allocation: its capacity preallocated"),
+                case="memory_decode",
+                cause=r"the cache ignores the max_cache_len it was built with: asked for 64 tokens, layer 0 declares "
+                      r"a capacity of 4096"),
 ]
 """The faulty allocation variants (collected by ``kvconform.testing.faulty_caches``)."""

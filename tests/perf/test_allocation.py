@@ -25,6 +25,28 @@ def test_allocation_policy_passes_memory_bytes(spec, model, declared):
     assert any(want in a and ("declared" if declared else "inferred") in a for a in result.metrics["allocation"])
 
 
+def test_a_buffer_of_max_cache_len_passes_and_one_of_a_fixed_size_fails():
+    """One preallocated buffer per layer: sized by the ``max_cache_len`` it is given it passes (the preallocation
+    inferred); a fixed 4,096 slots, declared by ``get_max_length()``, is held to the 64 tokens asked (from the
+    newcomer try-out: a declared capacity used to be its own bound)."""
+    good, bad = check_cache(["kvconform.testing.allocation:BufferCache",
+                             "kvconform.testing.allocation:BufferIgnoresMaxCacheLen"],
+                            models=["llama"], checks=["check_memory_bytes"], cases=["memory_decode"])
+    assert good.outcome == "passed", good.message
+    assert any("preallocated" in a and "inferred" in a for a in good.metrics["allocation"])
+    assert bad.outcome == "failed" and "(64.00× the formula)" in bad.message
+    assert "max_cache_len=64 asked, get_max_length() says 4096" in bad.message
+
+
+def test_a_declared_capacity_is_held_to_what_was_asked_rounded_to_pages():
+    from kvconform.checks._allocation import capacity_over_asked
+
+    assert capacity_over_asked(4096, 64) == 64
+    assert capacity_over_asked(64, 64) is None and capacity_over_asked(8, 64) is None  # a window within it
+    assert capacity_over_asked(80, 70, page=16) is None and capacity_over_asked(96, 70, page=16) == 80
+    assert capacity_over_asked(4096, None) is None and capacity_over_asked(-1, 64) is None
+
+
 def test_without_the_policy_a_ring_over_holds_its_formula():
     """The same ring judged token by token (``min(S, window)``): the measurement really sees it hold more."""
     from kvconform.checks._allocation import expected_layer, LayerShape
