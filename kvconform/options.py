@@ -170,7 +170,12 @@ def opt(config, option: Option):
     value = config.getoption(option.dest)
     if value is not None or option.ini is None:
         return value
-    value = config.getini(option.dest)
+    try:
+        value = config.getini(option.dest)
+    except (ValueError, pytest.UsageError) as exc:  # pytest read the value as its type and could not: name the key
+        where = f" in {config.inipath}" if config.inipath is not None else ""
+        fix = f"; write {option.dest} = true (or false)" if option.ini == "bool" else ""
+        raise pytest.UsageError(f"kvconform: ini setting {option.dest}{where}: {exc}{fix}") from None
     if option.paths and value and config.inipath is not None:
         base = config.inipath.parent
         value = ([_from_ini(base, option, v) for v in value] if isinstance(value, list)

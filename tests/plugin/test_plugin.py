@@ -310,6 +310,17 @@ def test_ini_twins_activate_and_select(pytester):
     result.assert_outcomes(passed=1)
 
 
+def test_an_ini_value_pytest_cannot_read_names_its_key(pytester):
+    """``kvconform = yes please``: pytest's own error says only "invalid truth value"; kvconform's names the setting,
+    the file and the fix (from the newcomer try-out). No torch import needed: the controller answers."""
+    pytester.makeini("[pytest]\nkvconform = yes please\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = result.stderr.str()
+    assert "kvconform: ini setting kvconform in " in err and "tox.ini: invalid truth value 'yes please'" in err
+    assert "write kvconform = true (or false)" in err
+
+
 def test_ini_paths_are_relative_to_the_ini_file(pytester):
     pytester.makepyfile(mycaches="""
         from transformers import DynamicCache
