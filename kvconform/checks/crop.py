@@ -213,6 +213,10 @@ def _judge_refusal(ctx, runner, rec, before):
         elif ctx.case.params.get("record") and (off := layers_not_recording(runner.cache)):
             causes.append(_not_forwarded(off))
             why = ""
+        elif ctx.model.has_sliding and ctx.case.params.get("record"):
+            why = ("activate_past_recording() was called, yet crop() refuses a sliding window already full: the "
+                   "sliding layers do not keep the tokens that leave the window while recording (honour record_past "
+                   "in them, or say is_croppable False)")
         elif ctx.model.has_sliding:
             why = "is_croppable does not account for a sliding window already full with past recording off"
         else:

@@ -76,3 +76,29 @@ def test_a_crop_as_deep_as_assisted_decoding_makes_catches_a_shallow_rollback_bu
     assert set(failed) == {"crop_assisted_depth"}, failed
     assert "crop(-10) on a 16-token cache raised ValueError" in failed["crop_assisted_depth"]
     assert "although is_croppable is True" in failed["crop_assisted_depth"]
+
+
+class RefusesCropOnceAWindowFilled(DynamicCache):
+    """Refuses every crop once a sliding layer has seen more tokens than its window — with past recording on too,
+    where DynamicCache's sliding layers keep what leaves the window and the crop can round-trip — while
+    ``is_croppable`` stays True."""
+
+    def crop(self, max_length: int) -> None:
+        for layer in self.layers:
+            window = getattr(layer, "sliding_window", None)
+            if window and getattr(layer, "cumulative_length", 0) >= window:
+                raise ValueError(f"crop({max_length}): the sliding window is full, nothing to roll back")
+        super().crop(max_length)
+
+
+def test_a_refused_crop_past_the_window_names_whether_past_recording_was_on():
+    """The cause line of a refused crop past a full window says which mode the case ran in (from the newcomer
+    try-out: a ``*_recording`` case was told "with past recording off")."""
+    results = check_cache(RefusesCropOnceAWindowFilled, models=["gemma3"], checks=["check_crop_contract"],
+                          cases=["crop_past_window", "crop_past_window_recording"])
+    by_case = {r.case: r for r in results}
+    off, on = by_case["crop_past_window"], by_case["crop_past_window_recording"]
+    assert off.outcome == on.outcome == "failed", (off.message, on.message)
+    assert "a sliding window already full with past recording off" in off.message, off.message
+    assert "activate_past_recording() was called, yet crop() refuses a sliding window already full" in on.message
+    assert "past recording off" not in on.message, on.message
