@@ -220,6 +220,20 @@ def reproduce_line(subject, model_spec: str, selection: str, options=()) -> str:
     return digest_reproduce_line(getattr(subject, "source", "builtin"), subject.name, model_spec, selection, options)
 
 
+def _unwrapped_build_error(fn, ctx) -> None:
+    """``fn(ctx)``; a ``SubjectRaised`` whose cause is building the subject (a check that makes a fresh cache inside
+    its ops and reports any raise there as the subject's) is re-raised as that ``SubjectBuildError``."""
+    from kvconform.checks._drive import SubjectRaised
+    from kvconform.subjects import SubjectBuildError
+
+    try:
+        fn(ctx)
+    except SubjectRaised as exc:
+        if isinstance(exc.cause, SubjectBuildError):
+            raise exc.cause from None
+        raise
+
+
 def run_check(name: str, ctx: CheckContext) -> dict:
     """Run check ``name`` on ``ctx``; return its metrics. Raises ``ConformanceError`` on non-conformance."""
     from kvconform.subjects import FactoryResultError, SubjectBuildError
@@ -227,7 +241,7 @@ def run_check(name: str, ctx: CheckContext) -> dict:
     info = load_checks()[name]
     ctx.check_name = name
     try:
-        info.fn(ctx)
+        _unwrapped_build_error(info.fn, ctx)
     except SubjectBuildError as exc:
         from kvconform.checks._diagnosis import describe_exception
 

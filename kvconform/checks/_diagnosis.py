@@ -237,9 +237,16 @@ def fail_raised(ctx, exc: SubjectRaised, cause: str | Cause, ops_text=None):
     """Fail the item because the subject raised: the exception (innermost frame), the ops with the op that raised
     (``ops_text``, default the case's), and the likely cause: what was measured at the raise
     (``measured_cause``) when it explains it, else ``cause`` (the check's reading of where it raised); a subject's
-    context that left the model changed has its own (``subjects.ModelLeftChanged.likely_cause``)."""
-    from kvconform.subjects import ModelLeftChanged
+    context that left the model changed has its own (``subjects.ModelLeftChanged.likely_cause``).
 
+    Raises:
+        SubjectBuildError: when what raised was building the subject (a fresh cache made inside the ops): the
+            item is judged as a constructor failure (``checks.run_check``), not as a raise at that op.
+    """
+    from kvconform.subjects import ModelLeftChanged, SubjectBuildError
+
+    if isinstance(exc.cause, SubjectBuildError):
+        raise exc.cause
     reason = prefill_refusal(ctx, exc)
     if reason:
         raise CheckSkipped(reason)

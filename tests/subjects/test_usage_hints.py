@@ -73,3 +73,30 @@ def test_the_not_a_cache_hint_does_not_fire_for_other_classes():
     other = _not_a_cache_hint(dict)
     assert "cache layer" not in other and other.startswith("; make dict subclass transformers.Cache"), other
     assert "def my_cache(config)" in other
+
+
+def _raises_in_init():
+    from transformers import DynamicCache
+
+    class RaisesInInit(DynamicCache):
+        """A cache whose constructor always raises (no pool configured): every family reports the constructor."""
+
+        def __init__(self, config=None, **kwargs):
+            raise RuntimeError("no GPU pool configured")
+
+    return RaisesInInit
+
+
+def test_a_constructor_that_always_raises_is_reported_as_such_by_the_compile_family_too():
+    """The compile family builds its caches inside its ops and used to report the raise as the subject's at "eager
+    decode", its traceback ending in kvconform's ``build_one`` (from the newcomer try-out); every item now names the
+    constructor and the user's line."""
+    from kvconform.api import check_cache
+
+    results = check_cache(_raises_in_init(), models=["llama"], checks=["check_compile_static_decode"])
+    ran = [r for r in results if r.outcome != "skipped"]
+    assert ran, results
+    for r in ran:
+        assert r.outcome == "failed", r
+        assert "building the subject raised RuntimeError: no GPU pool configured (at test_usage_hints.py:" in r.message
+        assert "spec.py" not in r.message and r.metrics["failed_at"] == "construction", r.message
