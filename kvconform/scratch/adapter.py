@@ -74,7 +74,7 @@ def load_adapter(spec: str):
     import inspect
     import sys
 
-    from kvconform.subjects.resolve import _import_file, _import_module
+    from kvconform.subjects.resolve import _import_file, _import_module, _where
 
     target, attr = spec.rsplit(":", 1)
     try:
@@ -83,7 +83,7 @@ def load_adapter(spec: str):
         raise AdapterUsageError(f"--kvconform-model {spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}"
                          ) from None
     if not hasattr(module, attr):
-        raise AdapterUsageError(f"--kvconform-model {spec!r}: module {target!r} has no attribute {attr!r}")
+        raise AdapterUsageError(f"--kvconform-model {spec!r}: {_where(target)} has no attribute {attr!r}")
     obj = getattr(module, attr)
     if inspect.isclass(obj):
         try:

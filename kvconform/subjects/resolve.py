@@ -97,7 +97,7 @@ def resolve_cache_spec(spec: str) -> CacheSpec:
         raise SpecError(f"{spec!r}: importing {target!r} failed: {type(exc).__name__}: {exc}{hint}") from None
     if not hasattr(module, attr):
         close = closest_name(attr, [n for n in vars(module) if not n.startswith("_")])
-        raise SpecError(f"{spec!r}: module {target!r} has no attribute {attr!r}"
+        raise SpecError(f"{spec!r}: {_where(target)} has no attribute {attr!r}"
                         + (f" (did you mean {close!r}?)" if close else ""))
     obj = getattr(module, attr)
     if isinstance(obj, CacheSpec):
@@ -162,7 +162,12 @@ def spec_problem_before_import(spec: str) -> str | None:
     if names is None or dynamic or attr in names:
         return None
     close = closest_name(attr, [n for n in names if not n.startswith("_")])
-    return f"{spec!r}: module {target!r} has no attribute {attr!r}" + (f" (did you mean {close!r}?)" if close else "")
+    return f"{spec!r}: {_where(target)} has no attribute {attr!r}" + (f" (did you mean {close!r}?)" if close else "")
+
+
+def _where(target: str) -> str:
+    """How a message names the target of a spec: ``file 'caches.py'`` for a path, ``module 'pkg.caches'`` else."""
+    return f"file {target!r}" if target.endswith(".py") else f"module {target!r}"
 
 
 def _module_source(target: str) -> tuple[str | None, str | None]:

@@ -377,7 +377,7 @@ def test_mistyped_specs_are_refused_before_workers_start_and_without_torch(tmp_p
         print("exit", int(code), "torch imported", "torch" in sys.modules, "seconds", took)
     """)
     cases = [(["--kvconform-cache", "mycache.py:MyCahce"],
-              "'mycache.py:MyCahce': module 'mycache.py' has no attribute 'MyCahce' (did you mean 'MyCache'?)"),
+              "'mycache.py:MyCahce': file 'mycache.py' has no attribute 'MyCahce' (did you mean 'MyCache'?)"),
              (["--kvconform-cache", "no_such_module_xyz:Cache"],
               "importing 'no_such_module_xyz' failed: ModuleNotFoundError"),
              (["--kvconform-model", "lama"], "--kvconform-model 'lama': not a zoo name (did you mean 'llama'?)"),
