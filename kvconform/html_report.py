@@ -265,6 +265,8 @@ def _power_html(payload: dict) -> str:
     """The power tables of the JSON report's ``power`` section (``report.power_section``): one table per subject,
     families × mutants, cells killed / BLIND / n/a ("·": not expected of that family), then the blind cells with an
     item each; empty when the report has none."""
+    from kvconform.report import POWER_NA
+
     section = payload.get("power")
     if not isinstance(section, dict) or not section.get("subjects"):
         return ""
@@ -272,7 +274,8 @@ def _power_html(payload: dict) -> str:
     out = [f'<section id="kv-power"><h2>Power (mutants at each subject\'s interface; pass: '
            f'{_e(section.get("mode", "?"))})</h2>',
            '<p class="env">A mutant is the subject\'s own cache with one planted bug. killed: an item of the family '
-           'failed on it; BLIND: items ran it and all passed; n/a: no item ran it.</p>']
+           'failed on it; BLIND: items ran it and all passed; n/a: no item ran it to a verdict ('
+           + _e("; ".join(f"{why}: {text}" for why, text in POWER_NA.items())) + ').</p>']
     for subject, table in section["subjects"].items():
         names = [n for n in mutants if any(n in cells for cells in table.values())]
         head = "".join(f'<th title="{_e(mutants[n].get("what", ""))}">{_e(n)}</th>' for n in names)
@@ -288,8 +291,11 @@ def _power_html(payload: dict) -> str:
                     title = (f'ran {cell.get("ran", 0)}, killed {cell.get("killed", 0)}'
                              + (f', e.g. {cell["killed_by"]}' if cell.get("killed_by") else "")
                              + (f', passed on {cell["blind_items"][0]}' if cell.get("blind_items") else ""))
-                tds.append(f'<td class="{cls}" title="{_e(title)}">{_e("BLIND" if status == "blind" else status)}'
-                           f"</td>")
+                text = "BLIND" if status == "blind" else status
+                if status == "n/a" and cell is not None and cell.get("why"):
+                    text = f"n/a ({cell['why']})"
+                    title += f"; {cell['why']}: {POWER_NA.get(cell['why'], '')}"
+                tds.append(f'<td class="{cls}" title="{_e(title)}">{_e(text)}</td>')
             rows.append(f"<tr><th>{_e(family)}</th>{''.join(tds)}</tr>")
         out.append(f'<h3>{_e(subject)}</h3><table class="grid power" data-subject="{_e(subject)}"><tr><th>family'
                    f"</th>{head}</tr>{''.join(rows)}</table>")

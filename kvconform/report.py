@@ -312,6 +312,14 @@ def markdown(results: dict, digest=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+POWER_NA = {
+    "not planned": "the pass ran it on no item of the family (the sampled pass runs a few per family; "
+                   "--kvconform-power full runs every item)",
+    "not exercised": "its items ran without the op it changes (the check skipped it)",
+    "no verdict": "kvconform's own code failed on it, or it could not be made for this cache",
+}
+"""Why a power cell is n/a (its ``why``), in the words the legend uses."""
+
 POWER_STATES = ("killed", "blind", "n/a")
 """A power-table cell (``power_section``): some item of the family failed on the mutant (killed); items ran it, all
 passed (blind: the family cannot see that bug on this subject); no item ran it (n/a)."""
@@ -330,7 +338,8 @@ def power_section(results: dict, digest=None) -> dict | None:
 
     ``ran`` counts the items whose check ran the mutant live to a verdict (killed or survived); ``errors`` the
     mutant runs kvconform's own code failed on (no verdict, never a kill). Every family a mutant is expected to be
-    killed by (``families``) has a cell for each subject with power data, n/a where no item ran it."""
+    killed by (``families``) has a cell for each subject with power data, n/a where no item ran it; an n/a cell says
+    ``why`` (``POWER_NA``): ``"no verdict"``, ``"not exercised"`` or ``"not planned"``."""
     from kvconform.checks._power import BY_NAME, MUTANTS
 
     subjects: dict = {}
@@ -352,6 +361,8 @@ def power_section(results: dict, digest=None) -> dict | None:
                 cell["blind_items"].append(r["nodeid"])
             elif result == "error":
                 cell["errors"] += 1
+            else:
+                cell["not_run"] = cell.get("not_run", 0) + 1
     if not subjects:
         return None
     present = {r["family"] for r in results.values()}  # families the run has items of
@@ -369,6 +380,10 @@ def power_section(results: dict, digest=None) -> dict | None:
                 cell["status"] = "killed" if cell["killed"] else "blind" if cell["ran"] else "n/a"
                 if cell["killed"]:
                     cell["blind_items"] = []
+                if cell["status"] == "n/a":
+                    cell["why"] = ("no verdict" if cell["errors"] else
+                                   "not exercised" if cell.pop("not_run", 0) else "not planned")
+                cell.pop("not_run", None)
             table[family] = dict(sorted(cells.items(), key=lambda kv: list(BY_NAME).index(kv[0])
                                         if kv[0] in BY_NAME else len(BY_NAME)))
     order = {f: i for i, f in enumerate(FAMILIES)}
@@ -397,7 +412,7 @@ def write_power_summary(tr, results: dict, digest=None) -> None:
     tr.section("kvconform power (mutants of each subject made at its interface)")
     tr.write_line(f"power pass: {section['mode']}; a mutant is the subject's own cache with one planted bug: "
                   f"killed = an item of the family failed on it, BLIND = items ran it and all passed, n/a = no item "
-                  f"ran it (not planned, not exercised, or no verdict)")
+                  f"ran it to a verdict: " + "; ".join(f"{why} = {text}" for why, text in POWER_NA.items()))
     mutants = section["mutants"]
     for subject, table in section["subjects"].items():
         names = [n for n in mutants if any(n in cells for cells in table.values())]
@@ -406,7 +421,8 @@ def write_power_summary(tr, results: dict, digest=None) -> None:
             texts = []
             for n in names:
                 cell = cells.get(n)
-                texts.append("·" if cell is None else {"killed": "killed", "blind": "BLIND"}.get(cell["status"], "n/a"))
+                texts.append("·" if cell is None else {"killed": "killed", "blind": "BLIND"}.get(
+                    cell["status"], f"n/a ({cell.get('why', 'not planned')})"))
             rows.append((family, texts, any(t == "BLIND" for t in texts)))
         tr.write_line("")
         _table(tr, f"{subject}: families × mutants", ["family", *names], rows)

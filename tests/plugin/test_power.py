@@ -6,7 +6,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from kvconform.checks._power import BY_NAME, KILLED, SURVIVED
+from kvconform.checks._power import BY_NAME, KILLED, SURVIVED, UNUSED
 from kvconform.report import POWER_STATES
 
 POOL = f"{Path(__file__).resolve().parents[1] / 'page_pool_cache.py'}:PagePoolCache"
@@ -163,7 +163,8 @@ def test_merged_shards_give_the_power_table_of_the_whole_run():
                                "results": records})
 
     merged = merge_reports([shard(1, [record("a", "batch", {"reorder_ignored": SURVIVED}),
-                                      record("c", "generate", {})]),
+                                      record("c", "generate", {}),
+                                      record("d", "prefix", {"select_ignored": UNUSED})]),
                             shard(2, [record("b", "batch", {"reorder_ignored": KILLED, "select_ignored": SURVIVED})])])
     cells = merged["power"]["subjects"]["Pool"]["batch"]
     assert merged["power"]["mode"] == "sampled"
@@ -173,6 +174,9 @@ def test_merged_shards_give_the_power_table_of_the_whole_run():
     assert cells["select_ignored"]["blind_items"] == [record("b", "batch", {})["nodeid"]]
     # reorder_ignored is expected of the generate family too: a cell there, n/a (no item of it ran the mutant)
     assert merged["power"]["subjects"]["Pool"]["generate"]["reorder_ignored"]["status"] == "n/a"
+    assert merged["power"]["subjects"]["Pool"]["generate"]["reorder_ignored"]["why"] == "not planned"
+    # an item of the prefix family ran without the op select_ignored changes: n/a, not exercised
+    assert merged["power"]["subjects"]["Pool"]["prefix"]["select_ignored"]["why"] == "not exercised"
 
 
 def test_a_mutant_that_makes_kvconforms_own_code_raise_is_no_kill(run_kvconform, pytester):
@@ -188,4 +192,5 @@ def test_a_mutant_that_makes_kvconforms_own_code_raise_is_no_kill(run_kvconform,
     (record,) = report["results"]
     assert record["outcome"] == "passed" and record["metrics"]["power"]["reset_noop"] == "error"
     cell = report["power"]["subjects"]["ReferenceCache"]["lifecycle"]["reset_noop"]
-    assert cell["status"] == "n/a" and cell["errors"] == 1 and cell["killed"] == 0
+    assert cell["status"] == "n/a" and cell["errors"] == 1 and cell["killed"] == 0 and cell["why"] == "no verdict"
+    assert "n/a (no verdict)" in result.stdout.str()
