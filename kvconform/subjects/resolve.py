@@ -59,6 +59,12 @@ def _not_a_cache_hint(cls) -> str:
     if issubclass(cls, CacheLayerMixin):
         return (f": {cls.__name__} is a cache layer (CacheLayerMixin); pass the Cache subclass that holds it, or a "
                 f"factory such as def my_cache(config): return Cache(layers=[{cls.__name__}() for _ in ...])")
+    if callable(getattr(cls, "compress", None)) or cls.__name__.endswith("Press"):
+        # a KV press (kvpress's presses have compress() and are called on the model as a context manager)
+        return (f": {cls.__name__} looks like a press, which compresses a cache from hooks on the model; name a "
+                f"factory that returns the cache and the press applied to the model, e.g. def pressed(config, "
+                f"model): return DynamicCache(config=config), {cls.__name__}(...)(model) — see docs/own-cache.md, "
+                f"'Caches that need the model'")
     return (f"; make {cls.__name__} subclass transformers.Cache (or DynamicCache), or name a factory that returns "
             f"one, e.g. def my_cache(config): return MyCache(config=config)")
 

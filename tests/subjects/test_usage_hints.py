@@ -74,6 +74,13 @@ def test_the_not_a_cache_hint_does_not_fire_for_other_classes():
     assert "cache layer" not in other and other.startswith("; make dict subclass transformers.Cache"), other
     assert "def my_cache(config)" in other
 
+    class KnormPress:  # kvpress's shape: compress() and a call on the model
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            return keys, values
+
+    press = _not_a_cache_hint(KnormPress)
+    assert press.startswith(": KnormPress looks like a press") and "KnormPress(...)(model)" in press, press
+
 
 def _raises_in_init():
     from transformers import DynamicCache
