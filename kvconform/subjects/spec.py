@@ -68,9 +68,9 @@ class Budget:
         kl_max: mean KL(oracle ‖ subject) in nats per position, over every position that read the cache in the
             long-context quality cases (next-token distributions of the float64 oracle vs the subject's).
         top1_min: fraction of those positions whose top-1 token equals the oracle's, in [0, 1].
-        bytes_ratio_max: lossy and press, optional: the subject's held bytes after the long context divided by an exact
-            cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the ratio must be < 1
-            (compression must be real).
+        bytes_ratio_max: lossy, evicting and press, optional: the subject's held bytes after the long context
+            divided by an exact cache's (``ReferenceCache``, same model, dtype and ops) must be ≤ this; without it the
+            ratio must be < 1 (compression must be real).
         tokens_max: evicting only: the most tokens the cache holds per row and attention layer (e.g. sinks +
             window); the held bytes are bounded by this many tokens' keys and values. Required unless
             ``keep_ratio`` is given (then optional: a cap on top of the share).

@@ -576,7 +576,9 @@ def check_evicting_held_exact(ctx):
     held_fn = getattr(ctx.new_cache(), "kvconform_held", None)
     if not callable(held_fn):
         raise CheckSkipped(f"{ctx.subject.name} does not say which tokens it holds (no kvconform_held(layer_idx) "
-                           f"method): past its bound it is judged by its quality budget only")
+                           f"method): past its bound it is judged by its quality budget only, which on the zoo's "
+                           f"tiny random models cannot tell its eviction policy from a near one (a window one "
+                           f"token off passes it) — declare kvconform_held to hold the code to its design")
     if ctx.model.image is not None:
         raise CheckSkipped("the held-token oracle moves text tokens only; a vision-language prompt starts with an "
                            "image")
