@@ -31,7 +31,8 @@ CLEAR_ERRORS = (ValueError, NotImplementedError, RuntimeError, TypeError)
 """Exception types a refused operation may raise (a bare IndexError/AttributeError is an accident, not a refusal)."""
 
 
-TWIN_ONLY = {"has_twin": "applies to lossy subjects only (a CacheSpec with a fake-quant twin)"}
+TWIN_ONLY = {"has_twin": "applies only to subjects with a fake-quant twin (CacheSpec(..., twin=...), as transformers' "
+                         "QuantizedCache has); other lossy subjects are judged against a fresh instance of themselves"}
 """``@register(..., facts=TWIN_ONLY)``: the check judges only subjects whose kind has a fake-quant twin
 (``Kind.has_twin``)."""
 

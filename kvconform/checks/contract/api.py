@@ -452,7 +452,8 @@ def _max_length_cause(problem: Problem, first) -> str:
 # ------------------------------------------------------------------------------------------ crop refusal
 def _not_croppable(subject, model, case, device="cpu"):
     if "crop" in subject.capabilities:
-        return f"{subject.name} declares crop: the crop family checks it"
+        return (f"checks that a cache without the crop capability refuses crop(); {subject.name} declares crop, "
+                f"so the crop family checks its crops instead")
     return None
 
 
