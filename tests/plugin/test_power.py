@@ -99,6 +99,7 @@ def test_a_case_that_cannot_see_a_mutant_is_a_blind_cell(run_kvconform, pytester
     assert report["power"]["mode"] == "full"
     out = result.stdout.str()
     assert "PagePoolCache × batch × reorder_ignored" in out and "reorder_twice" in out
+    assert "what to do: " in out and "add one (--kvconform-cases" in out
 
 
 def test_a_mistyped_power_mode_is_a_usage_error(run_kvconform):
