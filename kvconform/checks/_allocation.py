@@ -31,7 +31,6 @@ def capacity_over_asked(capacity: int, asked: int | None, page: int = 1) -> int 
     return allowed if capacity > allowed else None
 
 
-
 @dataclass
 class LayerShape:
     """What one layer must hold, measured on the reference cache.
@@ -92,6 +91,9 @@ class Expectation:
     exact: int
     lossy: bool = False
     full_precision: int = 0
+    over_asked: tuple[int, int] | None = None
+    """``(asked, declared)`` tokens when a preallocating layer declares a capacity (``get_max_length()``) above the
+    ``max_cache_len`` it was built with and the formula holds it to ``asked`` (``capacity_over_asked``); else None."""
 
     def __post_init__(self):
         self.full_precision = self.full_precision or self.exact
@@ -122,9 +124,10 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
         # max_cache_len but its get_max_length() resolves to the linear mixin's -1
         capacity, note = declared_len, "; get_max_length() says -1"
     bound = capacity_over_asked(capacity, asked, page)
+    over_asked = None
     if bound is not None:
         note += f"; max_cache_len={bound} asked, get_max_length() says {capacity}"
-        capacity = bound
+        over_asked, capacity = (bound, capacity), bound
     compileable = read_attr(layer, "is_compileable", False) is True
     preallocates = (compileable or policy == "preallocated") and capacity > 0
     if preallocates and policy == "preallocated" and not compileable:
@@ -149,7 +152,8 @@ def expected_layer(shape: LayerShape, layer, tokens: int, slack: int, page: int 
         if policy == "doubling" and not preallocates and kv > spare:
             spare = kv
             text += f" + as much again (doubling buffers: ≤ 2× the {held} tokens held)"
-        return Expectation(kv + state, kv + state + spare + slack, text, kv + state)
+        return Expectation(kv + state, kv + state + spare + slack, text, kv + state,
+                           over_asked=over_asked if preallocates else None)
     nbits, group, residual = q
     ratio = quant_ratio(nbits, group, b)
     low = kv * ratio

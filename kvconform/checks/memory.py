@@ -404,13 +404,10 @@ def _length_cause(checkpoints) -> str | None:
 
 def _ignores_max_cache_len(exp: Expectation, held: int, label: str) -> str | None:
     """The likely cause of a preallocating layer over its bound whose declared capacity exceeds the
-    ``max_cache_len`` it was built with (``_allocation.capacity_over_asked`` wrote both into the formula), or None."""
-    import re
-
-    found = re.search(r"max_cache_len=(\d+) asked, get_max_length\(\) says (\d+)", exp.formula)
-    if not found or "preallocated" not in exp.formula:
+    ``max_cache_len`` it was built with (``Expectation.over_asked``), or None."""
+    if exp.over_asked is None:
         return None
-    asked, declared = int(found[1]), int(found[2])
+    asked, declared = exp.over_asked
     return (f"the cache ignores the max_cache_len it was built with: asked for {asked} tokens, {label} declares a "
             f"capacity of {declared} (get_max_length()) and preallocates {held / max(exp.exact, 1):.1f}× what "
             f"{asked} slots take — size the buffers by the max_cache_len argument (rounded up to a page at most)")
