@@ -318,6 +318,7 @@ def _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies) -
     reference's ``shapes`` at its granularity (``grains``) and allocation policy (``policies``), ``slack`` bytes
     above; a layer the reference does not have is expected to hold nothing."""
     checkpoints: list[Checkpoint] = []
+    asked = {name: _asked(ctx, name) for name in shapes}  # the factory's signature read once, not per checkpoint
     for cp, layers in raw:
         for name, held, layer, tokens in layers:
             shape = shapes.get(name)
@@ -331,7 +332,7 @@ def _expected_at_checkpoints(ctx, cache, raw, shapes, slack, grains, policies) -
                 continue
             enc = ctx.model.encoder_states(ctx.case.encoder_len) if name.startswith("cross") else tokens
             cp.layers.append((name, held, expected_layer(shape, layer, enc, slack, grains[name].tokens,
-                                                         policies[name].policy, _asked(ctx, name))))
+                                                         policies[name].policy, asked[name])))
         if cp.shared:
             cp.layers.append((SHARED, cp.shared, _shared_expectation(cp.layers, slack)))
         checkpoints.append(cp)
