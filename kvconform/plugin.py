@@ -23,7 +23,7 @@ from kvconform.options import (CACHE, CASES, DURATIONS, FAULTS, HTML, JSON, MODE
                                refuse_flags_without_kvconform, refuse_mistyped_specs, run_options, timeout_s)
 from kvconform.run_options import RunOptions
 from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SESSION_KEY, await_digest,
-                               crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
+                               collector_paused_while_building, crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
                                freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
                                starts_workers, write_digest)
 from kvconform.digest import BUILD_ERROR_FILE, USAGE_ERROR_FILE, write_atomically
@@ -119,7 +119,8 @@ def pytest_configure(config):
             # or builds the session itself (pytest_collection_build)
             config._kvconform_pending_build = functools.partial(build, runs_items=False)
         else:
-            build()
+            with collector_paused_while_building():
+                build()
             if worker_rundir:
                 write_digest(config.stash[SESSION_KEY], worker_rundir)
             else:

@@ -8,6 +8,7 @@ scheduling of one model per worker (``model_scheduling``), the digest a worker w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -367,6 +368,30 @@ def freeze_worker_heap() -> None:
     import gc
 
     gc.freeze()
+
+
+@contextlib.contextmanager
+def collector_paused_while_building():
+    """Around a process's session build (torch, transformers and the backends imported, the plan made): the cyclic
+    garbage collector is paused, and what the build leaves is moved to its permanent generation (``gc.freeze``) at the
+    end, then the collector runs again as before.
+
+    The build creates ~500,000 tracked objects (the modules, classes and functions of torch and transformers) that
+    live as long as the process. Left to the collector, the import alone triggered 8 full collections (1.1 s per
+    worker process, measured with ``gc.callbacks`` on the 2-core AMD EPYC), and every full collection during the
+    items walked the same heap again (~70 ms each, 2-26 per worker in a default run). Frozen, they are never walked;
+    the objects of the items (models, caches, tensors) are collected as before. Import-time cycles that were already
+    garbage stay allocated (the build makes few). Nothing is frozen when the build raises."""
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+        gc.freeze()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @functools.cache  # once per process
