@@ -23,9 +23,9 @@ from kvconform.options import (CACHE, CASES, DURATIONS, FAULTS, HTML, JSON, MODE
                                refuse_flags_without_kvconform, refuse_mistyped_specs, run_options, timeout_s)
 from kvconform.run_options import RunOptions
 from kvconform.workers import (DIGEST_KEY, PROPERTY, RESULTS_KEY, RUNDIR_KEY, SESSION_KEY, await_digest,
-                               collector_paused_while_building, crash_setup, crash_teardown, crashed_subject_message, distribute_by_default,
-                               freeze_heap_at_exit, freeze_worker_heap, model_scheduling, report_crash,
-                               starts_workers, write_digest)
+                               collector_paused_while_building, crash_setup, crash_teardown,
+                               crashed_subject_message, distribute_by_default, freeze_heap_at_exit, freeze_worker_heap,
+                               model_scheduling, report_crash, starts_workers, write_digest)
 from kvconform.digest import BUILD_ERROR_FILE, USAGE_ERROR_FILE, write_atomically
 
 SHARD_LINE_FILE = "shard-line.txt"
