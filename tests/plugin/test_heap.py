@@ -18,24 +18,24 @@ class _Node:
 
 def test_the_collector_is_paused_inside_and_what_was_built_is_frozen_after():
     assert gc.isenabled()
-    before = gc.get_freeze_count()
     with collector_paused_while_building():
         assert not gc.isenabled()
         kept = [_Node() for _ in range(1000)]
     assert gc.isenabled()
-    assert gc.get_freeze_count() >= before + len(kept)
+    assert gc.get_freeze_count() >= len(kept)
     walked = {id(o) for o in gc.get_objects()}  # the generations the collector walks; not the frozen ones
     assert not any(id(n) in walked for n in kept)
 
 
 def test_a_build_that_raises_freezes_nothing_and_the_collector_runs_again():
-    before = gc.get_freeze_count()
+    made = []
     with pytest.raises(RuntimeError, match="bad spec"):
         with collector_paused_while_building():
-            [_Node() for _ in range(100)]
+            made.extend(_Node() for _ in range(100))
             raise RuntimeError("bad spec")
     assert gc.isenabled()
-    assert gc.get_freeze_count() == before
+    walked = {id(o) for o in gc.get_objects()}  # not frozen: still in the generations the collector walks
+    assert all(id(n) in walked for n in made)
 
 
 def test_a_collector_the_caller_disabled_stays_disabled():
