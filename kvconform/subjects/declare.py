@@ -92,8 +92,41 @@ def declared_kind(obj, where: str) -> tuple:
     return declared[0] if declared else ("exact", None)
 
 
+DECLARATIONS = ("kvconform_capabilities", "kvconform_page_size", "kvconform_allocation", "kvconform_supports",
+                "kvconform_refuses", "kvconform_held", "kvconform_poison")
+"""The ``kvconform_*`` attributes kvconform reads on a Cache subclass or factory (and on the instances it builds:
+``kvconform_held``, ``kvconform_poison``), besides one ``kvconform_<kind>`` per kind that takes a budget
+(``declared_kinds``)."""
+_SET_BY_KVCONFORM = ("kvconform_mutant", "kvconform_touched")  # on the power pass's mutant classes (checks/_power)
+
+
+def check_declaration_names(obj, where: str) -> None:
+    """Refuse a ``kvconform_*`` attribute kvconform does not read (``kvconform_lossey``, ``kvconform_budget``):
+    ignored, it would leave the subject judged as something it did not declare.
+
+    Raises:
+        SpecError: naming each unknown attribute, the closest known one, and the known ones.
+    """
+    try:
+        names = {n for n in dir(obj) if n.startswith("kvconform_")}
+    except Exception:  # noqa: BLE001 - an object whose dir() raises: nothing to read
+        return
+    kinds = [f"kvconform_{k}" for k in declared_kinds() if declaration_of(k).needs_budget]
+    known = (*DECLARATIONS, *kinds)
+    unknown = sorted(names - set(known) - set(_SET_BY_KVCONFORM))
+    if any("budget" in n for n in unknown):
+        raise SpecError(f"{where}: unknown declaration {', '.join(map(repr, unknown))}; a budget is the value of the "
+                        f"kind's declaration: {' or '.join(kinds)} = {{'kl_max': 0.05, 'top1_min': 0.8, ...}}")
+    _check_names(where, "declaration", unknown, known)
+
+
 def _declared(obj, where: str) -> dict:
-    """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes."""
+    """The ``CacheSpec`` keyword arguments a Cache subclass or factory declares in ``kvconform_*`` attributes.
+
+    Raises:
+        SpecError: a declaration that is not valid, or a ``kvconform_*`` attribute kvconform does not read.
+    """
+    check_declaration_names(obj, where)
     kind, budget = declared_kind(obj, where)
     return dict(capabilities=declared_capabilities(obj, where), kind=kind, budget=budget,
                 page_size=declared_page_size(obj, where), allocation=declared_allocation(obj, where),
