@@ -97,7 +97,6 @@ DECLARATIONS = ("kvconform_capabilities", "kvconform_page_size", "kvconform_allo
 """The ``kvconform_*`` attributes kvconform reads on a Cache subclass or factory (and on the instances it builds:
 ``kvconform_held``, ``kvconform_poison``), besides one ``kvconform_<kind>`` per kind that takes a budget
 (``declared_kinds``)."""
-_SET_BY_KVCONFORM = ("kvconform_mutant", "kvconform_touched")  # on the power pass's mutant classes (checks/_power)
 
 
 def check_declaration_names(obj, where: str) -> None:
@@ -113,7 +112,7 @@ def check_declaration_names(obj, where: str) -> None:
         return
     kinds = [f"kvconform_{k}" for k in declared_kinds() if declaration_of(k).needs_budget]
     known = (*DECLARATIONS, *kinds)
-    unknown = sorted(names - set(known) - set(_SET_BY_KVCONFORM))
+    unknown = sorted(names - set(known))
     if any("budget" in n for n in unknown):
         raise SpecError(f"{where}: unknown declaration {', '.join(map(repr, unknown))}; a budget is the value of the "
                         f"kind's declaration: {' or '.join(kinds)} = {{'kl_max': 0.05, 'top1_min': 0.8, ...}}")
